@@ -1,0 +1,119 @@
+"""Gradient accumulation: when gradients synchronise, and optimizer/scheduler wrappers that honour it.
+
+The engine owns one `GradientState` per run. Inside `engine.accumulate()` it counts micro-steps; only the
+last micro-step of a window (or the last batch of the data) synchronises gradients, and only then do the
+prepared optimizer and scheduler step. fp16 steps skipped by the loss scaler do not advance the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class GradientState:
+    """Mutable per-run accumulation state (one instance per Engine, never shared between runs)."""
+
+    accum_steps: int
+    micro_step: int = 0
+    sync: bool = True
+    end_of_dataloader: bool = False
+    window_items: float = 0.0  # items (e.g. tokens) seen in this window, for item-weighted averaging
+    weighted_window: bool | None = None  # does this window weight the loss by items? (fixed at first backward)
+    optimizer_stepped: bool = False  # did the last optimizer step really update (False after an fp16 skip)?
+    active_loader: Any = None  # the prepared loader iterated last (gather_for_metrics trims its padding)
+
+    def begin_micro_step(self) -> None:
+        self.micro_step += 1
+        self.sync = self.micro_step % self.accum_steps == 0 or self.end_of_dataloader
+
+    def end_window(self) -> None:
+        self.window_items = 0.0
+        self.weighted_window = None
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """Steps and zeroes only on synchronising micro-steps; steps through the GradScaler under fp16."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, state: GradientState, scaler: torch.amp.GradScaler | None
+    ) -> None:
+        # Deliberately no super().__init__: this object is a view on `optimizer`, which keeps all the state.
+        self.optimizer = optimizer
+        self.gradient_state = state
+        self.scaler = scaler
+        self.step_was_skipped = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if not self.gradient_state.sync:
+            return None
+        if self.scaler is None:
+            result = self.optimizer.step(closure)
+            self.step_was_skipped = False
+        else:
+            scale_before = self.scaler.get_scale()
+            result = self.scaler.step(self.optimizer, closure) if closure else self.scaler.step(self.optimizer)
+            self.scaler.update()
+            # The scaler lowers its scale exactly when it found inf/nan gradients and skipped the step.
+            self.step_was_skipped = self.scaler.get_scale() < scale_before
+        self.gradient_state.optimizer_stepped = not self.step_was_skipped
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradient_state.sync:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"PreparedOptimizer({self.optimizer!r})"
+
+
+class PreparedScheduler:
+    """Steps the wrapped LR scheduler once per real optimizer step."""
+
+    def __init__(self, scheduler: Any, state: GradientState) -> None:
+        self.scheduler = scheduler
+        self.gradient_state = state
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.gradient_state.sync and self.gradient_state.optimizer_stepped:
+            self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)

@@ -1,0 +1,194 @@
+"""The `meshkit` command: launch, train, config, env."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.prompt import Prompt
+from rich.table import Table
+
+from meshkit.data.loader import DataLoaderError
+from meshkit.launch import LaunchError, LaunchPlan, LaunchTarget, launch
+from meshkit.mesh import MeshError, ProcessInfo
+from meshkit.resolve import ConfigError, ResolvedConfig, default_config_path, parse_assignments, resolve
+
+app = typer.Typer(
+    name="meshkit",
+    help="Train PyTorch models on many processes, devices and machines with any parallelism.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Write the config file (questionnaire), or show the resolved config.")
+app.add_typer(config_app, name="config")
+
+USER_ERRORS = (ConfigError, MeshError, LaunchError, DataLoaderError, FileNotFoundError)
+PASS_THROUGH = {"allow_interspersed_args": False, "ignore_unknown_options": True}
+
+
+def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Bad input ends the command with one line naming the problem, not a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except USER_ERRORS as err:
+            Console(stderr=True).print(f"[bold red]meshkit: error:[/] {err}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return run
+
+
+def collect_flags(named: dict[str, tuple[str, Any]], assignments: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Launch flags as config overrides, each labelled with the flag that set it."""
+    values: dict[str, Any] = {}
+    labels: dict[str, str] = {}
+    for key, (flag, value) in named.items():
+        if value is not None:
+            values[key], labels[key] = value, f"flag {flag}"
+    from_set = parse_assignments(assignments, source="--set")
+    values.update(from_set)
+    labels.update({key: f"flag --set {key}" for key in from_set})
+    return values, labels
+
+
+def print_resolved(resolved: ResolvedConfig) -> None:
+    table = Table(title="meshkit config (highest precedence: code > flags > env > file > default)")
+    for column in ("key", "value", "source"):
+        table.add_column(column)
+    for key, value, source in resolved.rows():
+        table.add_row(key, value, source, style=None if source == "default" else "bold")
+    Console().print(table)
+    for conflict in resolved.conflicts:
+        Console(stderr=True).print(f"[yellow]warning:[/] {conflict.message()}")
+
+
+NprocOpt = Annotated[Optional[int], typer.Option("--nproc-per-node", help="worker processes on this node")]
+NnodesOpt = Annotated[Optional[int], typer.Option("--nnodes", help="number of nodes")]
+NodeRankOpt = Annotated[Optional[int], typer.Option("--node-rank", help="rank of this node (0 hosts)")]
+AddrOpt = Annotated[Optional[str], typer.Option("--master-addr", help="address of node 0")]
+PortOpt = Annotated[Optional[int], typer.Option("--master-port", help="rendezvous port on node 0")]
+RestartsOpt = Annotated[Optional[int], typer.Option("--max-restarts", help="restarts after a failure")]
+RdzvOpt = Annotated[Optional[float], typer.Option("--rdzv-timeout", help="seconds to wait for all nodes")]
+ConfigFileOpt = Annotated[Optional[Path], typer.Option("--config-file", help="YAML config file")]
+PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="no, bf16 or fp16")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="any config key: --set tp=2 (repeatable)")]
+
+
+@app.command("launch", context_settings=PASS_THROUGH)
+@user_errors
+def launch_command(
+    script: Annotated[str, typer.Argument(help="training script (or module with -m)")],
+    args: Annotated[Optional[list[str]], typer.Argument(help="arguments for the script")] = None,
+    module: Annotated[bool, typer.Option("-m", "--module", help="run SCRIPT as a module")] = False,
+    nproc_per_node: NprocOpt = None,
+    nnodes: NnodesOpt = None,
+    node_rank: NodeRankOpt = None,
+    master_addr: AddrOpt = None,
+    master_port: PortOpt = None,
+    max_restarts: RestartsOpt = None,
+    rdzv_timeout: RdzvOpt = None,
+    config_file: ConfigFileOpt = None,
+    precision: PrecisionOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Run SCRIPT on every rank: `meshkit launch --nproc-per-node 4 train.py --lr 3e-4`."""
+    flags, labels = collect_flags(
+        {
+            "launch.nproc_per_node": ("--nproc-per-node", nproc_per_node),
+            "launch.nnodes": ("--nnodes", nnodes),
+            "launch.node_rank": ("--node-rank", node_rank),
+            "launch.master_addr": ("--master-addr", master_addr),
+            "launch.master_port": ("--master-port", master_port),
+            "launch.max_restarts": ("--max-restarts", max_restarts),
+            "launch.rdzv_timeout_s": ("--rdzv-timeout", rdzv_timeout),
+            "precision": ("--precision", precision),
+        },
+        set_ or [],
+    )
+    resolved = resolve(flags=flags, flag_labels=labels, file=config_file)
+    plan = LaunchPlan.from_config(
+        resolved.config, config_file=str(config_file) if config_file else None, flags=flags, flag_labels=labels
+    )
+    raise typer.Exit(launch(LaunchTarget(script, tuple(args or ()), module), plan))
+
+
+@app.command(context_settings=PASS_THROUGH)
+@user_errors
+def train(
+    config: Annotated[Path, typer.Argument(help="YAML config of the run")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="key=value overrides, e.g. tp=2 steps=50")] = None,
+) -> None:
+    """Train the reference GPT with the built-in recipe: `meshkit train examples/demo.yaml train.steps=50`."""
+    from meshkit.recipes.train import resolve_recipe
+    from meshkit.recipes.train import train as run_recipe
+
+    assignments = overrides or []
+    resolved = resolve_recipe(config, assignments)
+    settings = resolved.config.launch
+    if ProcessInfo.from_env().launched or settings.nproc_per_node * settings.nnodes == 1:
+        run_recipe(resolved)
+        return
+    target = LaunchTarget("meshkit.recipes.train", (str(config), *assignments), module=True)
+    raise typer.Exit(launch(target, LaunchPlan.from_config(resolved.config)))
+
+
+@config_app.callback(invoke_without_command=True)
+@user_errors
+def config_questionnaire(
+    ctx: typer.Context,
+    config_file: Annotated[Optional[Path], typer.Option("--config-file", help="where to write")] = None,
+) -> None:
+    """Answer a few questions; the answers are written as the default config file."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from meshkit.questionnaire import ask_config, write_config
+
+    def ask(question: str, default: Any, choices: list[str] | None) -> str:
+        return Prompt.ask(question, default=str(default), choices=choices)
+
+    path = config_file or default_config_path(os.environ)
+    written = write_config(ask_config(ask), path)
+    Console().print(f"config written to [bold]{written}[/]; check it with `meshkit config show`")
+
+
+@config_app.command("show")
+@user_errors
+def config_show(
+    config_file: ConfigFileOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Print every resolved key with its value and where the value came from."""
+    flags, labels = collect_flags({}, set_ or [])
+    print_resolved(resolve(flags=flags, flag_labels=labels, file=config_file))
+
+
+@app.command("env")
+@user_errors
+def env_command(config_file: ConfigFileOpt = None) -> None:
+    """Versions, devices, backends and the resolved config, for bug reports."""
+    from meshkit.envinfo import environment_rows
+
+    table = Table(title="meshkit environment", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    for name, value in environment_rows():
+        table.add_row(name, value)
+    Console().print(table)
+    print_resolved(resolve(flags={}, file=config_file))
+
+
+def main() -> None:
+    app(prog_name="meshkit")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Collectives over the data-parallel group for metrics: gather, gather without padding, reduce."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshkit.tree import map_tensors
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate `tensor` from every rank of `group` along dim 0, in rank order (0-d tensors become 1-d)."""
+    tensor = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+    size = _group_size(group)
+    if size == 1:
+        return tensor.clone()
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def gather(data: Any, group: dist.ProcessGroup | None) -> Any:
+    """`gather_tensor` on every tensor of a nested structure; every rank must pass the same shapes."""
+    return map_tensors(lambda t: gather_tensor(t, group), data)
+
+
+def gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """A picklable object from every rank of `group`, as a list in rank order (for non-tensor metrics)."""
+    size = _group_size(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def drop_padding(gathered: torch.Tensor, valid_per_rank: list[int]) -> torch.Tensor:
+    """Keep the first `valid_per_rank[r]` rows of each rank's equal-sized block of a gathered tensor."""
+    block = gathered.shape[0] // len(valid_per_rank)
+    if all(valid == block for valid in valid_per_rank):
+        return gathered
+    keep = [gathered[r * block : r * block + valid] for r, valid in enumerate(valid_per_rank)]
+    return torch.cat(keep)
+
+
+def reduce(data: Any, group: dist.ProcessGroup | None, op: str = "mean") -> Any:
+    """All-reduce every tensor of a nested structure with `op` ('mean' or 'sum'); returns new tensors."""
+    if op not in ("mean", "sum"):
+        raise ValueError(f"reduce op must be 'mean' or 'sum', got {op!r}")
+    size = _group_size(group)
+
+    def reduce_one(tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.detach().clone()
+        if size > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out / size if op == "mean" else out
+
+    return map_tensors(reduce_one, data)

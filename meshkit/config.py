@@ -1,0 +1,160 @@
+"""The whole run as frozen, validated settings.
+
+`RunConfig` is the schema; `meshkit.resolve.resolve()` layers defaults < YAML file < `MESHKIT_*`
+environment < launch flags < code arguments into one `RunConfig` and remembers where each value came from.
+Every section is a frozen pydantic model that rejects unknown keys, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from meshkit.models.gpt import GPTConfig
+
+PARALLEL_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh dimension names, in the fixed order the device mesh is built with (outermost first)."""
+
+
+class Section(BaseModel):
+    """Base of every config section: immutable, no unknown keys."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class ParallelConfig(Section):
+    """Sizes of the five mesh dimensions; one of them may be -1, meaning "the rest of the world"."""
+
+    dp_replicate: int = Field(-1, description="data-parallel replicas (DDP); -1 = the rest of the world")
+    dp_shard: int = Field(1, description="data-parallel shards; with zero_stage 0 they act as replicas")
+    cp: int = Field(1, description="context-parallel size (sequence split across ranks)")
+    tp: int = Field(1, description="tensor-parallel size")
+    pp: int = Field(1, description="pipeline-parallel stages")
+
+    @field_validator(*PARALLEL_DIMS)
+    @classmethod
+    def _positive_or_rest(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("must be a positive size, or -1 for 'the rest of the world'")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rest_moves_to_the_named_dim(cls, data: Any) -> Any:
+        # dp_replicate defaults to "the rest"; naming another dim as the rest makes dp_replicate 1.
+        if isinstance(data, dict) and "dp_replicate" not in data:
+            if any(str(data.get(name)) == "-1" for name in PARALLEL_DIMS if name != "dp_replicate"):
+                return {**data, "dp_replicate": 1}
+        return data
+
+    @model_validator(mode="after")
+    def _one_rest_at_most(self) -> ParallelConfig:
+        rest = [name for name in PARALLEL_DIMS if getattr(self, name) == -1]
+        if len(rest) > 1:
+            raise ValueError(f"only one size may be -1 ('the rest'), got -1 for {', '.join(rest)}: set all but one")
+        return self
+
+
+class CompileConfig(Section):
+    """torch.compile of the whole model, or of each repeated block ("regional")."""
+
+    enabled: bool = Field(False, description="compile the model with torch.compile")
+    backend: str = Field("inductor", description="torch.compile backend (inductor, aot_eager, eager, ...)")
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode"
+    )
+    fullgraph: bool = Field(False, description="fail on graph breaks instead of falling back to eager")
+    dynamic: bool | None = Field(None, description="dynamic shapes: true, false or null (auto)")
+    regional: bool = Field(False, description="compile each repeated block instead of the whole model")
+
+
+class DDPConfig(Section):
+    """DistributedDataParallel options (communication/computation overlap)."""
+
+    bucket_cap_mb: float = Field(25.0, gt=0, description="gradient bucket size for the all-reduce overlap")
+    gradient_as_bucket_view: bool = Field(False, description="gradients alias the buckets (saves one copy)")
+    static_graph: bool = Field(False, description="the graph is the same every step (enables more overlap)")
+    find_unused_parameters: bool = Field(False, description="allow parameters without gradient in a step")
+    broadcast_buffers: bool = Field(True, description="broadcast buffers from rank 0 every forward")
+
+
+class LoggingConfig(Section):
+    """Where the run writes, and which trackers receive `engine.log()`."""
+
+    dir: Path = Field(Path("runs/default"), description="run directory: metrics, summary, plots")
+    trackers: tuple[Literal["jsonl", "tensorboard"], ...] = Field(
+        ("jsonl",), description="trackers fed by engine.log (jsonl always works; tensorboard needs the extra)"
+    )
+
+    @field_validator("trackers", mode="before")
+    @classmethod
+    def _split_comma_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(item.strip() for item in value.split(",") if item.strip())
+        return value
+
+
+class LaunchSettings(Section):
+    """How `meshkit launch` starts the workers (torch elastic agent underneath)."""
+
+    nproc_per_node: int = Field(1, ge=1, description="worker processes per node")
+    nnodes: int = Field(1, ge=1, description="number of nodes")
+    node_rank: int = Field(0, ge=0, description="this node's rank (0 hosts the rendezvous)")
+    master_addr: str = Field("127.0.0.1", description="address of node 0")
+    master_port: int | None = Field(
+        None, ge=0, le=65535, description="rendezvous port; null = a free port on one node, 29500 on several"
+    )
+    max_restarts: int = Field(0, ge=0, description="restart all workers this many times after a failure")
+    rdzv_timeout_s: float = Field(300.0, gt=0, description="seconds to wait for every node to join")
+
+    @model_validator(mode="after")
+    def _node_rank_in_range(self) -> LaunchSettings:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        return self
+
+
+class TrainConfig(Section):
+    """The built-in recipe (`meshkit train`): data, optimiser and loop length."""
+
+    steps: int = Field(200, ge=1, description="optimizer steps")
+    micro_batch_size: int = Field(8, ge=1, description="sequences per rank per micro-step")
+    seq_len: int = Field(128, ge=2, description="tokens per sequence")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    warmup_steps: int = Field(10, ge=0, description="linear warm-up steps, then cosine decay")
+    log_every: int = Field(10, ge=1, description="tracker logging interval in steps")
+    dataset: str = Field("builtin", description="'builtin' (the shipped corpus) or a path to a UTF-8 text file")
+
+
+class RunConfig(Section):
+    """Every setting of a run. Build it directly, or let `resolve()` layer the sources for you."""
+
+    parallel: ParallelConfig = ParallelConfig()
+    precision: Literal["no", "bf16", "fp16"] = Field("no", description="mixed precision: no (fp32), bf16, fp16")
+    grad_accum_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
+    max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm in train_step")
+    seed: int = Field(0, ge=0, description="seed for model init, data order and dropout")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")
+    collective_timeout_s: float = Field(600.0, gt=0, description="timeout of every collective, in seconds")
+    threads_per_process: int | None = Field(
+        None, ge=1, description="torch threads per rank; null = the rank's share of its cores"
+    )
+    compile: CompileConfig = CompileConfig()
+    ddp: DDPConfig = DDPConfig()
+    logging: LoggingConfig = LoggingConfig()
+    launch: LaunchSettings = LaunchSettings()
+    model: GPTConfig = GPTConfig()
+    train: TrainConfig = TrainConfig()
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _yaml_no_is_false(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `no` as False; `precision: no` means fp32.
+        if value is False:
+            return "no"
+        if isinstance(value, str) and value.lower() in ("fp32", "float32", "none"):
+            return "no"
+        return value

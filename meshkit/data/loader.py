@@ -1,0 +1,127 @@
+"""Data-parallel loading: every dp rank reads its own part of the data, on its device.
+
+`shard_dataloader` rebuilds a user's DataLoader around a `DistributedSampler` (shuffled when the original
+shuffled, seeded from the run seed, reshuffled each epoch) and moves each batch to the device. It also knows
+which samples of the last batch are padding (the sampler repeats a few samples so that every rank gets the
+same count), so `gather_for_metrics` can return exactly the dataset's samples.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from meshkit.accumulation import GradientState
+from meshkit.tree import to_device
+
+
+class DataLoaderError(ValueError):
+    """A DataLoader meshkit cannot shard; the message says how to pass it."""
+
+
+class ShardedLoader:
+    """Iterates this rank's batches on the device and tracks the position for padding-aware gathers."""
+
+    def __init__(self, loader: DataLoader, device: torch.device, state: GradientState) -> None:
+        self.loader = loader
+        self.device = device
+        self.gradient_state = state
+        self.epoch = 0
+        self.batch_index = -1  # index of the batch last yielded in the current epoch
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def sampler(self) -> Any:
+        return self.loader.sampler
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.loader.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at `epoch` (the shuffle order depends on it)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        if hasattr(self.loader.sampler, "set_epoch"):
+            self.loader.sampler.set_epoch(self.epoch)
+        try:
+            last = len(self.loader) - 1
+        except TypeError:  # an iterable dataset of unknown length
+            last = -1
+        self.gradient_state.active_loader = self
+        for index, batch in enumerate(self.loader):
+            self.batch_index = index
+            self.gradient_state.end_of_dataloader = index == last
+            yield to_device(batch, self.device)
+        self.gradient_state.end_of_dataloader = False
+        self.epoch += 1
+
+    def valid_counts(self) -> list[int] | None:
+        """Per dp rank, how many samples of the current batch are real (not sampler padding); None if unknown."""
+        sampler = self.loader.sampler
+        batch = self.loader.batch_size
+        if not isinstance(sampler, DistributedSampler) or batch is None or self.batch_index < 0:
+            return None
+        per_rank = len(sampler)
+        start = self.batch_index * batch
+        size = min(batch, per_rank - start)
+        total = len(sampler.dataset)  # type: ignore[arg-type]
+        world = sampler.num_replicas
+        # Rank r's j-th sample of this batch sits at global position (start + j) * world + r of the padded
+        # index list; positions >= len(dataset) repeat earlier samples.
+        return [sum(1 for j in range(size) if (start + j) * world + r < total) for r in range(world)]
+
+
+def shard_dataloader(
+    loader: DataLoader, *, dp_rank: int, dp_size: int, seed: int, device: torch.device, state: GradientState
+) -> ShardedLoader:
+    """Wrap `loader` so that each of the `dp_size` data-parallel ranks reads a disjoint part of the data."""
+    if isinstance(loader.sampler, DistributedSampler):
+        return ShardedLoader(loader, device, state)  # already sharded by the user
+    if isinstance(loader.dataset, IterableDataset):
+        if dp_size > 1:
+            warnings.warn(
+                "prepare(): an IterableDataset is not sharded automatically; every rank reads the same "
+                "stream unless the dataset splits it by engine.dp_rank / engine.dp_size itself",
+                stacklevel=3,
+            )
+        return ShardedLoader(loader, device, state)
+    if loader.batch_size is None or not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        raise DataLoaderError(
+            "prepare(): the DataLoader uses a custom sampler or batch_sampler; pass batch_size= and shuffle= "
+            "instead, or give it a torch DistributedSampler(num_replicas=engine.dp_size, rank=engine.dp_rank)"
+        )
+    sampler = DistributedSampler(
+        loader.dataset,
+        num_replicas=dp_size,
+        rank=dp_rank,
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        seed=seed,
+        drop_last=loader.drop_last,
+    )
+    sharded = DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers,
+    )
+    return ShardedLoader(sharded, device, state)

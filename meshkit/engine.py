@@ -1,0 +1,381 @@
+"""`Engine`: the one object a training script touches.
+
+It resolves the config, joins the process group, builds the one device mesh, and prepares the model,
+optimizer, scheduler and data for the layout. Two loop styles are first-class:
+
+    loss = loss_fn(model(x), y); engine.backward(loss); optimizer.step(); optimizer.zero_grad()
+    loss = engine.train_step(batch)     # forward, backward and step in one call (also drives pipelines)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from meshkit import collectives
+from meshkit.accumulation import GradientState, PreparedOptimizer, PreparedScheduler
+from meshkit.affinity import apply_affinity
+from meshkit.config import RunConfig
+from meshkit.data.loader import ShardedLoader, shard_dataloader
+from meshkit.export import save_safetensors
+from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
+from meshkit.parallel.compile import apply_compile
+from meshkit.parallel.ddp import apply_ddp
+from meshkit.precision import autocast_context, autocast_forward, make_grad_scaler
+from meshkit.resolve import ResolvedConfig, explicit_values, resolve
+from meshkit.seed import set_seed
+from meshkit.tracking import check_trackers, make_trackers, scalar_metrics
+from meshkit.tree import has_tensors, map_tensors
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class EngineError(ValueError):
+    """Wrong use of the engine; the message says what to do instead."""
+
+
+class ConfigConflictWarning(UserWarning):
+    """Code and a launch flag set the same key to different values (code wins)."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under DDP and torch.compile wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """loss_fn(model(inputs), targets) for (inputs, targets) batches; else the model's own loss."""
+    if loss_fn is not None:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise EngineError("with loss_fn, each batch must be an (inputs, targets) pair")
+        inputs, targets = batch
+        output = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+        return loss_fn(output, targets)
+    if isinstance(batch, Mapping):
+        output = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        output = model(*batch)
+    else:
+        output = model(batch)
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise EngineError("the model's output carries no loss: pass loss_fn= to engine.prepare()")
+    return loss
+
+
+class Engine:
+    """Distributed training for any layout. `Engine(config=None, **overrides)`.
+
+    `config` is a RunConfig, a YAML path, the result of `meshkit.resolve.resolve()`, or None (the config
+    file, environment and launch flags apply).
+    Keyword overrides are code arguments, the highest-precedence source: `Engine(precision="bf16", tp=2)`.
+    """
+
+    def __init__(
+        self, config: RunConfig | ResolvedConfig | str | os.PathLike[str] | None = None, **overrides: Any
+    ) -> None:
+        if isinstance(config, ResolvedConfig):
+            if overrides:
+                raise EngineError("Engine(config=<resolved config>) takes no further overrides: add them to resolve()")
+            self.resolved = config
+        else:
+            file = config if isinstance(config, (str, os.PathLike)) else None
+            code = {**explicit_values(config), **overrides} if isinstance(config, RunConfig) else overrides
+            self.resolved = resolve(code=code, file=file)
+        self.config: RunConfig = self.resolved.config
+        self.info = ProcessInfo.from_env()
+        self.device = select_device(self.config.device, self.info.local_rank)
+        self.affinity = apply_affinity(self.info.local_rank, self.info.local_world_size, self.config.threads_per_process)
+        check_trackers(self.config.logging.trackers)
+        self._owns_process_group = start_process_group(self.info, self.device, self.config.collective_timeout_s)
+        try:
+            dims = ParallelDims.from_config(self.config.parallel, self.info.world_size)
+            for name in ("tp", "pp", "cp"):
+                if getattr(dims, name) > 1:
+                    raise EngineError(f"{name}={getattr(dims, name)} is not supported by this engine yet: set {name}=1")
+            self.mesh = ParallelMesh(dims, self.info, self.device)
+        except Exception:
+            self._stop_process_group()
+            raise
+        set_seed(self.config.seed)
+        self.gradient_state = GradientState(accum_steps=self.config.grad_accum_steps)
+        self.scaler = make_grad_scaler(self.config.precision, self.device)
+        self.loss_fn: LossFn | None = None
+        self._models: list[nn.Module] = []
+        self._optimizers: list[PreparedOptimizer] = []
+        self._schedulers: list[PreparedScheduler] = []
+        self._loaders: list[ShardedLoader] = []
+        self._trackers = make_trackers(self.config.logging.trackers, self.run_dir) if self.is_main_process else []
+        if self.is_main_process:
+            for conflict in self.resolved.conflicts:
+                warnings.warn(conflict.message(), ConfigConflictWarning, stacklevel=2)
+
+    # ------------------------------------------------------------------ where am I
+    @property
+    def is_main_process(self) -> bool:
+        return self.mesh.is_main_process if hasattr(self, "mesh") else self.info.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.info.local_rank == 0
+
+    @property
+    def process_index(self) -> int:
+        return self.info.rank
+
+    @property
+    def num_processes(self) -> int:
+        return self.info.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.logging.dir
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on the micro-step that synchronises gradients and steps the optimizer."""
+        return self.gradient_state.sync
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *objects: Any, loss_fn: LossFn | None = None) -> Any:
+        """Place and wrap models, optimizers, data loaders and LR schedulers; returns them in the same order."""
+        if loss_fn is not None:
+            self.loss_fn = loss_fn
+        prepared: dict[int, Any] = {}
+        # Models first: an optimizer or scheduler must see the model's final parameters.
+        for index, obj in enumerate(objects):
+            if isinstance(obj, nn.Module):
+                prepared[index] = self._prepare_model(obj)
+        for index, obj in enumerate(objects):
+            if isinstance(obj, nn.Module):
+                continue
+            if isinstance(obj, torch.optim.Optimizer):
+                prepared[index] = self._remember(self._optimizers, PreparedOptimizer(obj, self.gradient_state, self.scaler))
+            elif isinstance(obj, DataLoader):
+                prepared[index] = self._remember(self._loaders, self._prepare_loader(obj))
+            elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or hasattr(obj, "get_last_lr"):
+                prepared[index] = self._remember(self._schedulers, PreparedScheduler(obj, self.gradient_state))
+            else:
+                raise EngineError(
+                    f"prepare() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}"
+                )
+        result = [prepared[i] for i in range(len(objects))]
+        return result[0] if len(result) == 1 else tuple(result)
+
+    @staticmethod
+    def _remember(registry: list[Any], obj: Any) -> Any:
+        registry.append(obj)
+        return obj
+
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        model = apply_compile(model, self.config.compile)
+        model = apply_ddp(model, self.mesh, self.config.ddp)
+        autocast_forward(model, self.config.precision, self.device.type)
+        return self._remember(self._models, model)
+
+    def _prepare_loader(self, loader: DataLoader) -> ShardedLoader:
+        return shard_dataloader(
+            loader,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            seed=self.config.seed,
+            device=self.device,
+            state=self.gradient_state,
+        )
+
+    # ------------------------------------------------------------------ the step
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """One micro-step: gradients synchronise (and the optimizer steps) on every grad_accum_steps-th."""
+        self.gradient_state.begin_micro_step()
+        with contextlib.ExitStack() as stack:
+            if not self.gradient_state.sync:
+                for model in self._models:
+                    if hasattr(model, "no_sync"):
+                        stack.enter_context(model.no_sync())
+            yield
+
+    def backward(self, loss: torch.Tensor, *, num_items: float | torch.Tensor | None = None) -> None:
+        """Backward with accumulation scaling (and fp16 loss scaling).
+
+        Without `num_items` each micro-step's loss counts 1/grad_accum_steps. With it, `loss` is the mean over
+        `num_items` items (e.g. tokens) and the final gradient is the mean over every item of the window on
+        every dp rank — the right average when micro-batches hold different numbers of tokens.
+        """
+        state = self.gradient_state
+        weighted = num_items is not None
+        if state.weighted_window is None:
+            state.weighted_window = weighted
+        elif state.weighted_window != weighted:
+            raise EngineError("backward(): pass num_items on every micro-step of an accumulation window, or on none")
+        if weighted:
+            state.window_items += float(num_items)  # type: ignore[arg-type]
+            loss = loss * float(num_items)  # type: ignore[arg-type]
+        else:
+            loss = loss / state.accum_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+        if state.sync:
+            if weighted:
+                self._divide_gradients_by_items(state.window_items)
+            state.end_window()
+
+    def _divide_gradients_by_items(self, local_items: float) -> None:
+        total = collectives.reduce(torch.tensor(local_items, device=self.device), self.mesh.dp_group, op="sum")
+        if total.item() <= 0:
+            raise EngineError("backward(): num_items summed to 0 over the window; pass the count of items in the loss")
+        factor = self.dp_size / total  # DDP already divided the summed gradients by dp_size
+        for model in self._models:
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor.to(param.grad.dtype))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip the prepared models' gradients (unscaled first under fp16); None on non-syncing micro-steps."""
+        if not self.sync_gradients:
+            return None
+        if self.scaler is not None:
+            for optimizer in self._optimizers:
+                self.scaler.unscale_(optimizer.optimizer)
+        params = [p for model in self._models for p in model.parameters()]
+        return nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's autocast context, for code outside the prepared model's forward."""
+        return autocast_context(self.config.precision, self.device.type)
+
+    def train_step(self, batch: Any) -> torch.Tensor:
+        """Forward, backward and (on syncing micro-steps) clip, optimizer and scheduler step; returns the loss."""
+        model = self._only("model", self._models)
+        optimizer = self._only("optimizer", self._optimizers)
+        with self.accumulate():
+            loss = compute_loss(model, batch, self.loss_fn)
+            self.backward(loss)
+            if self.sync_gradients and self.config.max_grad_norm is not None:
+                self.clip_grad_norm_(self.config.max_grad_norm)
+            optimizer.step()
+            for scheduler in self._schedulers:
+                scheduler.step()
+            optimizer.zero_grad()
+        return loss.detach()
+
+    @staticmethod
+    def _only(kind: str, registry: list[Any]) -> Any:
+        if len(registry) != 1:
+            raise EngineError(f"train_step() needs exactly one prepared {kind}, found {len(registry)}")
+        return registry[0]
+
+    # ------------------------------------------------------------------ metrics and processes
+    def gather(self, data: Any) -> Any:
+        """Concatenate tensors from every dp rank along dim 0 (same shapes on every rank)."""
+        return collectives.gather(data, self.mesh.dp_group)
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """`gather`, minus the duplicated samples that pad the last batch, so metrics see the dataset exactly."""
+        loader = self.gradient_state.active_loader
+        counts = loader.valid_counts() if loader is not None else None
+        if has_tensors(data):
+            gathered = self.gather(data)
+            if counts is None:
+                return gathered
+            return map_tensors(lambda t: collectives.drop_padding(t, counts), gathered)
+        # Other objects (strings, ids): each rank passes a list of per-sample items.
+        per_rank = collectives.gather_object(list(data), self.mesh.dp_group)
+        counts = counts or [len(items) for items in per_rank]
+        return [item for items, valid in zip(per_rank, counts, strict=True) for item in items[:valid]]
+
+    def reduce(self, data: Any, op: str = "mean") -> Any:
+        """All-reduce tensors over the dp ranks ('mean' or 'sum')."""
+        return collectives.reduce(data, self.mesh.dp_group, op=op)
+
+    def wait_for_everyone(self) -> None:
+        """Barrier over all ranks."""
+        if self.device.type == "cuda":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The main process runs the block first (e.g. downloads, preprocessing), then the others."""
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() once per node."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Send scalar metrics to the trackers (main process only; other ranks return at once)."""
+        if not self._trackers:
+            return
+        scalars = scalar_metrics(metrics)
+        for tracker in self._trackers:
+            tracker.log(scalars, step)
+
+    # ------------------------------------------------------------------ weights
+    def unwrap_model(self, model: nn.Module | None = None) -> nn.Module:
+        return unwrap(model if model is not None else self._only("model", self._models))
+
+    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The complete, unsharded state dict of a prepared model (same keys as the user's module)."""
+        return self.unwrap_model(model).state_dict()
+
+    def save_model(self, out_dir: str | os.PathLike[str], model: nn.Module | None = None, max_shard_size: int | str = "2GB") -> Path:
+        """Write full weights as safetensors shards plus `model.safetensors.index.json` (main process)."""
+        state = self.full_state_dict(model)
+        index = Path(out_dir) / "model.safetensors.index.json"
+        if self.is_main_process:
+            index = save_safetensors(state, out_dir, max_shard_size)
+        self.wait_for_everyone()
+        return index
+
+    # ------------------------------------------------------------------ end
+    def end(self) -> None:
+        """Close the trackers and leave the process group (if this engine created it). Safe to call twice."""
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
+        self._stop_process_group()
+
+    def _stop_process_group(self) -> None:
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.end()

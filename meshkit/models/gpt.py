@@ -1,0 +1,175 @@
+"""Reference model: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, causal SDPA).
+
+The repeated blocks sit in one `nn.ModuleList` named `layers`: the shape every parallelism relies on
+(blocks are found, wrapped, split into pipeline stages or sharded one by one). Head counts are derived from
+the weight shapes at run time, so a tensor-parallel split of the projections needs no change here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+
+class GPTConfig(BaseModel):
+    """Size of the reference decoder."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vocab_size: int = Field(256, ge=1, description="vocabulary size (256 = bytes)")
+    dim: int = Field(128, ge=1, description="hidden size")
+    n_layers: int = Field(4, ge=1, description="number of decoder blocks")
+    n_heads: int = Field(4, ge=1, description="attention heads")
+    n_kv_heads: int | None = Field(None, ge=1, description="key/value heads (GQA); null = n_heads")
+    ffn_hidden: int | None = Field(None, ge=1, description="SwiGLU hidden size; null = about 8/3 * dim")
+    max_seq_len: int = Field(512, ge=1, description="longest sequence the RoPE table covers")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> GPTConfig:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return 32 * math.ceil(8 * self.dim / 3 / 32)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each [max_seq_len, head_dim // 2]."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the head dim. x: [batch, seq, heads, head_dim]; cos/sin: [seq, head_dim/2]."""
+    first, second = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # [batch, seq, heads, head_dim]; heads come from the weight shapes (local heads under TP)
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeats = q.shape[2] // k.shape[2]
+        if repeats > 1:
+            k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+        # SDPA wants [batch, heads, seq, head_dim]
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over [batch, heads, seq, head_dim]; context parallel swaps this for ring attention."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)  # up
+        self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: tokens [batch, seq] -> logits [batch, seq, vocab].
+
+    Embedding, final norm and head may be None (a pipeline stage holds only some of them); a stage without an
+    embedding takes hidden states [batch, seq, dim] as input.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if cos.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Deterministic under torch.manual_seed; residual output projections scaled by 1/sqrt(2 * n_layers)."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(("wo", "w2")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = x.shape[1]
+        if seq > self.cfg.max_seq_len and positions is None:
+            raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        index = positions if positions is not None else torch.arange(seq, device=x.device)
+        cos, sin = self.rope_cos[index], self.rope_sin[index]
+        for block in self.layers:
+            x = block(x, cos, sin)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.output(x) if self.output is not None else x
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy in fp32. logits: [batch, seq, vocab]; targets: [batch, seq]."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

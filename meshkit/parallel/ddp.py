@@ -1,0 +1,33 @@
+"""Data parallel: every dp rank holds the whole model; gradients are averaged by bucketed all-reduce."""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from meshkit.config import DDPConfig
+from meshkit.mesh import ParallelMesh
+
+_DDP_PARAMETERS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
+
+
+def apply_ddp(model: nn.Module, mesh: ParallelMesh, cfg: DDPConfig) -> nn.Module:
+    """Wrap in DDP over the data-parallel group; a single dp rank has nothing to synchronise."""
+    if mesh.dp_size == 1:
+        return model
+    # torch >= 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning for True/False here).
+    buffers_arg = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMETERS else "broadcast_buffers"
+    return DistributedDataParallel(
+        model,
+        device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None,
+        process_group=mesh.dp_group,
+        # Buckets fill in reverse order during backward and are all-reduced while backward goes on:
+        # smaller buckets start communicating earlier, larger ones waste less per-call latency.
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        static_graph=cfg.static_graph,
+        find_unused_parameters=cfg.find_unused_parameters,
+        **{buffers_arg: cfg.broadcast_buffers},
+    )

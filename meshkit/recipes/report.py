@@ -1,0 +1,85 @@
+"""What the recipe shows a person: a progress bar during training, a summary table and a loss plot after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class TrainingProgress:
+    """A rich progress bar with step, loss and tokens/s (a no-op on ranks other than the main one)."""
+
+    def __init__(self, total_steps: int, enabled: bool) -> None:
+        self._progress = (
+            Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}"),
+                TextColumn("{task.fields[tokens_per_s]:,.0f} tok/s"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
+            if enabled
+            else None
+        )
+        self._task = (
+            self._progress.add_task("train", total=total_steps, loss=float("nan"), tokens_per_s=0.0)
+            if self._progress
+            else None
+        )
+
+    def __enter__(self) -> TrainingProgress:
+        if self._progress:
+            self._progress.start()
+        return self
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, completed=step, loss=loss, tokens_per_s=tokens_per_s)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress:
+            self._progress.stop()
+
+
+def plot_losses(losses: list[float], path: Path) -> Path | None:
+    """Loss per step as a PNG; None when matplotlib is not installed (pip install 'meshkit[plot]')."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot(range(1, len(losses) + 1), losses, linewidth=1.2)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss (mean over dp ranks)")
+    axes.set_title("meshkit training loss")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def print_summary(summary: dict[str, Any], run_dir: Path, plot: Path | None) -> None:
+    table = Table(title="meshkit run summary", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row("layout", f"{summary['layout_description']} ({summary['world_size']} ranks)")
+    table.add_row("precision", summary["precision"])
+    table.add_row("steps", str(summary["steps"]))
+    table.add_row("loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}")
+    table.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}")
+    table.add_row("wall time", f"{summary['wall_s']:.1f} s")
+    table.add_row("params sha256", summary["params_sha256"][:16] + "...")
+    table.add_row("summary", str(run_dir / "summary.json"))
+    table.add_row("loss plot", str(plot) if plot else "not drawn: pip install 'meshkit[plot]'")
+    Console().print(table)

@@ -1,0 +1,143 @@
+"""The built-in recipe: train the reference GPT on a text with the standard loop.
+
+`meshkit train CONFIG.yaml [key=value ...]` runs it (launching itself on `launch.nproc_per_node` ranks);
+under a launcher it is `python -m meshkit.recipes.train CONFIG.yaml [key=value ...]`. The main process shows
+a progress bar and writes `<logging.dir>/summary.json`, `metrics.jsonl` and `loss.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from meshkit.engine import Engine
+from meshkit.export import state_dict_sha256
+from meshkit.models.gpt import GPT, lm_loss
+from meshkit.data.text import BYTE_VOCAB_SIZE, ByteTokenizer, TokenWindows, load_text
+from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
+from meshkit.resolve import ResolvedConfig, launch_flags_from_env, parse_assignments, resolve
+
+
+def resolve_recipe(config_file: str | os.PathLike[str] | None, assignments: list[str]) -> ResolvedConfig:
+    """File < environment < launch flags (the launcher's, then `key=value` arguments)."""
+    flags, labels = launch_flags_from_env(os.environ)
+    from_args = parse_assignments(assignments)
+    flags.update(from_args)
+    labels.update({key: f"argument {key}" for key in from_args})
+    return resolve(flags=flags, flag_labels=labels, file=config_file)
+
+
+def warmup_cosine(warmup: int, total: int) -> Any:
+    """LR multiplier: linear warm-up to 1, then cosine decay to 10 %."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def endless(loader: Any) -> Iterator[Any]:
+    """Batches over as many epochs as needed (each epoch reshuffled by the sharded loader)."""
+    while True:
+        yield from loader
+
+
+def train(resolved: ResolvedConfig) -> dict[str, Any]:
+    """Run the recipe; returns the summary (also written to summary.json on the main process)."""
+    engine = Engine(resolved)
+    try:
+        return _train(engine)
+    finally:
+        engine.end()
+
+
+def _train(engine: Engine) -> dict[str, Any]:
+    cfg = engine.config
+    if cfg.model.vocab_size < BYTE_VOCAB_SIZE:
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is too small for byte tokens: use 256 or more")
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise ValueError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    dataset = TokenWindows(ByteTokenizer().encode(load_text(cfg.train.dataset)), cfg.train.seq_len)
+    per_window = cfg.train.micro_batch_size * engine.dp_size
+    if len(dataset) < per_window:
+        raise ValueError(
+            f"the text gives {len(dataset)} sequences of {cfg.train.seq_len} tokens, fewer than one global "
+            f"micro-batch ({per_window}): lower train.micro_batch_size or train.seq_len, or use a longer text"
+        )
+    loader = DataLoader(dataset, batch_size=cfg.train.micro_batch_size, shuffle=True, drop_last=True)
+    model = GPT(cfg.model)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.train.warmup_steps, cfg.train.steps))
+    model, optimizer, loader, scheduler = engine.prepare(model, optimizer, loader, scheduler, loss_fn=lm_loss)
+
+    n_params = sum(p.numel() for p in engine.unwrap_model().parameters())
+    tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.grad_accum_steps * engine.dp_size
+    engine.print(
+        f"meshkit: training GPT ({n_params / 1e6:.2f}M params) on {engine.num_processes} rank(s), "
+        f"layout {engine.mesh.dims.describe()}, precision {cfg.precision}, {tokens_per_step} tokens/step"
+    )
+    losses: list[float] = []
+    batches = endless(loader)
+    window_loss = torch.zeros((), device=engine.device)
+    start = time.perf_counter()
+    with TrainingProgress(cfg.train.steps, enabled=engine.is_main_process) as progress:
+        while len(losses) < cfg.train.steps:
+            window_loss += engine.train_step(next(batches))
+            if not engine.sync_gradients:
+                continue
+            loss = engine.reduce(window_loss / cfg.grad_accum_steps).item()
+            window_loss.zero_()
+            losses.append(loss)
+            step = len(losses)
+            tokens_per_s = step * tokens_per_step / (time.perf_counter() - start)
+            progress.update(step, loss, tokens_per_s)
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                engine.log({"loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s}, step)
+    wall = time.perf_counter() - start
+
+    summary = {
+        "final_loss": losses[-1],
+        "first_loss": losses[0],
+        "steps": len(losses),
+        "tokens_per_s": len(losses) * tokens_per_step / wall,
+        "wall_s": wall,
+        "world_size": engine.num_processes,
+        "layout": engine.mesh.dims.as_dict(),
+        "layout_description": engine.mesh.dims.describe(),
+        "precision": cfg.precision,
+        "grad_accum_steps": cfg.grad_accum_steps,
+        "parameters": n_params,
+        "params_sha256": state_dict_sha256(engine.full_state_dict()),
+    }
+    if engine.is_main_process:
+        run_dir = Path(cfg.logging.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot = plot_losses(losses, run_dir / "loss.png")
+        print_summary(summary, run_dir, plot)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit("usage: python -m meshkit.recipes.train CONFIG.yaml [key=value ...]")
+    train(resolve_recipe(argv[0], argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Spawn a real world of gloo ranks on a free port, with a hard timeout: a hang fails the test, never CI."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple, env: dict) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+    )
+    torch.set_num_threads(1)
+    try:
+        # Tensors go back as bytes: a queue would share their memory with a process about to exit.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, *args), buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_world(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, env: dict[str, str] | None = None
+) -> list[Any]:
+    """Run `fn(rank, *args)` on `world_size` processes; returns the results in rank order.
+
+    `fn` must be importable (module level) and return tensors, numbers, strings, lists or dicts of them. Any rank's exception fails with that rank's traceback; a world
+    that does not finish within `timeout` seconds is killed and fails with the ranks that were missing.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args, env or {}), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    outcome: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(outcome) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outcome))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                continue
+            outcome[rank] = (ok, value)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [torch.load(io.BytesIO(outcome[rank][1]), weights_only=True) for rank in range(world_size)]
