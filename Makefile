@@ -22,7 +22,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
-	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/overhead.py --nproc 2
+	$(BIN)/python bench/overhead.py --nproc 4
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

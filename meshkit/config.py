@@ -28,7 +28,7 @@ class ParallelConfig(Section):
     """Sizes of the five mesh dimensions; one of them may be -1, meaning "the rest of the world"."""
 
     dp_replicate: int = Field(-1, description="data-parallel replicas (DDP); -1 = the rest of the world")
-    dp_shard: int = Field(1, description="data-parallel shards; with zero_stage 0 they act as replicas")
+    dp_shard: int = Field(1, description="data-parallel shard group; without parameter sharding its ranks act as replicas")
     cp: int = Field(1, description="context-parallel size (sequence split across ranks)")
     tp: int = Field(1, description="tensor-parallel size")
     pp: int = Field(1, description="pipeline-parallel stages")

@@ -73,10 +73,12 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.
     else:
         output = model(batch)
     if isinstance(output, torch.Tensor):
-        return output
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if loss is None:
-        raise EngineError("the model's output carries no loss: pass loss_fn= to engine.prepare()")
+        loss = output
+    else:
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = f" (a tensor of shape {list(loss.shape)})" if isinstance(loss, torch.Tensor) else ""
+        raise EngineError(f"the model's output carries no scalar loss{shape}: pass loss_fn= to engine.prepare()")
     return loss
 
 

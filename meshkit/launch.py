@@ -77,7 +77,13 @@ class LaunchPlan:
         return MULTI_NODE_DEFAULT_PORT if self.settings.nnodes > 1 else 0  # 0: any free port
 
     def worker_env(self) -> dict[str, str]:
-        env = {ENV_LAUNCH_FLAGS: launch_flags_to_env(self.flags, self.flag_labels)}
+        """Variables for the agent (this process) and the workers it starts."""
+        env = {
+            ENV_LAUNCH_FLAGS: launch_flags_to_env(self.flags, self.flag_labels),
+            # A store shared between the rendezvous and the workers keeps the previous attempt's keys, so
+            # restarted workers read dead peers' addresses (pytorch/pytorch#135712): one store per attempt.
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
         if self.config_file:
             env[ENV_CONFIG_FILE] = str(Path(self.config_file).resolve())
         if "OMP_NUM_THREADS" not in os.environ:
@@ -126,6 +132,19 @@ def open_rendezvous_store(settings: LaunchSettings, port: int, run_id: str) -> t
     return store, arrived_key
 
 
+def root_cause(failures: Mapping[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The failure recorded first. The agent orders by whole-second timestamps, which ties when a rank's error
+    makes its peers fail at once (e.g. a broken connection); the error files' modification times do not."""
+
+    def recorded_at(item: tuple[int, ProcessFailure]) -> tuple[int, int]:
+        rank, failure = item
+        if failure.error_file and os.path.isfile(failure.error_file):
+            return os.stat(failure.error_file).st_mtime_ns, rank
+        return failure.timestamp * 10**9 + 10**9 - 1, rank  # no file (killed): after the recorded ones
+
+    return min(failures.items(), key=recorded_at)
+
+
 def describe_failure(rank: int, failure: ProcessFailure) -> str:
     """'rank 1 (local rank 1, exit code 1): ValueError: boom' (the rank's full traceback is in its output)."""
     if failure.exitcode < 0:
@@ -166,7 +185,7 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
         with _environment(plan.worker_env()):
             launch_agent(config, sys.executable, target.worker_args())
     except ChildFailedError as err:
-        rank, first = err.get_first_failure()
+        rank, first = root_cause(err.failures)
         # Ranks stopped by the agent after the first failure end by signal; only real failures are listed.
         others = sorted(r for r, f in err.failures.items() if r != rank and f.exitcode > 0)
         also = f"; also failed: rank {', '.join(map(str, others))}" if others else ""

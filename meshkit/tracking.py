@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 import torch
 
@@ -37,16 +37,20 @@ class JsonlTracker:
     """One JSON object per `log` call in `<dir>/metrics.jsonl`, flushed at once (safe to tail)."""
 
     def __init__(self, run_dir: Path) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file: TextIO | None = None  # opened at the first log: a run that logs nothing writes nothing
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
         self._file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 class TensorBoardTracker:

@@ -116,3 +116,22 @@ def test_two_nodes_on_one_host_rendezvous(script) -> None:
 def test_module_mode_and_unknown_module(tmp_path) -> None:
     proc = meshkit("launch", "--nproc-per-node", "1", "-m", "no_such_module_xyz")
     assert proc.returncode == 2 and "module 'no_such_module_xyz' was not found" in proc.stderr
+
+
+def test_max_restarts_restarts_failed_workers(tmp_path) -> None:
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        "import os, sys\n"
+        "from meshkit import Engine\n"
+        "engine = Engine()\n"
+        "attempt = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "if attempt == 0 and engine.process_index == 1:\n"
+        "    raise RuntimeError('first attempt fails')\n"
+        "sys.stdout.write(f'DONE rank {engine.process_index} attempt {attempt}\\n')\n"
+        "engine.end()\n"
+    )
+    proc = meshkit("launch", "--nproc-per-node", "2", "--max-restarts", "1", str(script), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "DONE rank 0 attempt 1" in proc.stdout and "DONE rank 1 attempt 1" in proc.stdout
+    failed = meshkit("launch", "--nproc-per-node", "2", "--max-restarts", "0", str(script), timeout=120)
+    assert failed.returncode != 0 and "first attempt fails" in failed.stderr

@@ -132,14 +132,18 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        if cos.device.type != "meta":
+        target = torch.empty(0).device  # the caller's default device: meta inside `with torch.device("meta")`
+        # Built on meta and initialised only by init_weights, so eager and meta-then-materialised models
+        # draw the same random numbers and get the same weights under the same seed.
+        with torch.device("meta"):
+            self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+            self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+        if target.type != "meta":
+            self.to_empty(device=target)
             self.init_weights()
 
     @torch.no_grad()
@@ -147,7 +151,7 @@ class GPT(nn.Module):
         """Deterministic under torch.manual_seed; residual output projections scaled by 1/sqrt(2 * n_layers)."""
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.rope_sin.copy_(sin)  # buffers are not in the state dict: recomputed after materialisation
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
