@@ -17,6 +17,8 @@ from rich.table import Table
 from meshkit.data.loader import DataLoaderError
 from meshkit.launch import LaunchError, LaunchPlan, LaunchTarget, launch
 from meshkit.mesh import MeshError, ProcessInfo
+from meshkit.recipes.train import RecipeError, resolve_recipe
+from meshkit.recipes.train import train as run_recipe
 from meshkit.resolve import ConfigError, ResolvedConfig, default_config_path, parse_assignments, resolve
 
 app = typer.Typer(
@@ -29,7 +31,7 @@ app = typer.Typer(
 config_app = typer.Typer(help="Write the config file (questionnaire), or show the resolved config.")
 app.add_typer(config_app, name="config")
 
-USER_ERRORS = (ConfigError, MeshError, LaunchError, DataLoaderError, FileNotFoundError)
+USER_ERRORS = (ConfigError, MeshError, LaunchError, DataLoaderError, RecipeError, FileNotFoundError)  # exit 2
 PASS_THROUGH = {"allow_interspersed_args": False, "ignore_unknown_options": True}
 
 
@@ -128,9 +130,6 @@ def train(
     overrides: Annotated[Optional[list[str]], typer.Argument(help="key=value overrides, e.g. tp=2 steps=50")] = None,
 ) -> None:
     """Train the reference GPT with the built-in recipe: `meshkit train examples/demo.yaml train.steps=50`."""
-    from meshkit.recipes.train import resolve_recipe
-    from meshkit.recipes.train import train as run_recipe
-
     assignments = overrides or []
     resolved = resolve_recipe(config, assignments)
     settings = resolved.config.launch

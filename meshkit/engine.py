@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +28,13 @@ from meshkit.config import RunConfig
 from meshkit.data.loader import ShardedLoader, shard_dataloader
 from meshkit.export import save_safetensors
 from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
-from meshkit.parallel.compile import apply_compile
-from meshkit.parallel.ddp import apply_ddp
-from meshkit.precision import autocast_context, autocast_forward, make_grad_scaler
+from meshkit.loss import LossFn, compute_loss
+from meshkit.parallel.compose import parallelize, unwrap
+from meshkit.precision import autocast_context, make_grad_scaler
 from meshkit.resolve import ResolvedConfig, explicit_values, resolve
 from meshkit.seed import set_seed
 from meshkit.tracking import check_trackers, make_trackers, scalar_metrics
 from meshkit.tree import has_tensors, map_tensors
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-
 
 class EngineError(ValueError):
     """Wrong use of the engine; the message says what to do instead."""
@@ -45,41 +42,6 @@ class EngineError(ValueError):
 
 class ConfigConflictWarning(UserWarning):
     """Code and a launch flag set the same key to different values (code wins)."""
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module under DDP and torch.compile wrappers."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
-
-def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
-    """loss_fn(model(inputs), targets) for (inputs, targets) batches; else the model's own loss."""
-    if loss_fn is not None:
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise EngineError("with loss_fn, each batch must be an (inputs, targets) pair")
-        inputs, targets = batch
-        output = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
-        return loss_fn(output, targets)
-    if isinstance(batch, Mapping):
-        output = model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        output = model(*batch)
-    else:
-        output = model(batch)
-    if isinstance(output, torch.Tensor):
-        loss = output
-    else:
-        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = f" (a tensor of shape {list(loss.shape)})" if isinstance(loss, torch.Tensor) else ""
-        raise EngineError(f"the model's output carries no scalar loss{shape}: pass loss_fn= to engine.prepare()")
-    return loss
 
 
 class Engine:
@@ -132,7 +94,7 @@ class Engine:
     # ------------------------------------------------------------------ where am I
     @property
     def is_main_process(self) -> bool:
-        return self.mesh.is_main_process if hasattr(self, "mesh") else self.info.rank == 0
+        return self.info.rank == 0
 
     @property
     def is_local_main_process(self) -> bool:
@@ -195,11 +157,7 @@ class Engine:
         return obj
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
-        model = apply_compile(model, self.config.compile)
-        model = apply_ddp(model, self.mesh, self.config.ddp)
-        autocast_forward(model, self.config.precision, self.device.type)
-        return self._remember(self._models, model)
+        return self._remember(self._models, parallelize(model, self.mesh, self.config))
 
     def _prepare_loader(self, loader: DataLoader) -> ShardedLoader:
         return shard_dataloader(
@@ -300,7 +258,8 @@ class Engine:
         return collectives.gather(data, self.mesh.dp_group)
 
     def gather_for_metrics(self, data: Any) -> Any:
-        """`gather`, minus the duplicated samples that pad the last batch, so metrics see the dataset exactly."""
+        """`gather`, minus the samples the sampler repeated to even out the last batch: metrics see the dataset
+        exactly. Call it inside the loop over a prepared loader (it trims that loader's current batch)."""
         loader = self.gradient_state.active_loader
         counts = loader.valid_counts() if loader is not None else None
         if has_tensors(data):

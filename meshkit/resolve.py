@@ -9,11 +9,13 @@ use the same names upper-cased, with `__` for the dot: `MESHKIT_TP=2`, `MESHKIT_
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -84,20 +86,26 @@ def _walk(model: type[BaseModel], prefix: str = "") -> list[tuple[str, bool]]:
     return out
 
 
+@functools.cache
+def _schema() -> tuple[tuple[str, bool], ...]:
+    return tuple(_walk(RunConfig))
+
+
 def leaf_keys() -> list[str]:
-    return [key for key, is_section in _walk(RunConfig) if not is_section]
+    return [key for key, is_section in _schema() if not is_section]
 
 
 def section_keys() -> list[str]:
-    return [key for key, is_section in _walk(RunConfig) if is_section]
+    return [key for key, is_section in _schema() if is_section]
 
 
-def _aliases() -> dict[str, str]:
+@functools.cache
+def _aliases() -> Mapping[str, str]:
     """Leaf names that are unique across the schema map to their dotted key."""
     by_leaf: dict[str, list[str]] = {}
     for key in leaf_keys():
         by_leaf.setdefault(key.rsplit(".", 1)[-1], []).append(key)
-    return {leaf: keys[0] for leaf, keys in by_leaf.items() if len(keys) == 1}
+    return MappingProxyType({leaf: keys[0] for leaf, keys in by_leaf.items() if len(keys) == 1})
 
 
 def canonical_key(name: str, source: str) -> str:

@@ -78,3 +78,11 @@ def test_meshkit_train_bad_override_is_one_line(tmp_path) -> None:
     proc = meshkit("train", str(config), "train.stepz=3")
     assert proc.returncode == 2
     assert "unknown config key 'train.stepz'" in proc.stderr and "'train.steps'" in proc.stderr
+
+
+def test_recipe_settings_that_cannot_train_are_one_line(tmp_path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("train:\n  seq_len: 64\nmodel:\n  max_seq_len: 32\n")
+    proc = meshkit("train", str(config))
+    assert proc.returncode == 2
+    assert "train.seq_len=64 exceeds model.max_seq_len=32" in proc.stderr and "Traceback" not in proc.stderr

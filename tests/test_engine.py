@@ -10,6 +10,7 @@ import torch
 
 from meshkit import Engine
 from meshkit.engine import EngineError
+from meshkit.loss import LossError
 from meshkit.tracking import TrackerError
 from tests.distributed import run_world
 from tests.training import tiny_gpt
@@ -55,7 +56,7 @@ def test_wrong_use_gets_clear_errors() -> None:
             engine.train_step(torch.zeros(1))
         model = engine.prepare(torch.nn.Linear(2, 1))
         engine.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
-        with pytest.raises(EngineError, match=r"carries no scalar loss \(a tensor of shape \[3, 1\]\): pass loss_fn="):
+        with pytest.raises(LossError, match=r"carries no scalar loss \(a tensor of shape \[3, 1\]\): pass loss_fn="):
             engine.train_step(torch.zeros(3, 2))
 
 

@@ -27,6 +27,10 @@ from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
 from meshkit.resolve import ResolvedConfig, launch_flags_from_env, parse_assignments, resolve
 
 
+class RecipeError(ValueError):
+    """Recipe settings that cannot train (model too small for the tokens, too little text, ...)."""
+
+
 def resolve_recipe(config_file: str | os.PathLike[str] | None, assignments: list[str]) -> ResolvedConfig:
     """File < environment < launch flags (the launcher's, then `key=value` arguments)."""
     flags, labels = launch_flags_from_env(os.environ)
@@ -66,13 +70,13 @@ def train(resolved: ResolvedConfig) -> dict[str, Any]:
 def _train(engine: Engine) -> dict[str, Any]:
     cfg = engine.config
     if cfg.model.vocab_size < BYTE_VOCAB_SIZE:
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is too small for byte tokens: use 256 or more")
+        raise RecipeError(f"model.vocab_size={cfg.model.vocab_size} is too small for byte tokens: use 256 or more")
     if cfg.train.seq_len > cfg.model.max_seq_len:
-        raise ValueError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+        raise RecipeError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     dataset = TokenWindows(ByteTokenizer().encode(load_text(cfg.train.dataset)), cfg.train.seq_len)
     per_window = cfg.train.micro_batch_size * engine.dp_size
     if len(dataset) < per_window:
-        raise ValueError(
+        raise RecipeError(
             f"the text gives {len(dataset)} sequences of {cfg.train.seq_len} tokens, fewer than one global "
             f"micro-batch ({per_window}): lower train.micro_batch_size or train.seq_len, or use a longer text"
         )
