@@ -62,7 +62,9 @@ def plan_affinity(
     if len(nodes) > 1:
         node = node_for_local_rank(local_rank, local_world_size, len(nodes))
         cpus = nodes[node] & available or available
-        sharing = sum(1 for r in range(local_world_size) if node_for_local_rank(r, local_world_size, len(nodes)) == node)
+        sharing = sum(
+            1 for r in range(local_world_size) if node_for_local_rank(r, local_world_size, len(nodes)) == node
+        )
         bound: int | None = node
     else:
         cpus, sharing, bound = available, local_world_size, None
@@ -71,8 +73,10 @@ def plan_affinity(
 
 def apply_affinity(local_rank: int, local_world_size: int, threads: int | None = None) -> Affinity:
     """Bind this process to its NUMA node (when there are several) and set torch's thread count."""
-    available = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset(
-        range(os.cpu_count() or 1)
+    available = (
+        frozenset(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else frozenset(range(os.cpu_count() or 1))
     )
     plan = plan_affinity(local_rank, local_world_size, numa_nodes(), available, threads)
     if plan.numa_node is not None and plan.cpus != available:

@@ -28,7 +28,9 @@ class ParallelConfig(Section):
     """Sizes of the five mesh dimensions; one of them may be -1, meaning "the rest of the world"."""
 
     dp_replicate: int = Field(-1, description="data-parallel replicas (DDP); -1 = the rest of the world")
-    dp_shard: int = Field(1, description="data-parallel shard group; without parameter sharding its ranks act as replicas")
+    dp_shard: int = Field(
+        1, description="data-parallel shard group; without parameter sharding its ranks act as replicas"
+    )
     cp: int = Field(1, description="context-parallel size (sequence split across ranks)")
     tp: int = Field(1, description="tensor-parallel size")
     pp: int = Field(1, description="pipeline-parallel stages")
@@ -44,9 +46,11 @@ class ParallelConfig(Section):
     @classmethod
     def _rest_moves_to_the_named_dim(cls, data: Any) -> Any:
         # dp_replicate defaults to "the rest"; naming another dim as the rest makes dp_replicate 1.
-        if isinstance(data, dict) and "dp_replicate" not in data:
-            if any(str(data.get(name)) == "-1" for name in PARALLEL_DIMS if name != "dp_replicate"):
-                return {**data, "dp_replicate": 1}
+        others_rest = isinstance(data, dict) and any(
+            str(data.get(name)) == "-1" for name in PARALLEL_DIMS if name != "dp_replicate"
+        )
+        if others_rest and "dp_replicate" not in data:
+            return {**data, "dp_replicate": 1}
         return data
 
     @model_validator(mode="after")

@@ -27,14 +27,15 @@ from meshkit.affinity import apply_affinity
 from meshkit.config import RunConfig
 from meshkit.data.loader import ShardedLoader, shard_dataloader
 from meshkit.export import save_safetensors
-from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
 from meshkit.loss import LossFn, compute_loss
+from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
 from meshkit.parallel.compose import parallelize, unwrap
 from meshkit.precision import autocast_context, make_grad_scaler
 from meshkit.resolve import ResolvedConfig, explicit_values, resolve
 from meshkit.seed import set_seed
 from meshkit.tracking import check_trackers, make_trackers, scalar_metrics
 from meshkit.tree import has_tensors, map_tensors
+
 
 class EngineError(ValueError):
     """Wrong use of the engine; the message says what to do instead."""
@@ -66,7 +67,9 @@ class Engine:
         self.config: RunConfig = self.resolved.config
         self.info = ProcessInfo.from_env()
         self.device = select_device(self.config.device, self.info.local_rank)
-        self.affinity = apply_affinity(self.info.local_rank, self.info.local_world_size, self.config.threads_per_process)
+        self.affinity = apply_affinity(
+            self.info.local_rank, self.info.local_world_size, self.config.threads_per_process
+        )
         check_trackers(self.config.logging.trackers)
         self._owns_process_group = start_process_group(self.info, self.device, self.config.collective_timeout_s)
         try:
@@ -139,7 +142,9 @@ class Engine:
             if isinstance(obj, nn.Module):
                 continue
             if isinstance(obj, torch.optim.Optimizer):
-                prepared[index] = self._remember(self._optimizers, PreparedOptimizer(obj, self.gradient_state, self.scaler))
+                prepared[index] = self._remember(
+                    self._optimizers, PreparedOptimizer(obj, self.gradient_state, self.scaler)
+                )
             elif isinstance(obj, DataLoader):
                 prepared[index] = self._remember(self._loaders, self._prepare_loader(obj))
             elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or hasattr(obj, "get_last_lr"):
@@ -313,7 +318,9 @@ class Engine:
         """The complete, unsharded state dict of a prepared model (same keys as the user's module)."""
         return self.unwrap_model(model).state_dict()
 
-    def save_model(self, out_dir: str | os.PathLike[str], model: nn.Module | None = None, max_shard_size: int | str = "2GB") -> Path:
+    def save_model(
+        self, out_dir: str | os.PathLike[str], model: nn.Module | None = None, max_shard_size: int | str = "2GB"
+    ) -> Path:
         """Write full weights as safetensors shards plus `model.safetensors.index.json` (main process)."""
         state = self.full_state_dict(model)
         index = Path(out_dir) / "model.safetensors.index.json"

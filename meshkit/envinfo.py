@@ -16,7 +16,9 @@ from meshkit.affinity import numa_nodes
 
 def environment_rows() -> list[tuple[str, str]]:
     cuda = torch.cuda.is_available()
-    backends = [name for name in ("gloo", "nccl", "mpi", "ucc") if getattr(dist, f"is_{name}_available", lambda: False)()]
+    backends = [
+        name for name in ("gloo", "nccl", "mpi", "ucc") if getattr(dist, f"is_{name}_available", lambda: False)()
+    ]
     rows = [
         ("meshkit", meshkit.__version__),
         ("python", sys.version.split()[0]),
@@ -26,7 +28,10 @@ def environment_rows() -> list[tuple[str, str]]:
         ("cuda devices", ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none"),
         ("distributed backends", ", ".join(backends) or "none"),
         ("default device / backend", "cuda / nccl" if cuda else "cpu / gloo"),
-        ("cpu cores (usable)", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())),
+        (
+            "cpu cores (usable)",
+            str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
+        ),
         ("numa nodes", str(len(numa_nodes()) or 1)),
         ("torch threads", str(torch.get_num_threads())),
     ]

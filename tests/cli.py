@@ -10,7 +10,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def meshkit(*args: str, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
+def meshkit(
+    *args: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    stdin: str | None = None,
+) -> subprocess.CompletedProcess:
     """`meshkit ARGS`; a run that outlives `timeout` raises (the child is killed), so nothing can hang CI."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(

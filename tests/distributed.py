@@ -49,8 +49,9 @@ def run_world(
 ) -> list[Any]:
     """Run `fn(rank, *args)` on `world_size` processes; returns the results in rank order.
 
-    `fn` must be importable (module level) and return tensors, numbers, strings, lists or dicts of them. Any rank's exception fails with that rank's traceback; a world
-    that does not finish within `timeout` seconds is killed and fails with the ranks that were missing.
+    `fn` must be importable (module level) and return tensors, numbers, strings, lists or dicts of them.
+    Any rank's exception fails with that rank's traceback; a world that does not finish within `timeout`
+    seconds is killed and fails with the ranks that were missing.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -95,7 +95,7 @@ def item_weighted_rank(rank: int) -> dict:
     engine = Engine(seed=0, grad_accum_steps=2, logging={"dir": "/tmp/meshkit-test-runs"})
     model = tiny_gpt()
     model, optimizer = engine.prepare(model, make_optimizer(model))
-    for micro, (inputs, targets) in enumerate(masked_micro_batches()[rank]):
+    for inputs, targets in masked_micro_batches()[rank]:
         with engine.accumulate():
             logits = model(inputs)
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)

@@ -9,8 +9,16 @@ import yaml
 from meshkit.recipes.train import resolve_recipe, train
 from tests.cli import meshkit
 
-SMALL = ["train.steps=4", "train.micro_batch_size=2", "train.seq_len=32", "model.dim=32", "model.n_layers=2",
-         "model.n_heads=2", "model.max_seq_len=32", "train.log_every=2"]
+SMALL = [
+    "train.steps=4",
+    "train.micro_batch_size=2",
+    "train.seq_len=32",
+    "model.dim=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.max_seq_len=32",
+    "train.log_every=2",
+]
 
 
 def test_config_questionnaire_writes_a_file_that_show_reads(tmp_path) -> None:
@@ -19,8 +27,14 @@ def test_config_questionnaire_writes_a_file_that_show_reads(tmp_path) -> None:
     proc = meshkit("config", "--config-file", str(path), stdin=answers)
     assert proc.returncode == 0, proc.stderr
     written = yaml.safe_load(path.read_text())
-    assert written["launch"] == {"nproc_per_node": 4, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1",
-                                 "master_port": 29511, "max_restarts": 3}
+    assert written["launch"] == {
+        "nproc_per_node": 4,
+        "nnodes": 2,
+        "node_rank": 1,
+        "master_addr": "10.0.0.1",
+        "master_port": 29511,
+        "max_restarts": 3,
+    }
     assert written["precision"] == "bf16" and written["grad_accum_steps"] == 2 and written["compile"]["enabled"]
 
     shown = meshkit("config", "show", "--config-file", str(path), "--set", "seed=9", env={"MESHKIT_TP": "1"})

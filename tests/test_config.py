@@ -14,7 +14,9 @@ from meshkit.resolve import ConfigError, launch_flags_to_env, parse_assignments,
 @pytest.fixture
 def config_file(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("precision: bf16\ngrad_accum_steps: 2\nparallel:\n  tp: 1\nseed: 5\ncompile:\n  mode: max-autotune\n")
+    path.write_text(
+        "precision: bf16\ngrad_accum_steps: 2\nparallel:\n  tp: 1\nseed: 5\ncompile:\n  mode: max-autotune\n"
+    )
     return path
 
 
@@ -40,7 +42,9 @@ def test_each_layer_overrides_the_one_below(config_file) -> None:
 
 
 def test_code_beats_a_conflicting_flag_with_one_warning(monkeypatch) -> None:
-    monkeypatch.setenv("MESHKIT_LAUNCH_FLAGS", launch_flags_to_env({"precision": "fp16"}, {"precision": "flag --precision"}))
+    monkeypatch.setenv(
+        "MESHKIT_LAUNCH_FLAGS", launch_flags_to_env({"precision": "fp16"}, {"precision": "flag --precision"})
+    )
     resolved = resolve(code={"precision": "bf16"})
     assert resolved.config.precision == "bf16"
     assert len(resolved.conflicts) == 1
@@ -115,6 +119,9 @@ def test_text_values_and_yaml_quirks(tmp_path) -> None:
     assert resolved.config.precision == "no"
     assert resolved.config.max_grad_norm is None
     assert resolved.config.parallel.tp == -1 and resolved.config.parallel.dp_replicate == 1
-    assert parse_assignments(["tp=2", "compile.mode=max-autotune"]) == {"parallel.tp": "2", "compile.mode": "max-autotune"}
+    assert parse_assignments(["tp=2", "compile.mode=max-autotune"]) == {
+        "parallel.tp": "2",
+        "compile.mode": "max-autotune",
+    }
     with pytest.raises(ConfigError, match="is not KEY=VALUE"):
         parse_assignments(["tp"])

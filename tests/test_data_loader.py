@@ -11,8 +11,9 @@ from meshkit.data.loader import DataLoaderError, shard_dataloader
 
 
 def shard(loader: DataLoader, rank: int, world: int, seed: int = 0):
-    return shard_dataloader(loader, dp_rank=rank, dp_size=world, seed=seed, device=torch.device("cpu"),
-                            state=GradientState(accum_steps=1))
+    return shard_dataloader(
+        loader, dp_rank=rank, dp_size=world, seed=seed, device=torch.device("cpu"), state=GradientState(accum_steps=1)
+    )
 
 
 def ids_of(loader) -> list[int]:
@@ -38,8 +39,14 @@ def test_shuffle_changes_per_epoch_and_is_seeded() -> None:
 
 def test_end_of_data_marks_the_last_batch() -> None:
     state = GradientState(accum_steps=4)
-    loader = shard_dataloader(DataLoader(TensorDataset(torch.arange(6)), batch_size=2), dp_rank=0, dp_size=1,
-                              seed=0, device=torch.device("cpu"), state=state)
+    loader = shard_dataloader(
+        DataLoader(TensorDataset(torch.arange(6)), batch_size=2),
+        dp_rank=0,
+        dp_size=1,
+        seed=0,
+        device=torch.device("cpu"),
+        state=state,
+    )
     flags = [state.end_of_dataloader for _ in loader]
     assert flags == [False, False, True]
     assert state.end_of_dataloader is False  # reset after the epoch

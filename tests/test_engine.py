@@ -88,7 +88,9 @@ def test_missing_tracker_package_fails_before_training(monkeypatch) -> None:
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real_find_spec(name, *a)
+    )
     with pytest.raises(TrackerError, match=r"pip install 'meshkit\[tensorboard\]'"):
         Engine(logging={"trackers": "jsonl,tensorboard"})
 

@@ -34,10 +34,12 @@ def test_rope_preserves_norm_and_is_relative() -> None:
     q = torch.randn(1, 32, 2, 8)
     torch.testing.assert_close(apply_rope(q, cos, sin).norm(dim=-1), q.norm(dim=-1))
     a, b = torch.randn(8), torch.randn(8)
+
     def score(i: int, j: int) -> torch.Tensor:
         qa = apply_rope(a.view(1, 1, 1, 8), cos[i : i + 1], sin[i : i + 1])
         kb = apply_rope(b.view(1, 1, 1, 8), cos[j : j + 1], sin[j : j + 1])
         return (qa * kb).sum()
+
     torch.testing.assert_close(score(5, 2), score(13, 10))  # depends on the distance only
 
 

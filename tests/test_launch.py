@@ -83,8 +83,17 @@ def test_port_in_use_is_named(script) -> None:
 def test_a_node_that_never_joins_fails_within_the_rendezvous_timeout(script) -> None:
     start = time.monotonic()
     proc = meshkit(
-        "launch", "--nnodes", "2", "--node-rank", "0", "--master-port", str(free_port()),
-        "--rdzv-timeout", "4", str(script), timeout=60,
+        "launch",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-port",
+        str(free_port()),
+        "--rdzv-timeout",
+        "4",
+        str(script),
+        timeout=60,
     )
     assert proc.returncode != 0
     assert "expected 2 nodes, 1 arrived" in proc.stderr
@@ -92,15 +101,18 @@ def test_a_node_that_never_joins_fails_within_the_rendezvous_timeout(script) -> 
 
 
 def test_two_nodes_on_one_host_rendezvous(script) -> None:
+    import os
     import subprocess
     import sys
-    import os
 
     port = str(free_port())
     args = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", port, "--rdzv-timeout", "60", str(script)]
     node0 = subprocess.Popen(
         [sys.executable, "-m", "meshkit.cli", "launch", "--node-rank", "0", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
         node1 = meshkit("launch", "--node-rank", "1", *args, timeout=90)

@@ -22,9 +22,7 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
     candidates = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList)
-        and len(module) > 1
-        and len({type(child) for child in module}) == 1
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(child) for child in module}) == 1
     ]
     if not candidates:
         raise BlockError(

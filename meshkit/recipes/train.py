@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from meshkit.data.text import BYTE_VOCAB_SIZE, ByteTokenizer, TokenWindows, load_text
 from meshkit.engine import Engine
 from meshkit.export import state_dict_sha256
 from meshkit.models.gpt import GPT, lm_loss
-from meshkit.data.text import BYTE_VOCAB_SIZE, ByteTokenizer, TokenWindows, load_text
 from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
 from meshkit.resolve import ResolvedConfig, launch_flags_from_env, parse_assignments, resolve
 
