@@ -28,6 +28,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py --nproc 2
 	$(BIN)/python bench/overhead.py --nproc 4
+	$(BIN)/python bench/memory.py --nproc 4
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -14,12 +14,12 @@ from rich.console import Console
 from rich.prompt import Prompt
 from rich.table import Table
 
-from meshkit.data.loader import DataLoaderError
-from meshkit.launch import LaunchError, LaunchPlan, LaunchTarget, launch
-from meshkit.mesh import MeshError, ProcessInfo
-from meshkit.recipes.train import RecipeError, resolve_recipe
+from meshkit.errors import MeshkitError
+from meshkit.launch import LaunchPlan, LaunchTarget, launch
+from meshkit.mesh import ProcessInfo
+from meshkit.recipes.train import resolve_recipe
 from meshkit.recipes.train import train as run_recipe
-from meshkit.resolve import ConfigError, ResolvedConfig, default_config_path, parse_assignments, resolve
+from meshkit.resolve import ResolvedConfig, default_config_path, parse_assignments, resolve
 
 app = typer.Typer(
     name="meshkit",
@@ -31,7 +31,7 @@ app = typer.Typer(
 config_app = typer.Typer(help="Write the config file (questionnaire), or show the resolved config.")
 app.add_typer(config_app, name="config")
 
-USER_ERRORS = (ConfigError, MeshError, LaunchError, DataLoaderError, RecipeError, FileNotFoundError)  # exit 2
+USER_ERRORS = (MeshkitError, FileNotFoundError)  # one line on stderr, exit code 2
 PASS_THROUGH = {"allow_interspersed_args": False, "ignore_unknown_options": True}
 
 

@@ -62,3 +62,15 @@ def reduce(data: Any, group: dist.ProcessGroup | None, op: str = "mean") -> Any:
         return out / size if op == "mean" else out
 
     return map_tensors(reduce_one, data)
+
+
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Every rank's `shard`, concatenated into `output` in rank order (`shard` may be a view of `output`)."""
+    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    gather_single(output, shard, group=group)
+
+
+def reduce_scatter_flat(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Sum `full` over the ranks of `group`; rank r receives chunk r of the sum in `shard`."""
+    scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
+    scatter_single(shard, full, group=group)

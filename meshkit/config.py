@@ -120,6 +120,45 @@ class LaunchSettings(Section):
         return self
 
 
+class ShardingConfig(Section):
+    """Sharded data parallel by the names people know: ZeRO stages, FSDP/HSDP, offload."""
+
+    zero_stage: int = Field(
+        0, ge=0, le=3, description="0 = DDP; 1 = shard optimizer states; 2 = and gradients; 3 = and parameters (FSDP)"
+    )
+    offload: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="cpu: FSDP CPU offload (zero_stage 3); nvme: optimizer states in files under offload_dir"
+    )
+    offload_dir: Path | None = Field(None, description="directory for nvme offload (a fast local disk)")
+    reshard_after_forward: bool | None = Field(
+        None, description="zero_stage 3: free gathered parameters after forward; null = yes except the last block"
+    )
+    param_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="zero_stage 3: dtype of gathered parameters; null = from precision"
+    )
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="zero_stage 3: dtype of the gradient reduce-scatter; null = fp32"
+    )
+    blocks: str | None = Field(None, description="dotted path of the block list; null = found automatically")
+    init_from: Path | None = Field(
+        None, description="safetensors file or index.json to fill a meta-device model from; null = the model's init"
+    )
+
+    @model_validator(mode="after")
+    def _supported_combination(self) -> ShardingConfig:
+        if self.offload == "nvme" and self.offload_dir is None:
+            raise ValueError("offload=nvme needs offload_dir: a directory on a fast local disk")
+        if self.offload == "cpu" and self.zero_stage != 3:
+            raise ValueError(
+                f"offload=cpu is supported with zero_stage=3 (FSDP), not {self.zero_stage}: set zero_stage=3"
+            )
+        if self.zero_stage != 3:
+            for name in ("param_dtype", "reduce_dtype", "reshard_after_forward"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to zero_stage=3 (FSDP) only; use precision= for autocast")
+        return self
+
+
 class TrainConfig(Section):
     """The built-in recipe (`meshkit train`): data, optimiser and loop length."""
 
@@ -146,12 +185,31 @@ class RunConfig(Section):
     threads_per_process: int | None = Field(
         None, ge=1, description="torch threads per rank; null = the rank's share of its cores"
     )
+    sharding: ShardingConfig = ShardingConfig()
     compile: CompileConfig = CompileConfig()
     ddp: DDPConfig = DDPConfig()
     logging: LoggingConfig = LoggingConfig()
     launch: LaunchSettings = LaunchSettings()
     model: GPTConfig = GPTConfig()
     train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sharding_takes_the_rest(cls, data: Any) -> Any:
+        # With zero_stage >= 1 and no data-parallel size given, every data-parallel rank holds a shard.
+        if not isinstance(data, dict):
+            return data
+        sharding, parallel = data.get("sharding", {}), data.get("parallel", {})
+        if isinstance(sharding, BaseModel):
+            sharding = sharding.model_dump(exclude_unset=True)
+        if isinstance(parallel, BaseModel):
+            parallel = parallel.model_dump(exclude_unset=True)
+        sharded = str(sharding.get("zero_stage", 0)) in ("1", "2", "3")
+        sizes_given = {"dp_replicate", "dp_shard"} & set(parallel)
+        rest_elsewhere = any(str(value) == "-1" for value in parallel.values())
+        if sharded and not sizes_given and not rest_elsewhere:
+            return {**data, "parallel": {**parallel, "dp_replicate": 1, "dp_shard": -1}}
+        return data
 
     @field_validator("precision", mode="before")
     @classmethod

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from meshkit import collectives
@@ -26,10 +27,15 @@ from meshkit.accumulation import GradientState, PreparedOptimizer, PreparedSched
 from meshkit.affinity import apply_affinity
 from meshkit.config import RunConfig
 from meshkit.data.loader import ShardedLoader, shard_dataloader
+from meshkit.errors import MeshkitError
 from meshkit.export import save_safetensors
+from meshkit.gradients import GradientSync
 from meshkit.loss import LossFn, compute_loss
+from meshkit.memory import memory_report
 from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
 from meshkit.parallel.compose import parallelize, unwrap
+from meshkit.parallel.nvme import check_offload_dir
+from meshkit.parallel.sharding import effective_zero_stage, rebind_params, shard_optimizer
 from meshkit.precision import autocast_context, make_grad_scaler
 from meshkit.resolve import ResolvedConfig, explicit_values, resolve
 from meshkit.seed import set_seed
@@ -37,7 +43,7 @@ from meshkit.tracking import check_trackers, make_trackers, scalar_metrics
 from meshkit.tree import has_tensors, map_tensors
 
 
-class EngineError(ValueError):
+class EngineError(MeshkitError):
     """Wrong use of the engine; the message says what to do instead."""
 
 
@@ -78,17 +84,25 @@ class Engine:
                 if getattr(dims, name) > 1:
                     raise EngineError(f"{name}={getattr(dims, name)} is not supported by this engine yet: set {name}=1")
             self.mesh = ParallelMesh(dims, self.info, self.device)
+            self.zero_stage = effective_zero_stage(self.config.sharding, self.mesh)
+            if self.config.sharding.offload == "nvme":
+                check_offload_dir(self.config.sharding.offload_dir)
         except Exception:
             self._stop_process_group()
             raise
         set_seed(self.config.seed)
         self.gradient_state = GradientState(accum_steps=self.config.grad_accum_steps)
-        self.scaler = make_grad_scaler(self.config.precision, self.device)
+        sharded_over = self.mesh.dp_group if self.zero_stage else None
+        self.scaler = make_grad_scaler(self.config.precision, self.device, sharded_over)
+        self._renamed_params: dict[int, nn.Parameter] = {}  # id(original) -> the parameter sharding put in its place
         self.loss_fn: LossFn | None = None
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._loaders: list[ShardedLoader] = []
+        self._gradients = GradientSync(
+            self.gradient_state, self.scaler, self.mesh.dp_group, self._models, self._optimizers
+        )
         self._trackers = make_trackers(self.config.logging.trackers, self.run_dir) if self.is_main_process else []
         if self.is_main_process:
             for conflict in self.resolved.conflicts:
@@ -142,9 +156,7 @@ class Engine:
             if isinstance(obj, nn.Module):
                 continue
             if isinstance(obj, torch.optim.Optimizer):
-                prepared[index] = self._remember(
-                    self._optimizers, PreparedOptimizer(obj, self.gradient_state, self.scaler)
-                )
+                prepared[index] = self._remember(self._optimizers, self._prepare_optimizer(obj))
             elif isinstance(obj, DataLoader):
                 prepared[index] = self._remember(self._loaders, self._prepare_loader(obj))
             elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or hasattr(obj, "get_last_lr"):
@@ -162,7 +174,16 @@ class Engine:
         return obj
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        return self._remember(self._models, parallelize(model, self.mesh, self.config))
+        originals = dict(model.named_parameters())
+        model = parallelize(model, self.mesh, self.config, self.zero_stage)
+        now = dict(unwrap(model).named_parameters())
+        self._renamed_params.update({id(p): now[n] for n, p in originals.items() if now.get(n) is not p})
+        return self._remember(self._models, model)
+
+    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        optimizer = rebind_params(optimizer, self._renamed_params)
+        sharded = shard_optimizer(optimizer, self._models, self.mesh, self.config.sharding, self.zero_stage)
+        return PreparedOptimizer(sharded, self.gradient_state, self.scaler)
 
     def _prepare_loader(self, loader: DataLoader) -> ShardedLoader:
         return shard_dataloader(
@@ -175,16 +196,9 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ the step
-    @contextlib.contextmanager
-    def accumulate(self) -> Iterator[None]:
+    def accumulate(self) -> contextlib.AbstractContextManager[None]:
         """One micro-step: gradients synchronise (and the optimizer steps) on every grad_accum_steps-th."""
-        self.gradient_state.begin_micro_step()
-        with contextlib.ExitStack() as stack:
-            if not self.gradient_state.sync:
-                for model in self._models:
-                    if hasattr(model, "no_sync"):
-                        stack.enter_context(model.no_sync())
-            yield
+        return self._gradients.accumulate()
 
     def backward(self, loss: torch.Tensor, *, num_items: float | torch.Tensor | None = None) -> None:
         """Backward with accumulation scaling (and fp16 loss scaling).
@@ -193,44 +207,11 @@ class Engine:
         `num_items` items (e.g. tokens) and the final gradient is the mean over every item of the window on
         every dp rank — the right average when micro-batches hold different numbers of tokens.
         """
-        state = self.gradient_state
-        weighted = num_items is not None
-        if state.weighted_window is None:
-            state.weighted_window = weighted
-        elif state.weighted_window != weighted:
-            raise EngineError("backward(): pass num_items on every micro-step of an accumulation window, or on none")
-        if weighted:
-            state.window_items += float(num_items)  # type: ignore[arg-type]
-            loss = loss * float(num_items)  # type: ignore[arg-type]
-        else:
-            loss = loss / state.accum_steps
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward()
-        if state.sync:
-            if weighted:
-                self._divide_gradients_by_items(state.window_items)
-            state.end_window()
-
-    def _divide_gradients_by_items(self, local_items: float) -> None:
-        total = collectives.reduce(torch.tensor(local_items, device=self.device), self.mesh.dp_group, op="sum")
-        if total.item() <= 0:
-            raise EngineError("backward(): num_items summed to 0 over the window; pass the count of items in the loss")
-        factor = self.dp_size / total  # DDP already divided the summed gradients by dp_size
-        for model in self._models:
-            for param in model.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(factor.to(param.grad.dtype))
+        self._gradients.backward(loss, num_items)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip the prepared models' gradients (unscaled first under fp16); None on non-syncing micro-steps."""
-        if not self.sync_gradients:
-            return None
-        if self.scaler is not None:
-            for optimizer in self._optimizers:
-                self.scaler.unscale_(optimizer.optimizer)
-        params = [p for model in self._models for p in model.parameters()]
-        return nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        return self._gradients.clip_grad_norm_(max_norm, norm_type)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's autocast context, for code outside the prepared model's forward."""
@@ -315,8 +296,16 @@ class Engine:
         return unwrap(model if model is not None else self._only("model", self._models))
 
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """The complete, unsharded state dict of a prepared model (same keys as the user's module)."""
-        return self.unwrap_model(model).state_dict()
+        """The complete, unsharded state dict of a prepared model (same keys as the user's module).
+
+        Collective under ZeRO-3: every rank must call it (each shard is all-gathered).
+        """
+        state = self.unwrap_model(model).state_dict()
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds now for `params`, `grads` and `optimizer` state, and its `rss`/`peak_rss`."""
+        return memory_report(self._models, [opt.optimizer for opt in self._optimizers])
 
     def save_model(
         self, out_dir: str | os.PathLike[str], model: nn.Module | None = None, max_shard_size: int | str = "2GB"

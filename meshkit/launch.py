@@ -26,13 +26,14 @@ from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
 from meshkit.config import LaunchSettings, RunConfig
+from meshkit.errors import MeshkitError
 from meshkit.resolve import ENV_CONFIG_FILE, ENV_LAUNCH_FLAGS, launch_flags_to_env
 
 MULTI_NODE_DEFAULT_PORT = 29500
 RUN_ID_ENV = "MESHKIT_RUN_ID"
 
 
-class LaunchError(RuntimeError):
+class LaunchError(MeshkitError):
     """The job could not start or finish; the message names the cause."""
 
 

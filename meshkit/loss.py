@@ -8,10 +8,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshkit.errors import MeshkitError
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-class LossError(ValueError):
+class LossError(MeshkitError):
     """A batch or model output the engine cannot turn into a loss; the message says what to pass."""
 
 

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshkit.config import PARALLEL_DIMS, ParallelConfig
+from meshkit.errors import MeshkitError
 
 
-class MeshError(ValueError):
+class MeshError(MeshkitError):
     """Parallel sizes that do not fit the world; the message says what to change."""
 
 

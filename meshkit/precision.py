@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshkit.tree import map_tensors
@@ -41,6 +42,18 @@ def autocast_forward(module: nn.Module, precision: str, device_type: str) -> Non
     module.forward = forward_in_autocast  # type: ignore[method-assign]
 
 
-def make_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
-    """fp16 needs loss scaling (its range is narrow); bf16 and fp32 do not."""
-    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+def make_grad_scaler(
+    precision: str, device: torch.device, sharded_over: dist.ProcessGroup | None = None
+) -> torch.amp.GradScaler | None:
+    """fp16 needs loss scaling (its range is narrow); bf16 and fp32 do not.
+
+    With sharded gradients each rank sees only its shard, so the inf/nan check must be agreed over the group
+    (`ShardedGradScaler`), or ranks would disagree on skipping the step.
+    """
+    if precision != "fp16":
+        return None
+    if sharded_over is not None:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type, process_group=sharded_over)
+    return torch.amp.GradScaler(device.type)

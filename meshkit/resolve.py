@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from meshkit.config import RunConfig
+from meshkit.errors import MeshkitError
 
 ENV_PREFIX = "MESHKIT_"
 ENV_CONFIG_FILE = "MESHKIT_CONFIG_FILE"  # path of the YAML file (the launcher passes it to the workers)
@@ -29,7 +30,7 @@ ENV_LAUNCH_FLAGS = "MESHKIT_LAUNCH_FLAGS"  # JSON of the launch flags, so worker
 RESERVED_ENV = frozenset({ENV_CONFIG_FILE, ENV_LAUNCH_FLAGS, "MESHKIT_RUN_ID"})
 
 
-class ConfigError(ValueError):
+class ConfigError(MeshkitError):
     """A bad setting: the message is one line naming the key, its source and what to do."""
 
 
@@ -64,6 +65,9 @@ class ResolvedConfig:
     def rows(self) -> list[tuple[str, str, str]]:
         """(key, value, source) for every leaf, in schema order."""
         return [(key, _show(self.value(key)), self.sources[key]) for key in leaf_keys()]
+
+
+_DEFAULTS = ResolvedConfig(config=RunConfig(), sources={})
 
 
 def _show(value: Any) -> str:
@@ -284,4 +288,8 @@ def resolve(
         config = RunConfig.model_validate(_nest(merged))
     except ValidationError as err:
         raise ConfigError(_validation_message(err, sources, merged)) from None
-    return ResolvedConfig(config=config, sources=dict(sources), conflicts=conflicts)
+    resolved = ResolvedConfig(config=config, sources=sources, conflicts=conflicts)
+    for key in leaf_keys():  # e.g. zero_stage=3 makes dp_shard "the rest": say so instead of "default"
+        if sources[key] == "default" and resolved.value(key) != _DEFAULTS.value(key):
+            sources[key] = "derived from other settings"
+    return resolved

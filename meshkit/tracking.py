@@ -11,8 +11,10 @@ from typing import Any, Protocol, TextIO
 
 import torch
 
+from meshkit.errors import MeshkitError
 
-class TrackerError(ValueError):
+
+class TrackerError(MeshkitError):
     """A tracker that cannot run here; the message says what to install."""
 
 

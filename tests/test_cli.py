@@ -68,6 +68,8 @@ def test_train_in_process_writes_the_summary(tmp_path) -> None:
         assert key in on_disk
     assert on_disk["steps"] == 4 and on_disk["world_size"] == 1 and on_disk["tokens_per_s"] > 0
     assert on_disk["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
+    n_params = on_disk["parameters"]
+    assert len(on_disk["memory"]) == 1 and on_disk["memory"][0]["params"] == 4 * n_params  # fp32, unsharded
     assert (run_dir / "loss.png").stat().st_size > 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [2, 4] and all("loss" in m for m in metrics)
@@ -82,8 +84,20 @@ def test_meshkit_train_launches_itself_on_two_ranks(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["layout"]["dp_replicate"] == 2
+    assert [m["params"] for m in summary["memory"]] == [4 * summary["parameters"]] * 2
     assert summary["final_loss"] < summary["first_loss"]
-    assert "meshkit run summary" in proc.stdout
+    assert "meshkit run summary" in proc.stdout and "memory per rank" in proc.stdout
+
+
+def test_meshkit_train_with_zero3_reports_sharded_memory(tmp_path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"launch": {"nproc_per_node": 2}, "sharding": {"zero_stage": 3}}))
+    proc = meshkit("train", str(config), *SMALL, f"logging.dir={tmp_path / 'r'}", timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["zero_stage"] == 3 and summary["layout"]["dp_shard"] == 2
+    for rank_memory in summary["memory"]:
+        assert rank_memory["params"] <= 4 * summary["parameters"] / 2 * 1.05  # each rank holds about half
 
 
 def test_meshkit_train_bad_override_is_one_line(tmp_path) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from meshkit import Engine
 from meshkit.engine import EngineError
+from meshkit.gradients import GradientError
 from meshkit.loss import LossError
 from meshkit.tracking import TrackerError
 from tests.distributed import run_world
@@ -65,7 +66,7 @@ def test_mixing_item_weighting_within_a_window_is_refused() -> None:
         model = engine.prepare(torch.nn.Linear(2, 1))
         with engine.accumulate():
             engine.backward(model(torch.ones(1, 2)).sum(), num_items=1)
-        with engine.accumulate(), pytest.raises(EngineError, match="on every micro-step"):
+        with engine.accumulate(), pytest.raises(GradientError, match="on every micro-step"):
             engine.backward(model(torch.ones(1, 2)).sum())
 
 

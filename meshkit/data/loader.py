@@ -16,10 +16,11 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from meshkit.accumulation import GradientState
+from meshkit.errors import MeshkitError
 from meshkit.tree import to_device
 
 
-class DataLoaderError(ValueError):
+class DataLoaderError(MeshkitError):
     """A DataLoader meshkit cannot shard; the message says how to pass it."""
 
 

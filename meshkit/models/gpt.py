@@ -148,17 +148,27 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Deterministic under torch.manual_seed; residual output projections scaled by 1/sqrt(2 * n_layers)."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)  # buffers are not in the state dict: recomputed after materialisation
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        """Initialise every module in `named_modules` order (deterministic under torch.manual_seed)."""
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith(("wo", "w2")) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
+            self.init_module(name, module)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Initialise `module`'s own parameters and buffers (not its children's).
+
+        Meta-device materialisation calls this module by module in the same order as `init_weights`, so both
+        draw the same random numbers and produce the same weights. Residual output projections get std
+        0.02 / sqrt(2 * n_layers).
+        """
+        if module is self:
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos.copy_(cos)  # buffers are not in the state dict: recomputed after materialisation
+            self.rope_sin.copy_(sin)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo", "w2")) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.RMSNorm):
+            nn.init.ones_(module.weight)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

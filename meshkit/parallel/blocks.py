@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from meshkit.errors import MeshkitError
 
-class BlockError(ValueError):
+
+class BlockError(MeshkitError):
     """No repeated blocks could be found; the message says how to name them."""
 
 

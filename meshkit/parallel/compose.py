@@ -2,7 +2,8 @@
 
 Order (each step relies on the previous one's result): pipeline split -> tensor/sequence parallel -> context
 parallel -> activation checkpointing -> compile -> FSDP or DDP. Compile comes before the data-parallel
-wrapper so that DDP's bucket hooks see the compiled module, and before FSDP so sharding wraps compiled code.
+wrapper so that DDP's bucket hooks see the compiled module and FSDP shards compiled blocks. A model built on
+the meta device is materialised after sharding (only this rank's shards are ever allocated).
 """
 
 from __future__ import annotations
@@ -13,20 +14,38 @@ from meshkit.config import RunConfig
 from meshkit.mesh import ParallelMesh
 from meshkit.parallel.compile import apply_compile
 from meshkit.parallel.ddp import apply_ddp
+from meshkit.parallel.fsdp import apply_fsdp
+from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
 from meshkit.precision import autocast_forward
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig) -> nn.Module:
-    """Place `model` on this rank's device and wrap it for the run's layout and precision."""
-    model = model.to(mesh.device)
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_stage: int) -> nn.Module:
+    """Place `model` on this rank's device and wrap it for the run's layout and precision.
+
+    `zero_stage` is the stage in effect (0 when there is a single data-parallel rank). Stages 1 and 2 leave the
+    model as it is: their sharding lives in the optimizer (`meshkit.parallel.zero`).
+    """
+    sharding = config.sharding
+    on_meta = has_meta_tensors(model)
+    if not on_meta:
+        model = model.to(mesh.device)
+        if sharding.init_from is not None:
+            load_safetensors(model, sharding.init_from)
+    elif zero_stage != 3:
+        materialize(model, mesh.device, sharding.init_from)
     model = apply_compile(model, config.compile)
-    model = apply_ddp(model, mesh, config.ddp)
+    if zero_stage == 3:
+        model = apply_fsdp(model, mesh, sharding, config.precision)
+        if on_meta:
+            materialize(model, mesh.device, sharding.init_from)
+    elif zero_stage == 0:
+        model = apply_ddp(model, mesh, config.ddp)
     autocast_forward(model, config.precision, mesh.device.type)
     return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module under the DDP and torch.compile wrappers."""
+    """The user's module under the DDP and torch.compile wrappers (FSDP2 shards in place: nothing to remove)."""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module

@@ -74,6 +74,7 @@ def print_summary(summary: dict[str, Any], run_dir: Path, plot: Path | None) -> 
     table.add_column("", style="bold")
     table.add_column("")
     table.add_row("layout", f"{summary['layout_description']} ({summary['world_size']} ranks)")
+    table.add_row("zero stage", str(summary["zero_stage"]))
     table.add_row("precision", summary["precision"])
     table.add_row("steps", str(summary["steps"]))
     table.add_row("loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}")
@@ -83,3 +84,15 @@ def print_summary(summary: dict[str, Any], run_dir: Path, plot: Path | None) -> 
     table.add_row("summary", str(run_dir / "summary.json"))
     table.add_row("loss plot", str(plot) if plot else "not drawn: pip install 'meshkit[plot]'")
     Console().print(table)
+    Console().print(memory_table(summary["memory"]))
+
+
+def memory_table(per_rank: list[dict[str, int]]) -> Table:
+    """Per rank: bytes held for parameters, gradients, optimizer states, and resident memory."""
+    table = Table(title="memory per rank after the last step (MB)")
+    for column in ("rank", "params", "grads", "optimizer", "rss", "peak rss"):
+        table.add_column(column, justify="right")
+    for rank, report in enumerate(per_rank):
+        values = (report[k] / 1e6 for k in ("params", "grads", "optimizer", "rss", "peak_rss"))
+        table.add_row(str(rank), *(f"{v:,.1f}" for v in values))
+    return table

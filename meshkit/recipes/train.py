@@ -19,15 +19,17 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from meshkit import collectives
 from meshkit.data.text import BYTE_VOCAB_SIZE, ByteTokenizer, TokenWindows, load_text
 from meshkit.engine import Engine
+from meshkit.errors import MeshkitError
 from meshkit.export import state_dict_sha256
 from meshkit.models.gpt import GPT, lm_loss
 from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
 from meshkit.resolve import ResolvedConfig, launch_flags_from_env, parse_assignments, resolve
 
 
-class RecipeError(ValueError):
+class RecipeError(MeshkitError):
     """Recipe settings that cannot train (model too small for the tokens, too little text, ...)."""
 
 
@@ -112,6 +114,7 @@ def _train(engine: Engine) -> dict[str, Any]:
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 engine.log({"loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s}, step)
     wall = time.perf_counter() - start
+    memory = collectives.gather_object(engine.memory_report(), group=None)  # every rank's, in rank order
 
     summary = {
         "final_loss": losses[-1],
@@ -125,7 +128,9 @@ def _train(engine: Engine) -> dict[str, Any]:
         "precision": cfg.precision,
         "grad_accum_steps": cfg.grad_accum_steps,
         "parameters": n_params,
+        "zero_stage": engine.zero_stage,
         "params_sha256": state_dict_sha256(engine.full_state_dict()),
+        "memory": memory,
     }
     if engine.is_main_process:
         run_dir = Path(cfg.logging.dir)

@@ -1,0 +1,160 @@
+"""Sharded data parallel: bytes held per rank against the ZeRO formulas, resident memory, step time vs DDP.
+
+Each layout runs in its own world of `--nproc` ranks (so resident memory is the layout's own), one after the
+other in this run; DDP runs first and last and the step-time ratios use the mean of the two. The model is built
+on the meta device and materialised after sharding. Model states are measured right after the optimizer step,
+before zero_grad (parameters, gradients and optimizer states all held); "rss+" is the resident memory the
+layout adds to the process after the engine started. Prints a table and writes JSON.
+
+    python bench/memory.py [--nproc 4] [--steps 8] [--out bench/results/memory.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshkit import Engine
+from meshkit.config import LaunchSettings
+from meshkit.launch import LaunchPlan, LaunchTarget, launch
+from meshkit.memory import current_rss_bytes
+from meshkit.models.gpt import GPT, GPTConfig, lm_loss
+
+MODEL = GPTConfig(dim=320, n_layers=8, n_heads=8, max_seq_len=128)
+MICRO_BATCH, SEQ_LEN, WARMUP = 4, 128, 2
+
+
+def layouts(offload_dir: str) -> list[tuple[str, dict]]:
+    ddp = {"ddp": {"gradient_as_bucket_view": True}}  # gradients are views of DDP's buckets: held once
+    return [
+        ("ddp", ddp),
+        ("zero1", {"zero_stage": 1}),
+        ("zero2", {"zero_stage": 2}),
+        ("zero3", {"zero_stage": 3}),
+        ("zero3+nvme", {"zero_stage": 3, "offload": "nvme", "offload_dir": offload_dir}),
+        ("ddp again", ddp),
+    ]
+
+
+def formula(name: str, psi: int, n: int) -> float:
+    """fp32 params 4Ψ, grads 4Ψ, Adam moments 8Ψ (nvme: the moments are on disk, not in memory)."""
+    return {
+        "ddp": 16 * psi,
+        "ddp again": 16 * psi,
+        "zero1": 8 * psi + 8 * psi / n,
+        "zero2": 4 * psi + 12 * psi / n,
+        "zero3": 16 * psi / n,
+        "zero3+nvme": 8 * psi / n,
+    }[name]
+
+
+def worker(overrides: dict, steps: int, out: Path) -> None:
+    engine = Engine(seed=0, **overrides)
+    baseline_rss = current_rss_bytes()  # torch and the process group; what the layout adds comes on top
+    torch.manual_seed(0)
+    with torch.device("meta"):  # materialised after sharding: full-size weights are never allocated
+        model = GPT(MODEL)
+    model, optimizer = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    generator = torch.Generator().manual_seed(engine.process_index)
+    times, report = [], {}
+    for step in range(WARMUP + steps):
+        tokens = torch.randint(0, MODEL.vocab_size, (MICRO_BATCH, SEQ_LEN + 1), generator=generator)
+        dist.barrier()
+        start = time.perf_counter()
+        engine.backward(lm_loss(model(tokens[:, :-1]), tokens[:, 1:]))
+        optimizer.step()
+        elapsed = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        if step >= WARMUP:
+            times.append(elapsed.item())
+        if step == WARMUP + steps - 1:
+            report = engine.memory_report()
+            report["rss_added"] = report["rss"] - baseline_rss
+            report["peak_rss_added"] = report["peak_rss"] - baseline_rss
+        optimizer.zero_grad()
+    reports: list = [None] * engine.num_processes
+    dist.all_gather_object(reports, report)
+    if engine.is_main_process:
+        params = sum(p.numel() for p in engine.unwrap_model().parameters())
+        out.write_text(json.dumps({"reports": reports, "step_s": statistics.median(times), "psi": params}))
+    engine.end()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/memory.json"))
+    parser.add_argument("--worker", nargs=2, metavar=("LAYOUT_JSON", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker[0]), args.steps, Path(args.worker[1]))
+        return 0
+    # glibc keeps freed blocks below its (growing) mmap threshold in the heap, where they still count as
+    # resident; a fixed low threshold returns freed tensors to the system at once, so RSS shows live memory.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, overrides in layouts(str(Path(scratch) / "nvme")):
+            out = Path(scratch) / "result.json"
+            argv = ("--steps", str(args.steps), "--worker", json.dumps(overrides), str(out))
+            code = launch(
+                LaunchTarget(os.path.abspath(__file__), argv), LaunchPlan(LaunchSettings(nproc_per_node=args.nproc))
+            )
+            if code:
+                return code
+            rows.append((name, json.loads(out.read_text())))
+    report(rows, args.nproc, args.out)
+    return 0
+
+
+def report(rows: list[tuple[str, dict]], world: int, out: Path) -> None:
+    ddp_step = statistics.fmean(r["step_s"] for name, r in rows if name.startswith("ddp"))
+    table = []
+    for name, result in rows:
+        worst = max(result["reports"], key=lambda r: r["params"] + r["grads"] + r["optimizer"])
+        held = worst["params"] + worst["grads"] + worst["optimizer"]
+        expected = formula(name, result["psi"], world)
+        table.append(
+            {
+                "layout": name,
+                "params_mb": worst["params"] / 1e6,
+                "grads_mb": worst["grads"] / 1e6,
+                "optimizer_mb": worst["optimizer"] / 1e6,
+                "held_mb": held / 1e6,
+                "formula_mb": expected / 1e6,
+                "held_over_formula": held / expected,
+                "rss_mb": max(r["rss"] for r in result["reports"]) / 1e6,
+                "peak_rss_mb": max(r["peak_rss"] for r in result["reports"]) / 1e6,
+                "rss_added_mb": max(r["rss_added"] for r in result["reports"]) / 1e6,
+                "peak_rss_added_mb": max(r["peak_rss_added"] for r in result["reports"]) / 1e6,
+                "step_vs_ddp": result["step_s"] / ddp_step,
+            }
+        )
+    psi = rows[0][1]["psi"]
+    result = {"benchmark": "sharded data parallel memory", "world_size": world, "psi": psi, "rows": table}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nmodel states per rank, Ψ = {psi:,} parameters, N = {world} ranks, fp32 + AdamW")
+    head = f"{'layout':<12}{'params':>9}{'grads':>9}{'optim':>9}{'held':>9}{'formula':>9}{'ratio':>7}"
+    print(head + f"{'rss+':>9}{'peak rss+':>11}{'step/ddp':>10}   (MB; rss+ = resident memory added by the layout)")
+    for row in table:
+        print(
+            f"{row['layout']:<12}{row['params_mb']:>9.1f}{row['grads_mb']:>9.1f}{row['optimizer_mb']:>9.1f}"
+            f"{row['held_mb']:>9.1f}{row['formula_mb']:>9.1f}{row['held_over_formula']:>7.3f}"
+            f"{row['rss_added_mb']:>9.1f}{row['peak_rss_added_mb']:>11.1f}{row['step_vs_ddp']:>10.2f}"
+        )
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Gradient synchronisation: when gradients are reduced, how the loss is scaled, and the global norm.
+
+One `GradientSync` per engine. It works on the engine's own lists of prepared models and optimizers, so every
+layout takes the same path: DDP reduces during backward (and skips that under `no_sync`), FSDP reduce-scatters
+during backward (switched off with `set_requires_gradient_sync`), ZeRO-1/2 reduce once after the last backward
+of a window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshkit import collectives
+from meshkit.accumulation import GradientState, PreparedOptimizer
+from meshkit.errors import MeshkitError
+from meshkit.parallel.zero import ZeroOptimizer
+
+
+class GradientError(MeshkitError):
+    """Wrong use of backward or accumulation; the message says what to pass."""
+
+
+class GradientSync:
+    def __init__(
+        self,
+        state: GradientState,
+        scaler: torch.amp.GradScaler | None,
+        dp_group: dist.ProcessGroup,
+        models: list[nn.Module],
+        optimizers: list[PreparedOptimizer],
+    ) -> None:
+        self.state = state
+        self.scaler = scaler
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.models = models  # the engine's lists: prepared objects appear here as they are prepared
+        self.optimizers = optimizers
+
+    @property
+    def zero_optimizers(self) -> list[ZeroOptimizer]:
+        return [opt.optimizer for opt in self.optimizers if isinstance(opt.optimizer, ZeroOptimizer)]
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        self.state.begin_micro_step()
+        sync = self.state.sync
+        with contextlib.ExitStack() as stack:
+            for model in self.models:
+                if hasattr(model, "set_requires_gradient_sync"):  # FSDP: reduce-scatter only when syncing
+                    model.set_requires_gradient_sync(sync)
+                elif not sync and hasattr(model, "no_sync"):  # DDP
+                    stack.enter_context(model.no_sync())
+            yield
+
+    def backward(self, loss: torch.Tensor, num_items: float | torch.Tensor | None) -> None:
+        state = self.state
+        weighted = num_items is not None
+        if state.weighted_window is None:
+            state.weighted_window = weighted
+        elif state.weighted_window != weighted:
+            raise GradientError("backward(): pass num_items on every micro-step of an accumulation window, or on none")
+        if weighted:
+            state.window_items += float(num_items)  # type: ignore[arg-type]
+            loss = loss * float(num_items)  # type: ignore[arg-type]
+        else:
+            loss = loss / state.accum_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        for zero in self.zero_optimizers:
+            zero.before_backward()
+        loss.backward()
+        if state.sync:
+            if weighted:
+                self._divide_by_items(state.window_items, loss.device)
+            for zero in self.zero_optimizers:
+                zero.reduce_gradients()
+            state.end_window()
+
+    def _divide_by_items(self, local_items: float, device: torch.device) -> None:
+        total = collectives.reduce(torch.tensor(local_items, device=device), self.dp_group, op="sum").item()
+        if total <= 0:
+            raise GradientError(
+                "backward(): num_items summed to 0 over the window; pass the count of items in the loss"
+            )
+        factor = self.dp_size / total  # the gradient average divides by dp_size already (before or after this)
+        for model in self.models:
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor | None:
+        if not self.state.sync:
+            return None
+        if self.scaler is not None:
+            for optimizer in self.optimizers:
+                self.scaler.unscale_(optimizer.optimizer)
+        zero = self.zero_optimizers
+        if zero:  # gradients live in per-rank chunks: the norm needs one all-reduce
+            return zero[0].clip_grad_norm_(max_norm, norm_type)
+        params = [p for model in self.models for p in model.parameters()]
+        norm: Any = nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -1,0 +1,68 @@
+"""ZeRO-3 (FSDP) and HSDP with torch's FSDP2 `fully_shard`: parameters, gradients and optimizer states sharded.
+
+Every repeated block is its own FSDP unit (its parameters are all-gathered just before its forward and freed
+after it), then the root takes the remaining parameters (embedding, final norm, head). On a 2-D mesh
+(dp_replicate, dp_shard) the same call is HSDP: sharded within a replica group, replicated across groups.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from meshkit.config import ShardingConfig
+from meshkit.mesh import ParallelMesh
+from meshkit.parallel.blocks import find_blocks
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class OffloadNotice(UserWarning):
+    """CPU offload asked for on a host where parameters already live in CPU memory."""
+
+
+def fsdp_mesh(mesh: ParallelMesh) -> DeviceMesh:
+    """(dp_replicate, dp_shard) for HSDP, dp_shard alone otherwise."""
+    if mesh.size("dp_replicate") > 1:
+        return mesh.device_mesh["dp_replicate", "dp_shard"]
+    return mesh.device_mesh["dp_shard"]
+
+
+def mixed_precision_policy(cfg: ShardingConfig, precision: str) -> MixedPrecisionPolicy:
+    """Gathered parameters in the run's precision (or `param_dtype`); gradients reduced in fp32 by default."""
+    param = cfg.param_dtype or {"bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32")
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[cfg.reduce_dtype or "fp32"])
+
+
+def offload_policy(cfg: ShardingConfig, device: torch.device) -> CPUOffloadPolicy | None:
+    if cfg.offload != "cpu":
+        return None
+    if device.type == "cpu":
+        warnings.warn(
+            "offload=cpu: on this CPU-only host parameters, gradients and optimizer states already live in CPU "
+            "memory, so there is nothing to move; the run continues as plain zero_stage=3",
+            OffloadNotice,
+            stacklevel=3,
+        )
+        return None
+    return CPUOffloadPolicy(pin_memory=True)
+
+
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, cfg: ShardingConfig, precision: str) -> nn.Module:
+    """Shard each block, then the root. Returns the same module object (FSDP2 works in place)."""
+    _, blocks = find_blocks(model, cfg.blocks)
+    options = {"mesh": fsdp_mesh(mesh), "mp_policy": mixed_precision_policy(cfg, precision)}
+    policy = offload_policy(cfg, mesh.device)
+    if policy is not None:
+        options["offload_policy"] = policy
+    for index, block in enumerate(blocks):
+        # The last block runs first in backward: freeing its parameters after forward would only make
+        # backward gather them again at once.
+        reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else index < len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard, **options)
+    fully_shard(model, reshard_after_forward=cfg.reshard_after_forward is not False, **options)
+    return model

@@ -1,0 +1,135 @@
+"""Meta-device initialisation: build on `meta`, shard, then materialise only this rank's shard.
+
+`torch.device("meta")` builds a model of any size without memory. After sharding, `to_empty` allocates just
+this rank's shards, and the weights are filled module by module, never holding more than one module's full
+tensors: either by the model's own init (`init_module(name, module)`, else each module's `reset_parameters`) in
+`named_modules` order — the order eager construction uses, so the weights equal an eager model's under the same
+seed — or from a safetensors file (or an index of shards), one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from meshkit.errors import MeshkitError
+
+
+class MaterializeError(MeshkitError):
+    """A meta-device model that cannot be filled; the message says what it lacks."""
+
+
+def has_meta_tensors(model: nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def _set_local(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the full tensor `full` into `target` (a DTensor shard or a plain tensor)."""
+    if isinstance(target, DTensor):
+        # src_data_rank=None: every rank holds the same full tensor and keeps its own slice, no communication
+        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)
+
+
+@contextlib.contextmanager
+def _full_size(module: nn.Module) -> Iterator[None]:
+    """Temporarily give `module` full-size plain parameters in place of its shards, then keep its shard."""
+    sharded = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}
+    for name, param in sharded.items():
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+        module._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
+    try:
+        yield
+        for name, param in sharded.items():
+            _set_local(param, module._parameters[name].detach())
+    finally:
+        module._parameters.update(sharded)
+
+
+def module_initializer(model: nn.Module) -> Callable[[str, nn.Module], None]:
+    """The model's `init_module(name, module)`, else a call of each module's own `reset_parameters`."""
+    if hasattr(model, "init_module"):
+        return model.init_module
+    lacking = [
+        name or type(model).__name__
+        for name, module in model.named_modules()
+        if any(True for _ in module.parameters(recurse=False)) and not hasattr(module, "reset_parameters")
+    ]
+    if lacking:
+        raise MaterializeError(
+            f"cannot initialise a meta-device model: modules {lacking[:5]} have parameters but no reset_parameters; "
+            "give the model an init_module(name, module) method, or set sharding.init_from to a safetensors file"
+        )
+
+    def reset(_name: str, module: nn.Module) -> None:
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    return reset
+
+
+@torch.no_grad()
+def initialize(model: nn.Module) -> None:
+    """Fill every module in `named_modules` order; full tensors exist for one module at a time."""
+    init = module_initializer(model)
+    for name, module in model.named_modules():
+        with _full_size(module):
+            init(name, module)
+
+
+def safetensors_files(source: Path) -> dict[str, Path]:
+    """Tensor name -> file, from a `.safetensors` file or a `model.safetensors.index.json`."""
+    if not source.is_file():
+        raise MaterializeError(f"sharding.init_from '{source}' does not exist")
+    if source.suffix == ".json":
+        weight_map = json.loads(source.read_text())["weight_map"]
+        return {name: source.parent / file for name, file in weight_map.items()}
+    with safe_open(str(source), framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), source)
+
+
+@torch.no_grad()
+def load_safetensors(model: nn.Module, source: Path) -> None:
+    """Stream tensors from safetensors into the (sharded) model, one full tensor in memory at a time."""
+    files = safetensors_files(source)
+    targets = model.state_dict(keep_vars=True)  # parameters and persistent buffers, as the model holds them
+    missing, unexpected = sorted(set(targets) - set(files)), sorted(set(files) - set(targets))
+    if missing or unexpected:
+        raise MaterializeError(
+            f"'{source}' does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    by_file: dict[Path, list[str]] = {}
+    for name in targets:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as handle:
+            for name in names:
+                full, target = handle.get_tensor(name), targets[name]
+                if tuple(full.shape) != tuple(target.shape):
+                    raise MaterializeError(
+                        f"'{name}' has shape {tuple(full.shape)} in {file.name}; the model has {tuple(target.shape)}"
+                    )
+                device = (target.to_local() if isinstance(target, DTensor) else target).device
+                _set_local(target, full.to(device=device, dtype=target.dtype))
+    init = module_initializer(model) if hasattr(model, "init_module") else None
+    for name, module in model.named_modules():  # buffers outside the state dict (e.g. RoPE tables)
+        if init and module._non_persistent_buffers_set and not any(True for _ in module.parameters(recurse=False)):
+            init(name, module)
+
+
+def materialize(model: nn.Module, device: torch.device, source: Path | None = None) -> None:
+    """Allocate the meta-device model's (local) tensors on `device` and fill them."""
+    model.to_empty(device=device)
+    if source is not None:
+        load_safetensors(model, source)
+    else:
+        initialize(model)

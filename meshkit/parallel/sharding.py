@@ -1,0 +1,85 @@
+"""Which ZeRO stage a run really gets, and the optimizer side of sharding (rebinding, ZeRO-1/2, NVMe)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from meshkit.config import ShardingConfig
+from meshkit.errors import MeshkitError
+from meshkit.mesh import ParallelMesh
+from meshkit.parallel.nvme import NVMeOptimizer, block_pages
+from meshkit.parallel.zero import ZeroOptimizer
+
+
+class ShardingError(MeshkitError):
+    """A sharding layout that is not supported; the message names the nearest one that is."""
+
+
+class UnshardedRunWarning(UserWarning):
+    """zero_stage asked for, but there is only one data-parallel rank to shard over."""
+
+
+def effective_zero_stage(cfg: ShardingConfig, mesh: ParallelMesh) -> int:
+    """The stage the run gets: 0 when a single data-parallel rank holds everything anyway."""
+    stage = cfg.zero_stage
+    if stage == 0:
+        return 0
+    if mesh.dp_size == 1:
+        warnings.warn(
+            f"zero_stage={stage} with a single data-parallel rank: nothing to shard, the run goes on unsharded",
+            UnshardedRunWarning,
+            stacklevel=3,
+        )
+        return 0
+    replicate, shard = mesh.size("dp_replicate"), mesh.size("dp_shard")
+    if stage == 3 and shard == 1:
+        raise ShardingError(
+            f"zero_stage=3 with dp_shard=1 shards nothing (dp_replicate={replicate}): "
+            "set dp_shard=-1 for FSDP, or dp_replicate and dp_shard both > 1 for HSDP"
+        )
+    if stage in (1, 2) and replicate > 1 and shard > 1:
+        raise ShardingError(
+            f"zero_stage={stage} shards over all data-parallel ranks and has no hybrid form: use zero_stage=3 "
+            f"for HSDP (dp_replicate={replicate} × dp_shard={shard}), or set dp_replicate=1"
+        )
+    return stage
+
+
+def rebind_params(optimizer: torch.optim.Optimizer, renamed: dict[int, nn.Parameter]) -> torch.optim.Optimizer:
+    """Point the optimizer at the parameters that sharding put in place of the ones it was built with."""
+    if not renamed:
+        return optimizer
+    if optimizer.state and any(id(p) in renamed for g in optimizer.param_groups for p in g["params"]):
+        raise ShardingError("prepare() the optimizer before its first step: its state belongs to unsharded parameters")
+    for group in optimizer.param_groups:
+        group["params"] = [renamed.get(id(p), p) for p in group["params"]]
+    return optimizer
+
+
+def shard_optimizer(
+    optimizer: torch.optim.Optimizer,
+    models: list[nn.Module],
+    mesh: ParallelMesh,
+    cfg: ShardingConfig,
+    stage: int,
+) -> torch.optim.Optimizer:
+    """ZeRO-1/2 shard the optimizer itself; `offload=nvme` moves its states to files (any stage)."""
+    directory = Path(cfg.offload_dir or ".") / f"rank{mesh.rank}"
+    if stage in (1, 2):
+
+        def offload(inner: torch.optim.Optimizer) -> torch.optim.Optimizer:
+            pages = [[p for p in group["params"]] for group in inner.param_groups]
+            return NVMeOptimizer(inner, directory, pages)
+
+        return ZeroOptimizer(optimizer, mesh.dp_group, stage, offload if cfg.offload == "nvme" else None)
+    if cfg.offload != "nvme":
+        return optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    pages: list[list[nn.Parameter]] = []
+    for model in models:
+        pages.extend(block_pages(model, params, cfg.blocks))
+    return NVMeOptimizer(optimizer, directory, pages)

@@ -1,0 +1,189 @@
+"""ZeRO stages 1 and 2: optimizer states (and, for stage 2, gradients) sharded over the data-parallel ranks.
+
+Each optimizer param group's parameters are moved into one flat buffer, padded to a multiple of the dp size;
+the parameters become views of it, and rank r owns the contiguous chunk r. The user's optimizer is rebuilt
+(same class and hyper-parameters) over the chunk, which is itself a view of the flat buffer: the step updates
+the model's weights in place, then one all-gather hands every rank the others' chunks.
+
+Per rank, with Ψ parameters, N dp ranks and Adam in fp32 (bytes of storage held between steps):
+    stage 1: params 4Ψ + full gradients 4Ψ (all-reduced)      + optimizer 8Ψ/N
+    stage 2: params 4Ψ + gradient chunk 4Ψ/N (reduce-scattered) + optimizer 8Ψ/N
+Transient: stage 2 holds the full gradients (4Ψ) from the first backward of an accumulation window until the
+reduce-scatter after the last one. Communication is one collective per group after backward (no overlap).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshkit.collectives import all_gather_flat, reduce_scatter_flat
+from meshkit.errors import MeshkitError
+
+
+class ZeroError(MeshkitError):
+    """An optimizer ZeRO-1/2 cannot shard; the message says what to change."""
+
+
+class FlatShard:
+    """One param group's parameters in one flat buffer; this rank steps chunk `rank` of it."""
+
+    def __init__(self, params: list[nn.Parameter], rank: int, world: int, stage: int) -> None:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ZeroError(
+                f"zero_stage {stage} needs one dtype per optimizer param group, found {sorted(map(str, dtypes))}"
+            )
+        self.params = params
+        self.stage = stage
+        self.world = world
+        numel = sum(p.numel() for p in params)
+        self.chunk = math.ceil(numel / world)
+        self.flat = torch.zeros(self.chunk * world, dtype=params[0].dtype, device=params[0].device)
+        self.slices: list[tuple[int, int]] = []
+        offset = 0
+        with torch.no_grad():
+            for param in params:
+                size = param.numel()
+                self.flat[offset : offset + size].copy_(param.detach().reshape(-1))
+                param.data = self.flat[offset : offset + size].view_as(param)  # same Parameter, new storage
+                self.slices.append((offset, size))
+                offset += size
+        self.bounds = (rank * self.chunk, (rank + 1) * self.chunk)
+        # A view: the optimizer's in-place update is the model's update.
+        self.shard = nn.Parameter(self.flat[self.bounds[0] : self.bounds[1]])
+        self.flat_grad: torch.Tensor | None = None
+
+    def attach_grads(self) -> None:
+        """Before backward: make every parameter's .grad a view of one flat gradient buffer."""
+        if self.flat_grad is not None and all(p.grad is not None for p in self.params):
+            return
+        self.flat_grad = torch.zeros_like(self.flat)
+        for param, (offset, size) in zip(self.params, self.slices, strict=True):
+            param.grad = self.flat_grad[offset : offset + size].view_as(param)
+
+    def reduce(self, group: dist.ProcessGroup) -> None:
+        """After the last backward of a window: average the gradients over the dp ranks."""
+        if self.flat_grad is None:
+            self.shard.grad = None
+            return
+        self.flat_grad.div_(self.world)  # pre-divide, as DDP does, so the sum cannot overflow
+        if self.stage == 1:
+            dist.all_reduce(self.flat_grad, group=group)
+            self.shard.grad = self.flat_grad[self.bounds[0] : self.bounds[1]]
+            return
+        shard_grad = torch.empty_like(self.shard)
+        reduce_scatter_flat(shard_grad, self.flat_grad, group)
+        self.shard.grad = shard_grad
+        for param in self.params:  # the full gradients are no longer needed: free them
+            param.grad = None
+        self.flat_grad = None
+
+    def gather(self, group: dist.ProcessGroup) -> None:
+        """After the step: every rank receives the others' updated chunks."""
+        all_gather_flat(self.flat, self.shard.detach(), group)
+
+    def zero_grad(self) -> None:
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+        if self.stage == 2:
+            self.shard.grad = None
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, shards: list[FlatShard]) -> torch.optim.Optimizer:
+    """The same optimizer class and hyper-parameters, over one chunk parameter per param group."""
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [shard.shard]}
+        for group, shard in zip(optimizer.param_groups, shards, strict=True)
+    ]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # per-group values win anyway
+    try:
+        return type(optimizer)(groups, **defaults)
+    except TypeError as err:
+        raise ZeroError(
+            f"zero_stage 1/2 rebuilds the optimizer over the shards, but {type(optimizer).__name__} could not be "
+            f"rebuilt from its param groups and defaults ({err}); use a torch.optim optimizer or zero_stage=3"
+        ) from None
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Steps this rank's chunk with the rebuilt optimizer, then all-gathers the updated parameters."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group: dist.ProcessGroup,
+        stage: int,
+        wrap_inner: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
+    ) -> None:
+        # Deliberately no super().__init__: the inner optimizer keeps all the state.
+        if optimizer.state:
+            raise ZeroError("prepare() the optimizer before its first step: zero_stage 1/2 cannot shard existing state")
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group
+        self.stage = stage
+        self.shards = [FlatShard(list(g["params"]), rank, world, stage) for g in optimizer.param_groups]
+        inner = rebuild_optimizer(optimizer, self.shards)
+        self.inner = wrap_inner(inner) if wrap_inner else inner
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    def before_backward(self) -> None:
+        for shard in self.shards:
+            shard.attach_grads()
+
+    def reduce_gradients(self) -> None:
+        for shard in self.shards:
+            shard.reduce(self.group)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global norm from the chunks (one all-reduce), then scale the chunks' gradients."""
+        grads = [s.shard.grad for s in self.shards if s.shard.grad is not None]
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            total = local
+        else:
+            local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros(()))
+            dist.all_reduce(local, group=self.group)
+            total = local ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        result = self.inner.step(closure) if closure else self.inner.step()
+        for shard in self.shards:
+            shard.gather(self.group)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for shard in self.shards:
+            shard.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage={self.stage}, {self.inner!r})"
