@@ -20,6 +20,7 @@ LAYOUTS = {
     "zero3": {"zero_stage": 3},
     "hsdp": {"zero_stage": 3, "dp_replicate": 2, "dp_shard": 2},
     "zero3_cpu_offload": {"zero_stage": 3, "offload": "cpu"},
+    "zero3_kept_gathered": {"zero_stage": 3, "reshard_after_forward": False},  # ZeRO-2-like FSDP schedule
 }
 
 

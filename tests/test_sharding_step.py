@@ -77,3 +77,23 @@ def test_bf16_with_zero3_trains_with_fp32_sharded_weights() -> None:
     for result in run_world(bf16_zero3, 2, timeout=180):
         *losses, fp32_master = result
         assert fp32_master == 1.0 and losses[-1] < 0.7 * losses[0]
+
+
+def plain_backward_rank(rank: int) -> str:
+    engine = Engine(zero_stage=2)
+    model = tiny_gpt()
+    model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    inputs, targets = split(token_batches(1, 4)[0][rank * 2 : rank * 2 + 2])
+    lm_loss(model(inputs), targets).backward()  # bypasses the engine: nothing would reduce the gradients
+    try:
+        optimizer.step()
+    except ValueError as err:
+        return str(err)
+    finally:
+        engine.end()
+    return "stepped"
+
+
+def test_zero_refuses_to_step_on_gradients_it_did_not_reduce() -> None:
+    for message in run_world(plain_backward_rank, 2, timeout=120):
+        assert message == "zero_stage 2 reduces gradients in engine.backward(loss): call it instead of loss.backward()"

@@ -132,6 +132,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shards = [FlatShard(list(g["params"]), rank, world, stage) for g in optimizer.param_groups]
         inner = rebuild_optimizer(optimizer, self.shards)
         self.inner = wrap_inner(inner) if wrap_inner else inner
+        self._reduced = False
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -152,6 +153,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def reduce_gradients(self) -> None:
         for shard in self.shards:
             shard.reduce(self.group)
+        self._reduced = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global norm from the chunks (one all-reduce), then scale the chunks' gradients."""
@@ -170,6 +172,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if not self._reduced and any(p.grad is not None for s in self.shards for p in s.params):
+            raise ZeroError(
+                f"zero_stage {self.stage} reduces gradients in engine.backward(loss): "
+                "call it instead of loss.backward()"
+            )
+        self._reduced = False
         result = self.inner.step(closure) if closure else self.inner.step()
         for shard in self.shards:
             shard.gather(self.group)
