@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meshkit.models.gpt import GPTConfig
@@ -159,6 +160,34 @@ class ShardingConfig(Section):
         return self
 
 
+class TensorParallelConfig(Section):
+    """How layers are split over the `tp` ranks (Megatron column/row parallel on DTensor)."""
+
+    sequence_parallel: bool = Field(False, description="shard norms on the sequence dim between TP regions")
+    loss_parallel: bool = Field(True, description="cross-entropy on vocab-sharded logits, never gathered")
+    plan: dict[str, Literal["colwise", "rowwise", "sequence", "replicate"]] | None = Field(
+        None, description="module-name patterns -> colwise|rowwise|sequence|replicate; null = built in or automatic"
+    )
+
+    @field_validator("plan", mode="before")
+    @classmethod
+    def _plan_from_text(cls, value: Any) -> Any:
+        return yaml.safe_load(value) if isinstance(value, str) else value
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
+
+
+class PipelineConfig(Section):
+    """Pipeline parallel: the schedule and how each step's batch is cut into micro-batches."""
+
+    schedule: Literal[PIPELINE_SCHEDULES] = Field("1f1b", description="|".join(PIPELINE_SCHEDULES))  # type: ignore[valid-type]
+    microbatches: int | None = Field(None, ge=1, description="micro-batches per step; null = pp size")
+    stages_per_rank: int | None = Field(
+        None, ge=1, description="model chunks per rank; null = 1, or 2 for interleaved and zero-bubble schedules"
+    )
+
+
 class TrainConfig(Section):
     """The built-in recipe (`meshkit train`): data, optimiser and loop length."""
 
@@ -186,6 +215,8 @@ class RunConfig(Section):
         None, ge=1, description="torch threads per rank; null = the rank's share of its cores"
     )
     sharding: ShardingConfig = ShardingConfig()
+    tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     compile: CompileConfig = CompileConfig()
     ddp: DDPConfig = DDPConfig()
     logging: LoggingConfig = LoggingConfig()

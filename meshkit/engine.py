@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel as tensor_parallel_loss
 from torch.utils.data import DataLoader
 
 from meshkit import collectives
@@ -35,7 +36,9 @@ from meshkit.memory import memory_report
 from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
 from meshkit.parallel.compose import parallelize, unwrap
 from meshkit.parallel.nvme import check_offload_dir
+from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.sharding import effective_zero_stage, rebind_params, shard_optimizer
+from meshkit.parallel.tensor import restore_fused_qkv
 from meshkit.precision import autocast_context, make_grad_scaler
 from meshkit.resolve import ResolvedConfig, explicit_values, resolve
 from meshkit.seed import set_seed
@@ -80,7 +83,7 @@ class Engine:
         self._owns_process_group = start_process_group(self.info, self.device, self.config.collective_timeout_s)
         try:
             dims = ParallelDims.from_config(self.config.parallel, self.info.world_size)
-            for name in ("tp", "pp", "cp"):
+            for name in ("pp", "cp"):
                 if getattr(dims, name) > 1:
                     raise EngineError(f"{name}={getattr(dims, name)} is not supported by this engine yet: set {name}=1")
             self.mesh = ParallelMesh(dims, self.info, self.device)
@@ -100,8 +103,10 @@ class Engine:
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._loaders: list[ShardedLoader] = []
+        self._logits_sharded = False  # a prepared model returns vocab-sharded logits (tensor parallel)
+        self._fused_qkv: dict[int, list[str]] = {}  # id(prepared model) -> weights stored interleaved
         self._gradients = GradientSync(
-            self.gradient_state, self.scaler, self.mesh.dp_group, self._models, self._optimizers
+            self.gradient_state, self.scaler, self.mesh.dp_group, self._models, self._optimizers, self.loss_parallel
         )
         self._trackers = make_trackers(self.config.logging.trackers, self.run_dir) if self.is_main_process else []
         if self.is_main_process:
@@ -175,10 +180,14 @@ class Engine:
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         originals = dict(model.named_parameters())
-        model = parallelize(model, self.mesh, self.config, self.zero_stage)
-        now = dict(unwrap(model).named_parameters())
+        done = parallelize(model, self.mesh, self.config, self.zero_stage)
+        now = dict(unwrap(done.model).named_parameters())
         self._renamed_params.update({id(p): now[n] for n, p in originals.items() if now.get(n) is not p})
-        return self._remember(self._models, model)
+        self._logits_sharded |= done.logits_sharded
+        self._fused_qkv[id(done.model)] = done.fused_qkv
+        if done.needs_gradient_reduce:
+            self._gradients.model_reducers.append(GradientAllReduce(list(now.values()), self.mesh.dp_group))
+        return self._remember(self._models, done.model)
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         optimizer = rebind_params(optimizer, self._renamed_params)
@@ -213,6 +222,12 @@ class Engine:
         """Clip the prepared models' gradients (unscaled first under fp16); None on non-syncing micro-steps."""
         return self._gradients.clip_grad_norm_(max_norm, norm_type)
 
+    def loss_parallel(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the loss is computed from vocab-sharded logits (tensor parallel): cross-entropy without ever
+        gathering the full logits. `train_step` and `backward` enter it themselves; a hand-written loop wraps
+        its loss computation: `with engine.loss_parallel(): loss = loss_fn(model(x), y)`."""
+        return tensor_parallel_loss() if self._logits_sharded else contextlib.nullcontext()
+
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's autocast context, for code outside the prepared model's forward."""
         return autocast_context(self.config.precision, self.device.type)
@@ -222,7 +237,8 @@ class Engine:
         model = self._only("model", self._models)
         optimizer = self._only("optimizer", self._optimizers)
         with self.accumulate():
-            loss = compute_loss(model, batch, self.loss_fn)
+            with self.loss_parallel():
+                loss = compute_loss(model, batch, self.loss_fn)
             self.backward(loss)
             if self.sync_gradients and self.config.max_grad_norm is not None:
                 self.clip_grad_norm_(self.config.max_grad_norm)
@@ -230,7 +246,8 @@ class Engine:
             for scheduler in self._schedulers:
                 scheduler.step()
             optimizer.zero_grad()
-        return loss.detach()
+        loss = loss.detach()
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
 
     @staticmethod
     def _only(kind: str, registry: list[Any]) -> Any:
@@ -300,8 +317,12 @@ class Engine:
 
         Collective under ZeRO-3: every rank must call it (each shard is all-gathered).
         """
-        state = self.unwrap_model(model).state_dict()
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        prepared = model if model is not None else self._only("model", self._models)
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in unwrap(prepared).state_dict().items()}
+        for name in self._fused_qkv.get(id(prepared), []):
+            if name in full:
+                full[name] = restore_fused_qkv(full[name], self.mesh.size("tp"))
+        return full
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now for `params`, `grads` and `optimizer` state, and its `rss`/`peak_rss`."""

@@ -9,8 +9,8 @@ of a window.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,14 @@ class GradientError(MeshkitError):
     """Wrong use of backward or accumulation; the message says what to pass."""
 
 
+class GradientReducer(Protocol):
+    """Reduces gradients itself, after the last backward of a window (ZeRO-1/2, DTensor data parallel)."""
+
+    def before_backward(self) -> None: ...
+
+    def reduce_gradients(self) -> None: ...
+
+
 class GradientSync:
     def __init__(
         self,
@@ -35,17 +43,24 @@ class GradientSync:
         dp_group: dist.ProcessGroup,
         models: list[nn.Module],
         optimizers: list[PreparedOptimizer],
+        loss_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
+        self.loss_context = loss_context  # loss parallel: backward through vocab-sharded logits needs it
         self.state = state
         self.scaler = scaler
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.models = models  # the engine's lists: prepared objects appear here as they are prepared
         self.optimizers = optimizers
+        self.model_reducers: list[GradientReducer] = []  # for models no DDP/FSDP wrapper reduces
 
     @property
     def zero_optimizers(self) -> list[ZeroOptimizer]:
         return [opt.optimizer for opt in self.optimizers if isinstance(opt.optimizer, ZeroOptimizer)]
+
+    @property
+    def reducers(self) -> list[GradientReducer]:
+        return [*self.model_reducers, *self.zero_optimizers]
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -73,14 +88,16 @@ class GradientSync:
             loss = loss / state.accum_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        for zero in self.zero_optimizers:
-            zero.before_backward()
-        loss.backward()
+        reducers = self.reducers
+        for reducer in reducers:
+            reducer.before_backward()
+        with self.loss_context():
+            loss.backward()
         if state.sync:
             if weighted:
                 self._divide_by_items(state.window_items, loss.device)
-            for zero in self.zero_optimizers:
-                zero.reduce_gradients()
+            for reducer in reducers:
+                reducer.reduce_gradients()
             state.end_window()
 
     def _divide_by_items(self, local_items: float, device: torch.device) -> None:

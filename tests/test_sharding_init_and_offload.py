@@ -130,7 +130,7 @@ def test_unsupported_combinations_name_the_nearest_supported_one() -> None:
         resolve(code={"zero_stage": 1, "param_dtype": "bf16"}, env={})
 
     def mesh(replicate: int, shard: int) -> SimpleNamespace:
-        sizes = {"dp_replicate": replicate, "dp_shard": shard}
+        sizes = {"dp_replicate": replicate, "dp_shard": shard, "tp": 1}
         return SimpleNamespace(dp_size=replicate * shard, size=sizes.__getitem__)
 
     with pytest.raises(ShardingError, match="use zero_stage=3 for HSDP"):

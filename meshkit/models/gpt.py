@@ -132,6 +132,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.sequence_shards = 1  # sequence parallel sets the tp size: hidden states hold seq / tp positions
         target = torch.empty(0).device  # the caller's default device: meta inside `with torch.device("meta")`
         # Built on meta and initialised only by init_weights, so eager and meta-then-materialised models
         # draw the same random numbers and get the same weights under the same seed.
@@ -171,8 +172,10 @@ class GPT(nn.Module):
             nn.init.ones_(module.weight)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = x.shape[1]
+        if self.tok_embeddings is not None:
+            seq, x = tokens.shape[1], self.tok_embeddings(tokens)
+        else:  # hidden states from the previous pipeline stage; under sequence parallel a sequence shard
+            seq, x = tokens.shape[1] * self.sequence_shards, tokens
         if seq > self.cfg.max_seq_len and positions is None:
             raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
         index = positions if positions is not None else torch.arange(seq, device=x.device)

@@ -3,10 +3,12 @@
 Order (each step relies on the previous one's result): pipeline split -> tensor/sequence parallel -> context
 parallel -> activation checkpointing -> compile -> FSDP or DDP. Compile comes before the data-parallel
 wrapper so that DDP's bucket hooks see the compiled module and FSDP shards compiled blocks. A model built on
-the meta device is materialised after sharding (only this rank's shards are ever allocated).
+the meta device is materialised once every split is done (only this rank's shards are ever allocated).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -16,11 +18,22 @@ from meshkit.parallel.compile import apply_compile
 from meshkit.parallel.ddp import apply_ddp
 from meshkit.parallel.fsdp import apply_fsdp
 from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
+from meshkit.parallel.tensor import apply_tensor_parallel
 from meshkit.precision import autocast_forward
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_stage: int) -> nn.Module:
-    """Place `model` on this rank's device and wrap it for the run's layout and precision.
+@dataclass
+class Parallelized:
+    """A prepared model and what the engine must know about how it was split."""
+
+    model: nn.Module
+    fused_qkv: list[str] = field(default_factory=list)  # weights stored interleaved for tensor parallel
+    logits_sharded: bool = False  # the model returns vocab-sharded logits: compute the loss under loss_parallel
+    needs_gradient_reduce: bool = False  # data parallel that no wrapper reduces (DTensor parameters)
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_stage: int) -> Parallelized:
+    """Place `model` on this rank's device and split and wrap it for the run's layout and precision.
 
     `zero_stage` is the stage in effect (0 when there is a single data-parallel rank). Stages 1 and 2 leave the
     model as it is: their sharding lives in the optimizer (`meshkit.parallel.zero`).
@@ -31,17 +44,24 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
         model = model.to(mesh.device)
         if sharding.init_from is not None:
             load_safetensors(model, sharding.init_from)
-    elif zero_stage != 3:
-        materialize(model, mesh.device, sharding.init_from)
+    result = Parallelized(model)
+    tp = mesh.size("tp")
+    if tp > 1:
+        split = apply_tensor_parallel(model, mesh.device_mesh["tp"], config.tensor_parallel)
+        result.fused_qkv, result.logits_sharded = split.fused_qkv, split.logits_sharded
     model = apply_compile(model, config.compile)
     if zero_stage == 3:
         model = apply_fsdp(model, mesh, sharding, config.precision)
-        if on_meta:
-            materialize(model, mesh.device, sharding.init_from)
-    elif zero_stage == 0:
-        model = apply_ddp(model, mesh, config.ddp)
+    if on_meta:
+        materialize(model, mesh.device, sharding.init_from)
+    if zero_stage == 0 and mesh.dp_size > 1:
+        if tp > 1:
+            result.needs_gradient_reduce = True  # DDP cannot wrap DTensor parameters
+        else:
+            model = apply_ddp(model, mesh, config.ddp)
     autocast_forward(model, config.precision, mesh.device.type)
-    return model
+    result.model = model
+    return result
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -41,6 +41,11 @@ def effective_zero_stage(cfg: ShardingConfig, mesh: ParallelMesh) -> int:
             f"zero_stage=3 with dp_shard=1 shards nothing (dp_replicate={replicate}): "
             "set dp_shard=-1 for FSDP, or dp_replicate and dp_shard both > 1 for HSDP"
         )
+    if stage in (1, 2) and mesh.size("tp") > 1:
+        raise ShardingError(
+            f"zero_stage={stage} flattens parameters, which tensor-parallel DTensors cannot be: use zero_stage=3 "
+            "(FSDP + TP) or zero_stage=0"
+        )
     if stage in (1, 2) and replicate > 1 and shard > 1:
         raise ShardingError(
             f"zero_stage={stage} shards over all data-parallel ranks and has no hybrid form: use zero_stage=3 "
