@@ -35,6 +35,7 @@ from meshkit.loss import LossFn, compute_loss
 from meshkit.memory import memory_report
 from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
 from meshkit.parallel.compose import parallelize, unwrap
+from meshkit.parallel.context import shard_sequence
 from meshkit.parallel.nvme import check_offload_dir
 from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.sharding import effective_zero_stage, rebind_params, shard_optimizer
@@ -83,7 +84,7 @@ class Engine:
         self._owns_process_group = start_process_group(self.info, self.device, self.config.collective_timeout_s)
         try:
             dims = ParallelDims.from_config(self.config.parallel, self.info.world_size)
-            for name in ("pp", "cp"):
+            for name in ("pp",):
                 if getattr(dims, name) > 1:
                     raise EngineError(f"{name}={getattr(dims, name)} is not supported by this engine yet: set {name}=1")
             self.mesh = ParallelMesh(dims, self.info, self.device)
@@ -95,7 +96,7 @@ class Engine:
             raise
         set_seed(self.config.seed)
         self.gradient_state = GradientState(accum_steps=self.config.grad_accum_steps)
-        sharded_over = self.mesh.dp_group if self.zero_stage else None
+        sharded_over = self.mesh.grad_group if self.zero_stage else None
         self.scaler = make_grad_scaler(self.config.precision, self.device, sharded_over)
         self._renamed_params: dict[int, nn.Parameter] = {}  # id(original) -> the parameter sharding put in its place
         self.loss_fn: LossFn | None = None
@@ -106,7 +107,7 @@ class Engine:
         self._logits_sharded = False  # a prepared model returns vocab-sharded logits (tensor parallel)
         self._fused_qkv: dict[int, list[str]] = {}  # id(prepared model) -> weights stored interleaved
         self._gradients = GradientSync(
-            self.gradient_state, self.scaler, self.mesh.dp_group, self._models, self._optimizers, self.loss_parallel
+            self.gradient_state, self.scaler, self.mesh.grad_group, self._models, self._optimizers, self.loss_parallel
         )
         self._trackers = make_trackers(self.config.logging.trackers, self.run_dir) if self.is_main_process else []
         if self.is_main_process:
@@ -186,7 +187,7 @@ class Engine:
         self._logits_sharded |= done.logits_sharded
         self._fused_qkv[id(done.model)] = done.fused_qkv
         if done.needs_gradient_reduce:
-            self._gradients.model_reducers.append(GradientAllReduce(list(now.values()), self.mesh.dp_group))
+            self._gradients.model_reducers.append(GradientAllReduce(list(now.values()), self.mesh.grad_group))
         return self._remember(self._models, done.model)
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
@@ -228,6 +229,14 @@ class Engine:
         its loss computation: `with engine.loss_parallel(): loss = loss_fn(model(x), y)`."""
         return tensor_parallel_loss() if self._logits_sharded else contextlib.nullcontext()
 
+    def shard_sequence(self, batch: Any, dim: int = 1) -> Any:
+        """Under context parallel, this rank's two chunks of every tensor's sequence dim (`train_step` does
+        it itself; a hand-written loop calls it on each batch). Without cp the batch is returned as is."""
+        cp = self.mesh.size("cp")
+        if cp == 1:
+            return batch
+        return map_tensors(lambda t: shard_sequence(t, cp, self.mesh.coordinate("cp"), dim), batch)
+
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's autocast context, for code outside the prepared model's forward."""
         return autocast_context(self.config.precision, self.device.type)
@@ -236,6 +245,8 @@ class Engine:
         """Forward, backward and (on syncing micro-steps) clip, optimizer and scheduler step; returns the loss."""
         model = self._only("model", self._models)
         optimizer = self._only("optimizer", self._optimizers)
+        if self.mesh.size("cp") > 1:
+            batch = self.shard_sequence(batch)
         with self.accumulate():
             with self.loss_parallel():
                 loss = compute_loss(model, batch, self.loss_fn)
@@ -276,8 +287,9 @@ class Engine:
         return [item for items, valid in zip(per_rank, counts, strict=True) for item in items[:valid]]
 
     def reduce(self, data: Any, op: str = "mean") -> Any:
-        """All-reduce tensors over the dp ranks ('mean' or 'sum')."""
-        return collectives.reduce(data, self.mesh.dp_group, op=op)
+        """All-reduce tensors over the ranks that hold different data, dp × cp ('mean' or 'sum'): the mean of
+        per-rank mean losses is the batch's mean loss."""
+        return collectives.reduce(data, self.mesh.grad_group, op=op)
 
     def wait_for_everyone(self) -> None:
         """Barrier over all ranks."""

@@ -40,7 +40,7 @@ class GradientSync:
         self,
         state: GradientState,
         scaler: torch.amp.GradScaler | None,
-        dp_group: dist.ProcessGroup,
+        grad_group: dist.ProcessGroup,
         models: list[nn.Module],
         optimizers: list[PreparedOptimizer],
         loss_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
@@ -48,8 +48,8 @@ class GradientSync:
         self.loss_context = loss_context  # loss parallel: backward through vocab-sharded logits needs it
         self.state = state
         self.scaler = scaler
-        self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group)
+        self.grad_group = grad_group
+        self.grad_size = dist.get_world_size(grad_group)
         self.models = models  # the engine's lists: prepared objects appear here as they are prepared
         self.optimizers = optimizers
         self.model_reducers: list[GradientReducer] = []  # for models no DDP/FSDP wrapper reduces
@@ -101,12 +101,12 @@ class GradientSync:
             state.end_window()
 
     def _divide_by_items(self, local_items: float, device: torch.device) -> None:
-        total = collectives.reduce(torch.tensor(local_items, device=device), self.dp_group, op="sum").item()
+        total = collectives.reduce(torch.tensor(local_items, device=device), self.grad_group, op="sum").item()
         if total <= 0:
             raise GradientError(
                 "backward(): num_items summed to 0 over the window; pass the count of items in the loss"
             )
-        factor = self.dp_size / total  # the gradient average divides by dp_size already (before or after this)
+        factor = self.grad_size / total  # the gradient average divides by the group size already
         for model in self.models:
             for param in model.parameters():
                 if param.grad is not None:

@@ -168,6 +168,10 @@ class ParallelMesh:
         # Data-parallel ranks (replicas and shards together) see different data; torch has no public
         # flatten yet, so use the private one torch's own parallel libraries use.
         self.dp_mesh: DeviceMesh = self.device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        # Context-parallel ranks hold other tokens of the same samples: gradients are averaged over dp × cp,
+        # and FSDP shards over dp_shard × cp.
+        self.grad_mesh: DeviceMesh = self.device_mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        self.device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
 
     # ranks of the whole world
     @property
@@ -213,6 +217,15 @@ class ParallelMesh:
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.dp_mesh.get_group()
+
+    # gradient averaging: dp × cp
+    @property
+    def grad_size(self) -> int:
+        return self.dims.dp * self.dims.cp
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup:
+        return self.grad_mesh.get_group()
 
     # pipeline
     @property

@@ -15,6 +15,7 @@ from torch import nn
 from meshkit.config import RunConfig
 from meshkit.mesh import ParallelMesh
 from meshkit.parallel.compile import apply_compile
+from meshkit.parallel.context import apply_context_parallel
 from meshkit.parallel.ddp import apply_ddp
 from meshkit.parallel.fsdp import apply_fsdp
 from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
@@ -49,12 +50,14 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
     if tp > 1:
         split = apply_tensor_parallel(model, mesh.device_mesh["tp"], config.tensor_parallel)
         result.fused_qkv, result.logits_sharded = split.fused_qkv, split.logits_sharded
+    if mesh.size("cp") > 1:
+        apply_context_parallel(model, mesh.group("cp"))
     model = apply_compile(model, config.compile)
     if zero_stage == 3:
         model = apply_fsdp(model, mesh, sharding, config.precision)
     if on_meta:
         materialize(model, mesh.device, sharding.init_from)
-    if zero_stage == 0 and mesh.dp_size > 1:
+    if zero_stage == 0 and mesh.grad_size > 1:
         if tp > 1:
             result.needs_gradient_reduce = True  # DDP cannot wrap DTensor parameters
         else:

@@ -14,15 +14,15 @@ _DDP_PARAMETERS = frozenset(inspect.signature(DistributedDataParallel.__init__).
 
 
 def apply_ddp(model: nn.Module, mesh: ParallelMesh, cfg: DDPConfig) -> nn.Module:
-    """Wrap in DDP over the data-parallel group; a single dp rank has nothing to synchronise."""
-    if mesh.dp_size == 1:
+    """Wrap in DDP over the gradient group (dp × cp); a single rank there has nothing to synchronise."""
+    if mesh.grad_size == 1:
         return model
     # torch >= 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning for True/False here).
     buffers_arg = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMETERS else "broadcast_buffers"
     return DistributedDataParallel(
         model,
         device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None,
-        process_group=mesh.dp_group,
+        process_group=mesh.grad_group,
         # Buckets fill in reverse order during backward and are all-reduced while backward goes on:
         # smaller buckets start communicating earlier, larger ones waste less per-call latency.
         bucket_cap_mb=cfg.bucket_cap_mb,

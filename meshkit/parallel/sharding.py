@@ -28,14 +28,14 @@ def effective_zero_stage(cfg: ShardingConfig, mesh: ParallelMesh) -> int:
     stage = cfg.zero_stage
     if stage == 0:
         return 0
-    if mesh.dp_size == 1:
+    if mesh.grad_size == 1:
         warnings.warn(
             f"zero_stage={stage} with a single data-parallel rank: nothing to shard, the run goes on unsharded",
             UnshardedRunWarning,
             stacklevel=3,
         )
         return 0
-    replicate, shard = mesh.size("dp_replicate"), mesh.size("dp_shard")
+    replicate, shard = mesh.size("dp_replicate"), mesh.size("dp_shard") * mesh.size("cp")
     if stage == 3 and shard == 1:
         raise ShardingError(
             f"zero_stage=3 with dp_shard=1 shards nothing (dp_replicate={replicate}): "
@@ -80,7 +80,7 @@ def shard_optimizer(
             pages = [[p for p in group["params"]] for group in inner.param_groups]
             return NVMeOptimizer(inner, directory, pages)
 
-        return ZeroOptimizer(optimizer, mesh.dp_group, stage, offload if cfg.offload == "nvme" else None)
+        return ZeroOptimizer(optimizer, mesh.grad_group, stage, offload if cfg.offload == "nvme" else None)
     if cfg.offload != "nvme":
         return optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
