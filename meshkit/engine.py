@@ -37,6 +37,8 @@ from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device,
 from meshkit.parallel.compose import parallelize, unwrap
 from meshkit.parallel.context import shard_sequence
 from meshkit.parallel.nvme import check_offload_dir
+from meshkit.parallel.pipeline import PipelineModel
+from meshkit.parallel.pipeline_schedule import PipelineRunner
 from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.sharding import effective_zero_stage, rebind_params, shard_optimizer
 from meshkit.parallel.tensor import restore_fused_qkv
@@ -84,9 +86,11 @@ class Engine:
         self._owns_process_group = start_process_group(self.info, self.device, self.config.collective_timeout_s)
         try:
             dims = ParallelDims.from_config(self.config.parallel, self.info.world_size)
-            for name in ("pp",):
-                if getattr(dims, name) > 1:
-                    raise EngineError(f"{name}={getattr(dims, name)} is not supported by this engine yet: set {name}=1")
+            if dims.pp > 1 and self.config.grad_accum_steps > 1:
+                raise EngineError(
+                    "pipeline parallel accumulates over its micro-batches: set grad_accum_steps=1 and raise "
+                    "pipeline.microbatches instead"
+                )
             self.mesh = ParallelMesh(dims, self.info, self.device)
             self.zero_stage = effective_zero_stage(self.config.sharding, self.mesh)
             if self.config.sharding.offload == "nvme":
@@ -98,7 +102,9 @@ class Engine:
         self.gradient_state = GradientState(accum_steps=self.config.grad_accum_steps)
         sharded_over = self.mesh.grad_group if self.zero_stage else None
         self.scaler = make_grad_scaler(self.config.precision, self.device, sharded_over)
-        self._renamed_params: dict[int, nn.Parameter] = {}  # id(original) -> the parameter sharding put in its place
+        # id(original parameter) -> the one splitting put in its place (None: it lives on another pipeline stage)
+        self._renamed_params: dict[int, nn.Parameter | None] = {}
+        self._pipeline: PipelineRunner | None = None
         self.loss_fn: LossFn | None = None
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
@@ -107,7 +113,13 @@ class Engine:
         self._logits_sharded = False  # a prepared model returns vocab-sharded logits (tensor parallel)
         self._fused_qkv: dict[int, list[str]] = {}  # id(prepared model) -> weights stored interleaved
         self._gradients = GradientSync(
-            self.gradient_state, self.scaler, self.mesh.grad_group, self._models, self._optimizers, self.loss_parallel
+            self.gradient_state,
+            self.scaler,
+            self.mesh.grad_group,
+            self._models,
+            self._optimizers,
+            self.loss_parallel,
+            self.mesh.group("pp") if dims.pp > 1 else None,
         )
         self._trackers = make_trackers(self.config.logging.trackers, self.run_dir) if self.is_main_process else []
         if self.is_main_process:
@@ -183,11 +195,13 @@ class Engine:
         originals = dict(model.named_parameters())
         done = parallelize(model, self.mesh, self.config, self.zero_stage)
         now = dict(unwrap(done.model).named_parameters())
-        self._renamed_params.update({id(p): now[n] for n, p in originals.items() if now.get(n) is not p})
+        self._renamed_params.update({id(p): now.get(n) for n, p in originals.items() if now.get(n) is not p})
         self._logits_sharded |= done.logits_sharded
         self._fused_qkv[id(done.model)] = done.fused_qkv
         if done.needs_gradient_reduce:
             self._gradients.model_reducers.append(GradientAllReduce(list(now.values()), self.mesh.grad_group))
+        if isinstance(done.model, PipelineModel):
+            self._pipeline = PipelineRunner(done.model, self.mesh, self.config.pipeline, self.loss_fn)
         return self._remember(self._models, done.model)
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
@@ -248,9 +262,16 @@ class Engine:
         if self.mesh.size("cp") > 1:
             batch = self.shard_sequence(batch)
         with self.accumulate():
-            with self.loss_parallel():
-                loss = compute_loss(model, batch, self.loss_fn)
-            self.backward(loss)
+            if self._pipeline is not None:
+                if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                    raise EngineError("under pipeline parallel each batch must be an (inputs, targets) pair")
+                with self.loss_parallel():
+                    loss = self._pipeline.step(*batch)
+                self._gradients.reduce_after_schedule()
+            else:
+                with self.loss_parallel():
+                    loss = compute_loss(model, batch, self.loss_fn)
+                self.backward(loss)
             if self.sync_gradients and self.config.max_grad_norm is not None:
                 self.clip_grad_norm_(self.config.max_grad_norm)
             optimizer.step()
@@ -334,6 +355,9 @@ class Engine:
         for name in self._fused_qkv.get(id(prepared), []):
             if name in full:
                 full[name] = restore_fused_qkv(full[name], self.mesh.size("tp"))
+        if self.mesh.size("pp") > 1:  # each stage holds other parameters: collect all of them
+            for part in collectives.gather_object(full, self.mesh.group("pp")):
+                full.update(part)
         return full
 
     def memory_report(self) -> dict[str, int]:

@@ -44,7 +44,9 @@ class GradientSync:
         models: list[nn.Module],
         optimizers: list[PreparedOptimizer],
         loss_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        pp_group: dist.ProcessGroup | None = None,
     ) -> None:
+        self.pp_group = pp_group
         self.loss_context = loss_context  # loss parallel: backward through vocab-sharded logits needs it
         self.state = state
         self.scaler = scaler
@@ -112,6 +114,12 @@ class GradientSync:
                 if param.grad is not None:
                     param.grad.mul_(factor)
 
+    def reduce_after_schedule(self) -> None:
+        """A pipeline schedule ran the backward passes itself: reduce what no wrapper reduced."""
+        for reducer in self.reducers:
+            reducer.reduce_gradients()
+        self.state.end_window()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor | None:
         if not self.state.sync:
             return None
@@ -121,6 +129,20 @@ class GradientSync:
         zero = self.zero_optimizers
         if zero:  # gradients live in per-rank chunks: the norm needs one all-reduce
             return zero[0].clip_grad_norm_(max_norm, norm_type)
-        params = [p for model in self.models for p in model.parameters()]
-        norm: Any = nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        grads = [p.grad for model in self.models for p in model.parameters() if p.grad is not None]
+        norm: Any = nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros(())
+        if isinstance(norm, DTensor):  # sharded (FSDP) or split (TP) gradients: the DTensor reduces the parts
+            norm = norm.full_tensor()
+        if self.pp_group is not None:  # every pipeline stage holds other parameters: combine their norms
+            norm = norm.float()
+            if norm_type == float("inf"):
+                dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.pp_group)
+            else:
+                norm = norm**norm_type
+                dist.all_reduce(norm, group=self.pp_group)
+                norm = norm ** (1.0 / norm_type)
+        coefficient = min(1.0, max_norm / (float(norm) + 1e-6))
+        if coefficient < 1.0:
+            for grad in grads:
+                grad.mul_(coefficient)
+        return norm

@@ -6,14 +6,28 @@ import torch
 from torch import nn
 
 from meshkit import Engine
-from meshkit.models.gpt import lm_loss
+from meshkit.models.gpt import GPT, lm_loss
 from tests.hf_style import TinyDecoder, TinyGPT2
-from tests.training import assert_close_relative, assert_state_close, make_optimizer, split, tiny_gpt, token_batches
+from tests.training import (
+    TINY,
+    assert_close_relative,
+    assert_state_close,
+    make_optimizer,
+    split,
+    tiny_gpt,
+    token_batches,
+)
 
 STEPS, GLOBAL_BATCH = 5, 4
+
+
 # SGD with momentum (tests.training.make_optimizer): Adam would turn the exactly-zero gradient of the key bias
 # (softmax ignores a shift of all scores) into ±lr steps of pure rounding noise.
-MODELS = {"gpt": tiny_gpt, "hf": TinyDecoder, "gpt2": TinyGPT2}
+def tiny_gpt_4_blocks() -> nn.Module:
+    return GPT(TINY.model_copy(update={"n_layers": 4}))
+
+
+MODELS = {"gpt": tiny_gpt, "gpt4": tiny_gpt_4_blocks, "hf": TinyDecoder, "gpt2": TinyGPT2}
 
 
 def build(kind: str) -> nn.Module:

@@ -129,6 +129,9 @@ class GPT(nn.Module):
     embedding takes hidden states [batch, seq, dim] as input.
     """
 
+    pipeline_first = ("tok_embeddings",)  # modules only the first pipeline stage holds
+    pipeline_last = ("norm", "output")  # modules only the last pipeline stage holds
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg

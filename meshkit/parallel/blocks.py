@@ -11,8 +11,16 @@ class BlockError(MeshkitError):
     """No repeated blocks could be found; the message says how to name them."""
 
 
+def _block_classes(blocks: nn.ModuleList) -> set[type]:
+    return {type(child) for child in blocks if not getattr(child, "is_placeholder", False)}
+
+
 def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList]:
-    """The ModuleList of same-class blocks (the longest one), or the one at `path` (e.g. 'model.layers')."""
+    """The ModuleList of same-class blocks (the longest one), or the one at `path` (e.g. 'model.layers').
+
+    Placeholders (modules with `is_placeholder = True`, e.g. a pipeline stage's stand-ins for blocks that live
+    on other stages) do not count as a different class.
+    """
     if path is not None:
         try:
             found = model.get_submodule(path)
@@ -24,7 +32,7 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
     candidates = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(child) for child in module}) == 1
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and len(_block_classes(module)) == 1
     ]
     if not candidates:
         raise BlockError(

@@ -19,6 +19,7 @@ from meshkit.parallel.context import apply_context_parallel
 from meshkit.parallel.ddp import apply_ddp
 from meshkit.parallel.fsdp import apply_fsdp
 from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
+from meshkit.parallel.pipeline import PipelineModel, chunks_per_rank, split_model, stage_ids
 from meshkit.parallel.tensor import apply_tensor_parallel
 from meshkit.precision import autocast_forward
 
@@ -37,8 +38,27 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
     """Place `model` on this rank's device and split and wrap it for the run's layout and precision.
 
     `zero_stage` is the stage in effect (0 when there is a single data-parallel rank). Stages 1 and 2 leave the
-    model as it is: their sharding lives in the optimizer (`meshkit.parallel.zero`).
+    model as it is: their sharding lives in the optimizer (`meshkit.parallel.zero`). Under pipeline parallel
+    the model is first cut into this rank's stages, and each goes through the same chain.
     """
+    pp = mesh.size("pp")
+    if pp == 1:
+        return _parallelize_one(model, mesh, config, zero_stage)
+    chunks = chunks_per_rank(config.pipeline)
+    stage_list = stage_ids(mesh.coordinate("pp"), pp, chunks, config.pipeline.schedule)
+    stage_modules = split_model(model, stage_list, pp * chunks)
+    parts = [_parallelize_one(m, mesh, config, zero_stage, in_pipeline=True) for m in stage_modules]
+    return Parallelized(
+        PipelineModel([part.model for part in parts], stage_list, pp * chunks),
+        fused_qkv=[name for part in parts for name in part.fused_qkv],
+        logits_sharded=any(part.logits_sharded for part in parts),
+        needs_gradient_reduce=any(part.needs_gradient_reduce for part in parts),
+    )
+
+
+def _parallelize_one(
+    model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_stage: int, in_pipeline: bool = False
+) -> Parallelized:
     sharding = config.sharding
     on_meta = has_meta_tensors(model)
     if not on_meta:
@@ -58,8 +78,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
     if on_meta:
         materialize(model, mesh.device, sharding.init_from)
     if zero_stage == 0 and mesh.grad_size > 1:
-        if tp > 1:
-            result.needs_gradient_reduce = True  # DDP cannot wrap DTensor parameters
+        # DDP cannot wrap DTensor parameters, and a pipeline schedule runs several backward passes per step
+        # that DDP's bucket rebuild does not expect: those gradients are averaged once after the step instead.
+        if tp > 1 or in_pipeline:
+            result.needs_gradient_reduce = True
         else:
             model = apply_ddp(model, mesh, config.ddp)
     autocast_forward(model, config.precision, mesh.device.type)

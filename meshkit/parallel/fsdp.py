@@ -54,7 +54,8 @@ def offload_policy(cfg: ShardingConfig, device: torch.device) -> CPUOffloadPolic
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, cfg: ShardingConfig, precision: str) -> nn.Module:
     """Shard each block, then the root. Returns the same module object (FSDP2 works in place)."""
-    _, blocks = find_blocks(model, cfg.blocks)
+    _, block_list = find_blocks(model, cfg.blocks)
+    blocks = [block for block in block_list if not getattr(block, "is_placeholder", False)]
     options = {"mesh": fsdp_mesh(mesh), "mp_policy": mixed_precision_policy(cfg, precision)}
     policy = offload_policy(cfg, mesh.device)
     if policy is not None:

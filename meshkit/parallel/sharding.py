@@ -54,14 +54,14 @@ def effective_zero_stage(cfg: ShardingConfig, mesh: ParallelMesh) -> int:
     return stage
 
 
-def rebind_params(optimizer: torch.optim.Optimizer, renamed: dict[int, nn.Parameter]) -> torch.optim.Optimizer:
+def rebind_params(optimizer: torch.optim.Optimizer, renamed: dict[int, nn.Parameter | None]) -> torch.optim.Optimizer:
     """Point the optimizer at the parameters that sharding put in place of the ones it was built with."""
     if not renamed:
         return optimizer
     if optimizer.state and any(id(p) in renamed for g in optimizer.param_groups for p in g["params"]):
         raise ShardingError("prepare() the optimizer before its first step: its state belongs to unsharded parameters")
-    for group in optimizer.param_groups:
-        group["params"] = [renamed.get(id(p), p) for p in group["params"]]
+    for group in optimizer.param_groups:  # None: the parameter lives on another pipeline stage
+        group["params"] = [q for p in group["params"] if (q := renamed.get(id(p), p)) is not None]
     return optimizer
 
 

@@ -1,0 +1,52 @@
+"""Pipeline parallel with every schedule, and its compositions, against a single process."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshkit.parallel.pipeline import SCHEDULE_CLASSES, PipelineError, balanced_split
+from tests.distributed import run_world
+from tests.layouts import check, run_layouts
+
+PP2 = {f"pp2_{name}": ("gpt4", {"pp": 2, "schedule": name}) for name in SCHEDULE_CLASSES}
+
+
+@pytest.fixture(scope="module")
+def pp2_results() -> list[dict]:
+    return run_world(run_layouts, 2, PP2, timeout=400)
+
+
+@pytest.mark.parametrize("name", list(PP2))
+def test_each_schedule_at_pp2_matches_a_single_process(pp2_results, name) -> None:
+    check(pp2_results, name, "gpt4")
+
+
+WORLD4 = {
+    "pp4_gpipe": ("gpt4", {"pp": 4, "schedule": "gpipe", "microbatches": 4}),
+    "pp4_1f1b": ("gpt4", {"pp": 4, "schedule": "1f1b", "microbatches": 4}),
+    "pp2_dp2": ("gpt4", {"pp": 2, "dp_replicate": 2}),
+    "pp2_fsdp2": ("gpt4", {"pp": 2, "zero_stage": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def world4_results() -> list[dict]:
+    return run_world(run_layouts, 4, WORLD4, timeout=400)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_pipeline_compositions_at_world_4(world4_results, name) -> None:
+    check(world4_results, name, "gpt4")
+
+
+def test_pp2_dp2_tp2_at_world_8() -> None:
+    layouts = {"pp2_dp2_tp2": ("gpt4", {"pp": 2, "dp_replicate": 2, "tp": 2})}
+    check(run_world(run_layouts, 8, layouts, timeout=400), "pp2_dp2_tp2", "gpt4")
+
+
+def test_balanced_split_by_parameter_count() -> None:
+    # the first stage also carries a large embedding, so it gets fewer blocks
+    assert balanced_split([10, 10, 10, 10], 2, 25, 0) == [range(0, 1), range(1, 4)]
+    assert balanced_split([10, 10, 10, 10], 4, 0, 0) == [range(i, i + 1) for i in range(4)]
+    with pytest.raises(PipelineError, match="6 pipeline stages .* need at least 6 blocks, the model has 4"):
+        balanced_split([1, 1, 1, 1], 6, 0, 0)
