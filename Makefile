@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py --nproc 2
 	$(BIN)/python bench/overhead.py --nproc 4
 	$(BIN)/python bench/memory.py --nproc 4
+	$(BIN)/python bench/pipeline.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -10,9 +10,9 @@ optimizer, scheduler and data for the layout. Two loop styles are first-class:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import warnings
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,11 @@ from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.sharding import effective_zero_stage, rebind_params, shard_optimizer
 from meshkit.parallel.tensor import restore_fused_qkv
 from meshkit.precision import autocast_context, make_grad_scaler
+from meshkit.processes import ProcessHelpers
 from meshkit.resolve import ResolvedConfig, explicit_values, resolve
 from meshkit.seed import set_seed
-from meshkit.tracking import check_trackers, make_trackers, scalar_metrics
-from meshkit.tree import has_tensors, map_tensors
+from meshkit.tracking import check_trackers, make_trackers
+from meshkit.tree import map_tensors
 
 
 class EngineError(MeshkitError):
@@ -57,7 +58,7 @@ class ConfigConflictWarning(UserWarning):
     """Code and a launch flag set the same key to different values (code wins)."""
 
 
-class Engine:
+class Engine(ProcessHelpers):
     """Distributed training for any layout. `Engine(config=None, **overrides)`.
 
     `config` is a RunConfig, a YAML path, the result of `meshkit.resolve.resolve()`, or None (the config
@@ -127,14 +128,6 @@ class Engine:
                 warnings.warn(conflict.message(), ConfigConflictWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ where am I
-    @property
-    def is_main_process(self) -> bool:
-        return self.info.rank == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.info.local_rank == 0
-
     @property
     def process_index(self) -> int:
         return self.info.rank
@@ -287,60 +280,6 @@ class Engine:
             raise EngineError(f"train_step() needs exactly one prepared {kind}, found {len(registry)}")
         return registry[0]
 
-    # ------------------------------------------------------------------ metrics and processes
-    def gather(self, data: Any) -> Any:
-        """Concatenate tensors from every dp rank along dim 0 (same shapes on every rank)."""
-        return collectives.gather(data, self.mesh.dp_group)
-
-    def gather_for_metrics(self, data: Any) -> Any:
-        """`gather`, minus the samples the sampler repeated to even out the last batch: metrics see the dataset
-        exactly. Call it inside the loop over a prepared loader (it trims that loader's current batch)."""
-        loader = self.gradient_state.active_loader
-        counts = loader.valid_counts() if loader is not None else None
-        if has_tensors(data):
-            gathered = self.gather(data)
-            if counts is None:
-                return gathered
-            return map_tensors(lambda t: collectives.drop_padding(t, counts), gathered)
-        # Other objects (strings, ids): each rank passes a list of per-sample items.
-        per_rank = collectives.gather_object(list(data), self.mesh.dp_group)
-        counts = counts or [len(items) for items in per_rank]
-        return [item for items, valid in zip(per_rank, counts, strict=True) for item in items[:valid]]
-
-    def reduce(self, data: Any, op: str = "mean") -> Any:
-        """All-reduce tensors over the ranks that hold different data, dp × cp ('mean' or 'sum'): the mean of
-        per-rank mean losses is the batch's mean loss."""
-        return collectives.reduce(data, self.mesh.grad_group, op=op)
-
-    def wait_for_everyone(self) -> None:
-        """Barrier over all ranks."""
-        if self.device.type == "cuda":
-            dist.barrier(device_ids=[self.device.index])
-        else:
-            dist.barrier()
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """The main process runs the block first (e.g. downloads, preprocessing), then the others."""
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """print() once per node."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
-
-    def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Send scalar metrics to the trackers (main process only; other ranks return at once)."""
-        if not self._trackers:
-            return
-        scalars = scalar_metrics(metrics)
-        for tracker in self._trackers:
-            tracker.log(scalars, step)
-
     # ------------------------------------------------------------------ weights
     def unwrap_model(self, model: nn.Module | None = None) -> nn.Module:
         return unwrap(model if model is not None else self._only("model", self._models))
@@ -376,20 +315,28 @@ class Engine:
         return index
 
     # ------------------------------------------------------------------ end
-    def end(self) -> None:
-        """Close the trackers and leave the process group (if this engine created it). Safe to call twice."""
+    def end(self, *, wait_for_peers: bool = True) -> None:
+        """Close the trackers and leave the process group (if this engine created it). Safe to call twice.
+
+        With `wait_for_peers` every rank first meets the others at a barrier, so no rank tears its
+        communicator down while a peer is still talking to it; pass False on an error path, where a peer
+        may be gone.
+        """
         for tracker in self._trackers:
             tracker.close()
         self._trackers = []
+        if wait_for_peers and self._owns_process_group and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
         self._stop_process_group()
 
     def _stop_process_group(self) -> None:
         if self._owns_process_group and dist.is_initialized():
+            gc.collect()  # drop finished work handles (and their tensors) before the communicator goes
             dist.destroy_process_group()
         self._owns_process_group = False
 
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.end()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.end(wait_for_peers=exc_type is None)

@@ -139,23 +139,30 @@ def root_cause(failures: Mapping[int, ProcessFailure]) -> tuple[int, ProcessFail
 
     def recorded_at(item: tuple[int, ProcessFailure]) -> tuple[int, int]:
         rank, failure = item
-        if failure.error_file and os.path.isfile(failure.error_file):
+        if _recorded(failure):
             return os.stat(failure.error_file).st_mtime_ns, rank
         return failure.timestamp * 10**9 + 10**9 - 1, rank  # no file (killed): after the recorded ones
 
     return min(failures.items(), key=recorded_at)
 
 
+def _recorded(failure: ProcessFailure) -> bool:
+    return bool(failure.error_file) and os.path.isfile(failure.error_file)
+
+
 def describe_failure(rank: int, failure: ProcessFailure) -> str:
-    """'rank 1 (local rank 1, exit code 1): ValueError: boom' (the rank's full traceback is in its output)."""
-    if failure.exitcode < 0:
-        return f"rank {rank} (local rank {failure.local_rank}) was killed by signal {failure.signal_name()}"
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    if not failure.error_file or not os.path.isfile(failure.error_file):
-        message = "it recorded no error; see its output above"
-    return f"rank {rank} (local rank {failure.local_rank}, exit code {failure.exitcode}): {message}"
+    """'rank 1 (local rank 1, exit code 1): ValueError: boom' (the rank's full traceback is in its output).
+
+    A rank that recorded an exception is described by it even if the agent's SIGTERM ended it before it
+    could exit by itself.
+    """
+    if not _recorded(failure):
+        if failure.exitcode < 0:
+            return f"rank {rank} (local rank {failure.local_rank}) was killed by signal {failure.signal_name()}"
+        return f"rank {rank} (local rank {failure.local_rank}, exit code {failure.exitcode}): it recorded no error"
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+    how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"stopped by {failure.signal_name()}"
+    return f"rank {rank} (local rank {failure.local_rank}, {how}): {message}"
 
 
 def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
@@ -188,7 +195,7 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
     except ChildFailedError as err:
         rank, first = root_cause(err.failures)
         # Ranks stopped by the agent after the first failure end by signal; only real failures are listed.
-        others = sorted(r for r, f in err.failures.items() if r != rank and f.exitcode > 0)
+        others = sorted(r for r, f in err.failures.items() if r != rank and (f.exitcode > 0 or _recorded(f)))
         also = f"; also failed: rank {', '.join(map(str, others))}" if others else ""
         print(f"meshkit launch: {describe_failure(rank, first)}{also}", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1

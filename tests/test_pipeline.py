@@ -50,3 +50,37 @@ def test_balanced_split_by_parameter_count() -> None:
     assert balanced_split([10, 10, 10, 10], 4, 0, 0) == [range(i, i + 1) for i in range(4)]
     with pytest.raises(PipelineError, match="6 pipeline stages .* need at least 6 blocks, the model has 4"):
         balanced_split([1, 1, 1, 1], 6, 0, 0)
+
+
+def bad_microbatches_rank(rank: int) -> list[str]:
+    import torch
+
+    from meshkit import Engine
+    from meshkit.models.gpt import lm_loss
+    from tests.layouts import tiny_gpt_4_blocks
+    from tests.training import split, token_batches
+
+    torch.distributed.init_process_group("gloo")
+    messages = []
+    try:
+        Engine(pp=2, microbatches=1).prepare(tiny_gpt_4_blocks(), loss_fn=lm_loss)
+    except ValueError as err:
+        messages.append(str(err))
+    engine = Engine(pp=2, microbatches=2)
+    model = engine.prepare(tiny_gpt_4_blocks(), loss_fn=lm_loss)
+    engine.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        engine.train_step(split(token_batches(1, 3)[0]))
+    except ValueError as err:
+        messages.append(str(err))
+    torch.distributed.destroy_process_group()
+    return messages
+
+
+def test_microbatch_settings_that_cannot_run_are_one_line_errors() -> None:
+    for messages in run_world(bad_microbatches_rank, 2, timeout=120):
+        assert messages == [
+            "pipeline.microbatches=1 must be at least pp=2",
+            "the local batch of 3 does not split into pipeline.microbatches=2: make the per-rank batch size a "
+            "multiple of it",
+        ]

@@ -130,8 +130,8 @@ def test_unsupported_combinations_name_the_nearest_supported_one() -> None:
         resolve(code={"zero_stage": 1, "param_dtype": "bf16"}, env={})
 
     def mesh(replicate: int, shard: int) -> SimpleNamespace:
-        sizes = {"dp_replicate": replicate, "dp_shard": shard, "tp": 1}
-        return SimpleNamespace(dp_size=replicate * shard, size=sizes.__getitem__)
+        sizes = {"dp_replicate": replicate, "dp_shard": shard, "tp": 1, "cp": 1}
+        return SimpleNamespace(dp_size=replicate * shard, grad_size=replicate * shard, size=sizes.__getitem__)
 
     with pytest.raises(ShardingError, match="use zero_stage=3 for HSDP"):
         effective_zero_stage(resolve(code={"zero_stage": 2, "dp_replicate": 2}, env={}).config.sharding, mesh(2, 2))

@@ -62,11 +62,8 @@ def endless(loader: Any) -> Iterator[Any]:
 
 def train(resolved: ResolvedConfig) -> dict[str, Any]:
     """Run the recipe; returns the summary (also written to summary.json on the main process)."""
-    engine = Engine(resolved)
-    try:
+    with Engine(resolved) as engine:
         return _train(engine)
-    finally:
-        engine.end()
 
 
 def _train(engine: Engine) -> dict[str, Any]:

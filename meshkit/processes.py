@@ -1,0 +1,81 @@
+"""Coordinating the ranks: metrics over the data-parallel ranks, barriers, main-process work and logging.
+
+A mixin of `Engine`; it relies on the engine's `mesh`, `info`, `device`, `gradient_state` and `_trackers`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from meshkit import collectives
+from meshkit.tracking import scalar_metrics
+from meshkit.tree import has_tensors, map_tensors
+
+
+class ProcessHelpers:
+    """gather / gather_for_metrics / reduce, wait_for_everyone, main_process_first, print, log."""
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.info.rank == 0  # type: ignore[attr-defined]
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.info.local_rank == 0  # type: ignore[attr-defined]
+
+    def gather(self, data: Any) -> Any:
+        """Concatenate tensors from every dp rank along dim 0 (same shapes on every rank)."""
+        return collectives.gather(data, self.mesh.dp_group)
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """`gather`, minus the samples the sampler repeated to even out the last batch: metrics see the dataset
+        exactly. Call it inside the loop over a prepared loader (it trims that loader's current batch)."""
+        loader = self.gradient_state.active_loader
+        counts = loader.valid_counts() if loader is not None else None
+        if has_tensors(data):
+            gathered = self.gather(data)
+            if counts is None:
+                return gathered
+            return map_tensors(lambda t: collectives.drop_padding(t, counts), gathered)
+        # Other objects (strings, ids): each rank passes a list of per-sample items.
+        per_rank = collectives.gather_object(list(data), self.mesh.dp_group)
+        counts = counts or [len(items) for items in per_rank]
+        return [item for items, valid in zip(per_rank, counts, strict=True) for item in items[:valid]]
+
+    def reduce(self, data: Any, op: str = "mean") -> Any:
+        """All-reduce tensors over the ranks that hold different data, dp × cp ('mean' or 'sum'): the mean of
+        per-rank mean losses is the batch's mean loss."""
+        return collectives.reduce(data, self.mesh.grad_group, op=op)
+
+    def wait_for_everyone(self) -> None:
+        """Barrier over all ranks."""
+        if self.device.type == "cuda":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The main process runs the block first (e.g. downloads, preprocessing), then the others."""
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() once per node."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Send scalar metrics to the trackers (main process only; other ranks return at once)."""
+        if not self._trackers:
+            return
+        scalars = scalar_metrics(metrics)
+        for tracker in self._trackers:
+            tracker.log(scalars, step)
