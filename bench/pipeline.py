@@ -31,7 +31,7 @@ from meshkit.config import LaunchSettings
 from meshkit.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.parallel.pipeline import SCHEDULE_CLASSES, SINGLE_STAGE, schedule_class
 
-DIM, BLOCKS, FORWARD_S, BACKWARD_S = 16, 8, 0.008, 0.016  # per block; a rank holds BLOCKS / p of them
+DIM, BLOCKS, FORWARD_S, BACKWARD_S = 16, 8, 0.02, 0.04  # per block; a rank holds BLOCKS / p of them
 MICROBATCHES, STEPS, CHUNKS = (2, 4, 8, 16), 3, 2
 
 
