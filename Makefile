@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py --nproc 4
 	$(BIN)/python bench/memory.py --nproc 4
 	$(BIN)/python bench/pipeline.py
+	$(BIN)/python bench/checkpoint.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

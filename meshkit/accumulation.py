@@ -46,6 +46,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.gradient_state = state
         self.scaler = scaler
         self.step_was_skipped = False
+        self.steps_taken = 0  # synchronising steps (fp16-skipped ones included): the run's step counter
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -66,6 +67,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if not self.gradient_state.sync:
             return None
+        self.steps_taken += 1
         if self.scaler is None:
             result = self.optimizer.step(closure)
             self.step_was_skipped = False
@@ -104,6 +106,10 @@ class PreparedScheduler:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if self.gradient_state.sync and self.gradient_state.optimizer_stepped:
+            # The optimizer did step, perhaps through a rebuilt copy (ZeRO-1/2) torch's check cannot see.
+            optimizer = getattr(self.scheduler, "optimizer", None)
+            if optimizer is not None:
+                optimizer._opt_called = True
             self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:

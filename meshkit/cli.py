@@ -62,6 +62,17 @@ def collect_flags(named: dict[str, tuple[str, Any]], assignments: list[str]) -> 
     return values, labels
 
 
+def parse_nnodes(value: str | None) -> tuple[int | None, int | None]:
+    """'4' -> (None, 4); '1:4' -> (1, 4) (elastic)."""
+    if value is None:
+        return None, None
+    low, _, high = value.partition(":")
+    try:
+        return (int(low), int(high)) if high else (None, int(low))
+    except ValueError:
+        raise MeshkitError(f"--nnodes {value}: give a node count (2) or MIN:MAX for an elastic job (1:4)") from None
+
+
 def print_resolved(resolved: ResolvedConfig) -> None:
     table = Table(title="meshkit config (highest precedence: code > flags > env > file > default)")
     for column in ("key", "value", "source"):
@@ -74,7 +85,9 @@ def print_resolved(resolved: ResolvedConfig) -> None:
 
 
 NprocOpt = Annotated[Optional[int], typer.Option("--nproc-per-node", help="worker processes on this node")]
-NnodesOpt = Annotated[Optional[int], typer.Option("--nnodes", help="number of nodes")]
+NnodesOpt = Annotated[
+    Optional[str], typer.Option("--nnodes", help="number of nodes, or MIN:MAX for an elastic job (e.g. 1:4)")
+]
 NodeRankOpt = Annotated[Optional[int], typer.Option("--node-rank", help="rank of this node (0 hosts)")]
 AddrOpt = Annotated[Optional[str], typer.Option("--master-addr", help="address of node 0")]
 PortOpt = Annotated[Optional[int], typer.Option("--master-port", help="rendezvous port on node 0")]
@@ -103,10 +116,12 @@ def launch_command(
     set_: SetOpt = None,
 ) -> None:
     """Run SCRIPT on every rank: `meshkit launch --nproc-per-node 4 train.py --lr 3e-4`."""
+    min_nodes, max_nodes = parse_nnodes(nnodes)
     flags, labels = collect_flags(
         {
             "launch.nproc_per_node": ("--nproc-per-node", nproc_per_node),
-            "launch.nnodes": ("--nnodes", nnodes),
+            "launch.nnodes": ("--nnodes", max_nodes),
+            "launch.min_nnodes": ("--nnodes", min_nodes),
             "launch.node_rank": ("--node-rank", node_rank),
             "launch.master_addr": ("--master-addr", master_addr),
             "launch.master_port": ("--master-port", master_port),
@@ -168,6 +183,25 @@ def config_show(
     """Print every resolved key with its value and where the value came from."""
     flags, labels = collect_flags({}, set_ or [])
     print_resolved(resolve(flags=flags, flag_labels=labels, file=config_file))
+
+
+@app.command("export")
+@user_errors
+def export_command(
+    checkpoint: Annotated[Path, typer.Argument(help="a save_state checkpoint, or a checkpoint root (its newest)")],
+    out_dir: Annotated[Path, typer.Argument(help="where the safetensors shards and index go")],
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="largest shard, e.g. 500MB, 2GB")] = "2GB",
+) -> None:
+    """Convert a checkpoint (any layout, any world size) to safetensors shards + index.json, in one process."""
+    from meshkit.checkpoint.model_export import export_checkpoint
+    from meshkit.export import parse_size
+
+    try:
+        limit = parse_size(max_shard_size)
+    except ValueError as err:
+        raise MeshkitError(f"--max-shard-size: {err}") from None
+    index = export_checkpoint(checkpoint, out_dir, limit)
+    Console().print(f"exported {checkpoint} -> [bold]{index}[/]")
 
 
 @app.command("env")

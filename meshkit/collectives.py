@@ -74,3 +74,12 @@ def reduce_scatter_flat(shard: torch.Tensor, full: torch.Tensor, group: dist.Pro
     """Sum `full` over the ranks of `group`; rank r receives chunk r of the sum in `shard`."""
     scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
     scatter_single(shard, full, group=group)
+
+
+def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """`obj` from rank `src` on every rank (small control values: errors, chosen paths)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

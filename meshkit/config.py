@@ -105,7 +105,10 @@ class LaunchSettings(Section):
     """How `meshkit launch` starts the workers (torch elastic agent underneath)."""
 
     nproc_per_node: int = Field(1, ge=1, description="worker processes per node")
-    nnodes: int = Field(1, ge=1, description="number of nodes")
+    nnodes: int = Field(1, ge=1, description="number of nodes (elastic: the most nodes)")
+    min_nnodes: int | None = Field(
+        None, ge=1, description="elastic: the fewest nodes the job goes on with (`--nnodes MIN:MAX`); null = nnodes"
+    )
     node_rank: int = Field(0, ge=0, description="this node's rank (0 hosts the rendezvous)")
     master_addr: str = Field("127.0.0.1", description="address of node 0")
     master_port: int | None = Field(
@@ -113,11 +116,16 @@ class LaunchSettings(Section):
     )
     max_restarts: int = Field(0, ge=0, description="restart all workers this many times after a failure")
     rdzv_timeout_s: float = Field(300.0, gt=0, description="seconds to wait for every node to join")
+    rdzv_last_call_s: float = Field(
+        30.0, gt=0, description="elastic: once min_nnodes have joined, seconds to wait for more before starting"
+    )
 
     @model_validator(mode="after")
     def _node_rank_in_range(self) -> LaunchSettings:
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        if self.min_nnodes is not None and self.min_nnodes > self.nnodes:
+            raise ValueError(f"min_nnodes={self.min_nnodes} must not exceed nnodes={self.nnodes} (--nnodes MIN:MAX)")
         return self
 
 
@@ -188,6 +196,20 @@ class PipelineConfig(Section):
     )
 
 
+class CheckpointConfig(Section):
+    """Periodic, resumable checkpoints (`engine.save_checkpoint()`, `meshkit train`)."""
+
+    dir: Path | None = Field(None, description="checkpoint root; null = <logging.dir>/checkpoints")
+    every_steps: int = Field(0, ge=0, description="save every N optimizer steps (0 = never automatically)")
+    keep_last: int = Field(3, ge=1, description="committed checkpoints kept; older ones are deleted")
+    async_save: bool = Field(
+        False, description="write in the background (config key `async` works too); training waits for the copy"
+    )
+    resume: str = Field(
+        "never", description="never | auto (newest good checkpoint under dir, if any) | PATH of a checkpoint"
+    )
+
+
 class TrainConfig(Section):
     """The built-in recipe (`meshkit train`): data, optimiser and loop length."""
 
@@ -211,6 +233,9 @@ class RunConfig(Section):
     seed: int = Field(0, ge=0, description="seed for model init, data order and dropout")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")
     collective_timeout_s: float = Field(600.0, gt=0, description="timeout of every collective, in seconds")
+    hang_doctor: bool = Field(
+        True, description="on a stalled collective, name the ranks that never reached it (heartbeats, 1/s)"
+    )
     threads_per_process: int | None = Field(
         None, ge=1, description="torch threads per rank; null = the rank's share of its cores"
     )
@@ -220,6 +245,7 @@ class RunConfig(Section):
     compile: CompileConfig = CompileConfig()
     ddp: DDPConfig = DDPConfig()
     logging: LoggingConfig = LoggingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     launch: LaunchSettings = LaunchSettings()
     model: GPTConfig = GPTConfig()
     train: TrainConfig = TrainConfig()

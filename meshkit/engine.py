@@ -26,11 +26,13 @@ from torch.utils.data import DataLoader
 from meshkit import collectives
 from meshkit.accumulation import GradientState, PreparedOptimizer, PreparedScheduler
 from meshkit.affinity import apply_affinity
+from meshkit.checkpoint.engine_mixin import CheckpointingMixin
+from meshkit.checkpoint.model_export import save_model_weights
 from meshkit.config import RunConfig
 from meshkit.data.loader import ShardedLoader, shard_dataloader
 from meshkit.errors import MeshkitError
-from meshkit.export import save_safetensors
 from meshkit.gradients import GradientSync
+from meshkit.hang_doctor import HangDoctor, watched
 from meshkit.loss import LossFn, compute_loss
 from meshkit.memory import memory_report
 from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
@@ -58,7 +60,7 @@ class ConfigConflictWarning(UserWarning):
     """Code and a launch flag set the same key to different values (code wins)."""
 
 
-class Engine(ProcessHelpers):
+class Engine(ProcessHelpers, CheckpointingMixin):
     """Distributed training for any layout. `Engine(config=None, **overrides)`.
 
     `config` is a RunConfig, a YAML path, the result of `meshkit.resolve.resolve()`, or None (the config
@@ -122,6 +124,12 @@ class Engine(ProcessHelpers):
             self.loss_parallel,
             self.mesh.group("pp") if dims.pp > 1 else None,
         )
+        self._checkpointer = self._make_checkpointer()
+        self._doctor = (
+            HangDoctor(self.info.rank, self.info.world_size, self.config.collective_timeout_s)
+            if self.config.hang_doctor and self.info.world_size > 1
+            else None
+        )
         self._trackers = make_trackers(self.config.logging.trackers, self.run_dir) if self.is_main_process else []
         if self.is_main_process:
             for conflict in self.resolved.conflicts:
@@ -154,6 +162,7 @@ class Engine(ProcessHelpers):
         return self.gradient_state.sync
 
     # ------------------------------------------------------------------ prepare
+    @watched("prepare")
     def prepare(self, *objects: Any, loss_fn: LossFn | None = None) -> Any:
         """Place and wrap models, optimizers, data loaders and LR schedulers; returns them in the same order."""
         if loss_fn is not None:
@@ -217,6 +226,7 @@ class Engine(ProcessHelpers):
         """One micro-step: gradients synchronise (and the optimizer steps) on every grad_accum_steps-th."""
         return self._gradients.accumulate()
 
+    @watched("backward")
     def backward(self, loss: torch.Tensor, *, num_items: float | torch.Tensor | None = None) -> None:
         """Backward with accumulation scaling (and fp16 loss scaling).
 
@@ -248,6 +258,7 @@ class Engine(ProcessHelpers):
         """The run's autocast context, for code outside the prepared model's forward."""
         return autocast_context(self.config.precision, self.device.type)
 
+    @watched("train_step")
     def train_step(self, batch: Any) -> torch.Tensor:
         """Forward, backward and (on syncing micro-steps) clip, optimizer and scheduler step; returns the loss."""
         model = self._only("model", self._models)
@@ -303,16 +314,16 @@ class Engine(ProcessHelpers):
         """Bytes this rank holds now for `params`, `grads` and `optimizer` state, and its `rss`/`peak_rss`."""
         return memory_report(self._models, [opt.optimizer for opt in self._optimizers])
 
+    @watched("save_model")
     def save_model(
         self, out_dir: str | os.PathLike[str], model: nn.Module | None = None, max_shard_size: int | str = "2GB"
     ) -> Path:
-        """Write full weights as safetensors shards plus `model.safetensors.index.json` (main process)."""
-        state = self.full_state_dict(model)
-        index = Path(out_dir) / "model.safetensors.index.json"
-        if self.is_main_process:
-            index = save_safetensors(state, out_dir, max_shard_size)
-        self.wait_for_everyone()
-        return index
+        """Write the full weights as safetensors shards plus `model.safetensors.index.json` (Hugging Face
+        layout), from any layout. Collective: every rank calls it; the main process writes, one shard at a time.
+        """
+        prepared = model if model is not None else self._only("model", self._models)
+        fused = self._fused_qkv.get(id(prepared), [])
+        return save_model_weights(prepared, self.mesh, fused, out_dir, max_shard_size)
 
     # ------------------------------------------------------------------ end
     def end(self, *, wait_for_peers: bool = True) -> None:
@@ -322,6 +333,11 @@ class Engine(ProcessHelpers):
         communicator down while a peer is still talking to it; pass False on an error path, where a peer
         may be gone.
         """
+        if wait_for_peers:
+            self._close_checkpointer()
+        if self._doctor is not None:
+            self._doctor.stop()
+            self._doctor = None
         for tracker in self._trackers:
             tracker.close()
         self._trackers = []

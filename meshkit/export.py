@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,10 +34,6 @@ def parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def unique_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU tensors; names that alias an earlier tensor (tied weights) are dropped."""
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
@@ -49,17 +47,29 @@ def unique_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def plan_shards(state_dict: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
-    """Greedy split in key order; a tensor larger than the limit gets a shard of its own."""
-    shards: list[list[str]] = [[]]
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor to export, known before its values are: name, full shape, dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def plan_shards(tensors: list[TensorInfo], max_shard_bytes: int) -> list[list[TensorInfo]]:
+    """Greedy split in the given order; a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[TensorInfo]] = [[]]
     used = 0
-    for name, tensor in state_dict.items():
-        size = _tensor_bytes(tensor)
-        if shards[-1] and used + size > max_shard_bytes:
+    for info in tensors:
+        if shards[-1] and used + info.nbytes > max_shard_bytes:
             shards.append([])
             used = 0
-        shards[-1].append(name)
-        used += size
+        shards[-1].append(info)
+        used += info.nbytes
     return shards
 
 
@@ -74,30 +84,66 @@ def _write_atomically(path: Path, tensors: dict[str, torch.Tensor] | None = None
     os.replace(tmp, path)
 
 
+class ShardStream:
+    """Writes a planned export one shard at a time: `add` the tensors in plan order; each shard is written
+    (atomically) as soon as its last tensor arrives and then dropped, so at most one shard is held.
+    `close()` writes the index last, so an interrupted export never has an index naming missing shards."""
+
+    def __init__(self, out_dir: str | os.PathLike[str], plan: list[list[TensorInfo]]) -> None:
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.plan = [shard for shard in plan if shard] or [[]]
+        count = len(self.plan)
+        self.names = (
+            ["model.safetensors"]
+            if count == 1
+            else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        )
+        self._shard = 0
+        self._pending: dict[str, torch.Tensor] = {}
+        self.weight_map: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self.plan[self._shard][len(self._pending)]
+        if name != expected.name or tuple(tensor.shape) != expected.shape:
+            raise ValueError(f"export: got {name} {tuple(tensor.shape)}, expected {expected.name} {expected.shape}")
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        if len(self._pending) == len(self.plan[self._shard]):
+            self._flush()
+
+    def _flush(self) -> None:
+        file_name = self.names[self._shard]
+        _write_atomically(self.out / file_name, tensors=self._pending)
+        self.weight_map.update(dict.fromkeys(self._pending, file_name))
+        self._pending = {}
+        self._shard += 1
+
+    def close(self) -> Path:
+        if self._shard < len(self.plan):
+            if self._pending or not self.plan[self._shard]:
+                self._flush()
+            if self._shard < len(self.plan):
+                raise ValueError(f"export: {len(self.plan) - self._shard} shard(s) were never completed")
+        total = sum(info.nbytes for shard in self.plan for info in shard)
+        index = {"metadata": {"total_size": total}, "weight_map": self.weight_map}
+        _write_atomically(self.out / INDEX_NAME, text=json.dumps(index, indent=2, sort_keys=True))
+        for stale in self.out.glob("model*.safetensors"):
+            if stale.name not in self.names:
+                stale.unlink()  # a shard of an earlier export with a different shard count
+        return self.out / INDEX_NAME
+
+
 def save_safetensors(
     state_dict: Mapping[str, torch.Tensor], out_dir: str | os.PathLike[str], max_shard_size: int | str = "2GB"
 ) -> Path:
     """Write `state_dict` as safetensors shards and an index; returns the index path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = unique_tensors(state_dict)
-    shards = plan_shards(tensors, parse_size(max_shard_size))
-    names = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    weight_map: dict[str, str] = {}
-    for file_name, keys in zip(names, shards, strict=True):
-        _write_atomically(out / file_name, tensors={key: tensors[key] for key in keys})
-        weight_map.update(dict.fromkeys(keys, file_name))
-    total = sum(_tensor_bytes(t) for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    _write_atomically(out / INDEX_NAME, text=json.dumps(index, indent=2, sort_keys=True))
-    for stale in out.glob("model*.safetensors"):
-        if stale.name not in names:
-            stale.unlink()  # a shard of an earlier export with a different shard count
-    return out / INDEX_NAME
+    infos = [TensorInfo(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    stream = ShardStream(out_dir, plan_shards(infos, parse_size(max_shard_size)))
+    for shard in stream.plan:
+        for info in shard:
+            stream.add(info.name, tensors[info.name])
+    return stream.close()
 
 
 def state_dict_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:

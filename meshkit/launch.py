@@ -87,6 +87,12 @@ class LaunchPlan:
         }
         if self.config_file:
             env[ENV_CONFIG_FILE] = str(Path(self.config_file).resolve())
+        if torch.cuda.is_available():
+            # NCCL's flight recorder: on a collective timeout every rank dumps its last collectives (what it
+            # waited in, with sequence numbers) for `torch.distributed.flight_recorder` to compare.
+            for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")):
+                if name not in os.environ:
+                    env[name] = value
         if "OMP_NUM_THREADS" not in os.environ:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             threads = self.threads_per_process or max(1, cores // self.settings.nproc_per_node)
@@ -178,13 +184,17 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
 
         numa = NumaOptions(affinity_mode=AffinityMode.NODE, should_fall_back_if_binding_fails=True)
     config = LaunchConfig(
-        min_nodes=settings.nnodes,
+        min_nodes=settings.min_nnodes or settings.nnodes,
         max_nodes=settings.nnodes,
         nproc_per_node=settings.nproc_per_node,
         run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=f"{settings.master_addr}:{port}",
-        rdzv_configs={"is_host": settings.node_rank == 0, "join_timeout": max(1, int(settings.rdzv_timeout_s))},
+        rdzv_configs={
+            "is_host": settings.node_rank == 0,
+            "join_timeout": max(1, int(settings.rdzv_timeout_s)),
+            "last_call_timeout": max(1, int(settings.rdzv_last_call_s)),
+        },
         max_restarts=settings.max_restarts,
         logs_specs=DefaultLogsSpecs(),
         numa_options=numa,
@@ -201,9 +211,11 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
         return first.exitcode if first.exitcode > 0 else 1
     except RendezvousTimeoutError:
         arrived = store.add(arrived_key, 0)
+        low = settings.min_nnodes or settings.nnodes
+        expected = settings.nnodes if low == settings.nnodes else f"at least {low}"
         print(
             f"meshkit launch: rendezvous at {settings.master_addr}:{port} timed out after "
-            f"{settings.rdzv_timeout_s:g}s: expected {settings.nnodes} nodes, {arrived} arrived",
+            f"{settings.rdzv_timeout_s:g}s: expected {expected} nodes, {arrived} arrived",
             file=sys.stderr,
         )
         return 1

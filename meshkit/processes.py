@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from meshkit import collectives
+from meshkit.hang_doctor import watched
 from meshkit.tracking import scalar_metrics
 from meshkit.tree import has_tensors, map_tensors
 
@@ -27,10 +29,12 @@ class ProcessHelpers:
     def is_local_main_process(self) -> bool:
         return self.info.local_rank == 0  # type: ignore[attr-defined]
 
+    @watched("gather")
     def gather(self, data: Any) -> Any:
         """Concatenate tensors from every dp rank along dim 0 (same shapes on every rank)."""
         return collectives.gather(data, self.mesh.dp_group)
 
+    @watched("gather_for_metrics")
     def gather_for_metrics(self, data: Any) -> Any:
         """`gather`, minus the samples the sampler repeated to even out the last batch: metrics see the dataset
         exactly. Call it inside the loop over a prepared loader (it trims that loader's current batch)."""
@@ -46,11 +50,13 @@ class ProcessHelpers:
         counts = counts or [len(items) for items in per_rank]
         return [item for items, valid in zip(per_rank, counts, strict=True) for item in items[:valid]]
 
+    @watched("reduce")
     def reduce(self, data: Any, op: str = "mean") -> Any:
         """All-reduce tensors over the ranks that hold different data, dp × cp ('mean' or 'sum'): the mean of
         per-rank mean losses is the batch's mean loss."""
         return collectives.reduce(data, self.mesh.grad_group, op=op)
 
+    @watched("wait_for_everyone")
     def wait_for_everyone(self) -> None:
         """Barrier over all ranks."""
         if self.device.type == "cuda":
@@ -66,6 +72,26 @@ class ProcessHelpers:
         yield
         if self.is_main_process:
             self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def main_process_work(self, timeout_s: float = 24 * 3600.0) -> Iterator[bool]:
+        """Work only the main process does (evaluation, saving, uploads) that may outlast `collective_timeout_s`.
+
+            with engine.main_process_work(timeout_s=3600) as is_main:
+                if is_main:
+                    evaluate_and_save()
+
+        The other ranks wait at the end of the block in a barrier with `timeout_s` of its own, instead of in
+        their next collective, which would time out (and be reported as a hang) after `collective_timeout_s`.
+        """
+        yield self.is_main_process
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        group = self._checkpointer.group  # type: ignore[attr-defined]  # gloo, for monitored_barrier
+        doctor = self._doctor  # type: ignore[attr-defined]
+        phase = doctor.phase("main_process_work", lambda: self.step, timeout_s) if doctor else contextlib.nullcontext()  # type: ignore[attr-defined]
+        with phase:
+            dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() once per node."""

@@ -103,6 +103,10 @@ def section_keys() -> list[str]:
     return [key for key, is_section in _schema() if is_section]
 
 
+# Keys whose natural name is a Python keyword.
+_SYNONYMS = MappingProxyType({"checkpoint.async": "checkpoint.async_save"})
+
+
 @functools.cache
 def _aliases() -> Mapping[str, str]:
     """Leaf names that are unique across the schema map to their dotted key."""
@@ -119,6 +123,8 @@ def canonical_key(name: str, source: str) -> str:
         return name
     if name in sections and f"{name}.enabled" in leaves:
         return f"{name}.enabled"
+    if name in _SYNONYMS:
+        return _SYNONYMS[name]
     aliases = _aliases()
     if name in aliases:
         return aliases[name]

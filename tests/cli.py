@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +30,27 @@ def meshkit(
         cwd=cwd or ROOT,
         input=stdin,
     )
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc); processes that end meanwhile are skipped."""
+    found = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and everything below it (torch's agent starts workers in their own sessions)."""
+    for target in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from meshkit.accumulation import GradientState
+from meshkit.data.resumable import ResumableSampler
 from meshkit.errors import MeshkitError
 from meshkit.tree import to_device
 
@@ -32,7 +33,10 @@ class ShardedLoader:
         self.device = device
         self.gradient_state = state
         self.epoch = 0
-        self.batch_index = -1  # index of the batch last yielded in the current epoch
+        self.batch_index = -1  # index of the batch last yielded (kept after the epoch ends, for metrics)
+        self._read = 0  # batches of the current epoch read so far (0 once the epoch is over)
+        self._epoch_start = 0  # global sample position this epoch's iteration began at (a resumed epoch)
+        self._skip_batches = 0  # batches to drop at the next epoch start (resume without a ResumableSampler)
 
     @property
     def dataset(self) -> Any:
@@ -61,12 +65,46 @@ class ShardedLoader:
         except TypeError:  # an iterable dataset of unknown length
             last = -1
         self.gradient_state.active_loader = self
+        sampler = self.loader.sampler
+        self._epoch_start = sampler.start if isinstance(sampler, ResumableSampler) else 0
+        self.batch_index = -1
+        skip, self._skip_batches = self._skip_batches, 0
+        self._read = skip
         for index, batch in enumerate(self.loader):
+            if index < skip:
+                continue
             self.batch_index = index
+            self._read = index + 1
             self.gradient_state.end_of_dataloader = index == last
             yield to_device(batch, self.device)
         self.gradient_state.end_of_dataloader = False
+        self._read = 0
+        if isinstance(sampler, ResumableSampler):
+            sampler.start = 0
         self.epoch += 1
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict[str, int]:
+        """Where the data stands: the epoch, and how many of its samples every rank together has read."""
+        sampler = self.loader.sampler
+        batch = self.loader.batch_size or 1
+        if isinstance(sampler, ResumableSampler):
+            seen = sampler.start + self._read * batch * sampler.num_replicas
+            return {"epoch": self.epoch, "samples_seen": seen}
+        return {"epoch": self.epoch, "batches_seen": self._read}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at `state`; the next iteration yields exactly the batches not read yet."""
+        self.epoch = int(state["epoch"])
+        sampler = self.loader.sampler
+        if "samples_seen" in state and isinstance(sampler, ResumableSampler):
+            sampler.start = int(state["samples_seen"])
+        elif "batches_seen" in state:
+            self._skip_batches = int(state["batches_seen"])
+        else:  # a sampler position saved by a ResumableSampler, resumed on a user's own sampler
+            batch = self.loader.batch_size or 1
+            replicas = getattr(sampler, "num_replicas", 1)
+            self._skip_batches = int(state["samples_seen"]) // (batch * replicas)
 
     def valid_counts(self) -> list[int] | None:
         """Per dp rank, how many samples of the current batch are real (not sampler padding); None if unknown."""
@@ -74,13 +112,13 @@ class ShardedLoader:
         batch = self.loader.batch_size
         if not isinstance(sampler, DistributedSampler) or batch is None or self.batch_index < 0:
             return None
-        per_rank = len(sampler)
+        per_rank = sampler.per_rank(self._epoch_start) if isinstance(sampler, ResumableSampler) else len(sampler)
         start = self.batch_index * batch
         size = min(batch, per_rank - start)
-        total = len(sampler.dataset)  # type: ignore[arg-type]
+        total = len(sampler.dataset) - self._epoch_start  # type: ignore[arg-type]
         world = sampler.num_replicas
-        # Rank r's j-th sample of this batch sits at global position (start + j) * world + r of the padded
-        # index list; positions >= len(dataset) repeat earlier samples.
+        # Rank r's j-th sample of this batch sits at position (start + j) * world + r of the padded index
+        # list of the epoch's remaining samples; positions >= their count repeat earlier samples.
         return [sum(1 for j in range(size) if (start + j) * world + r < total) for r in range(world)]
 
 
@@ -103,7 +141,7 @@ def shard_dataloader(
             "prepare(): the DataLoader uses a custom sampler or batch_sampler; pass batch_size= and shuffle= "
             "instead, or give it a torch DistributedSampler(num_replicas=engine.dp_size, rank=engine.dp_rank)"
         )
-    sampler = DistributedSampler(
+    sampler = ResumableSampler(
         loader.dataset,
         num_replicas=dp_size,
         rank=dp_rank,

@@ -166,3 +166,14 @@ class NVMeOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         for page in self.pages:
             self._page_out(page)
+
+    @contextlib.contextmanager
+    def paged_in(self) -> Iterator[None]:
+        """Every state in `self.state` (file-backed) for the duration, e.g. to checkpoint or restore it."""
+        for page in self.pages:
+            self._page_in(page)
+        try:
+            yield
+        finally:
+            for page in self.pages:
+                self._page_out(page)

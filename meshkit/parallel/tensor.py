@@ -151,9 +151,13 @@ def _interleave_fused_qkv(linear: nn.Linear, tp: int) -> None:
     with torch.no_grad():
         for param in (linear.weight, linear.bias):
             if param is not None:
-                rows = param.shape[0]
-                reordered = param.view(3, tp, rows // (3 * tp), *param.shape[1:]).transpose(0, 1).reshape(param.shape)
-                param.copy_(reordered)
+                param.copy_(interleave_fused_qkv(param, tp))
+
+
+def interleave_fused_qkv(tensor: torch.Tensor, tp: int) -> torch.Tensor:
+    """[q; k; v] rows -> [q0 k0 v0; q1 k1 v1; ...], on a full weight or bias (the order kept while sharded)."""
+    rows = tensor.shape[0]
+    return tensor.view(3, tp, rows // (3 * tp), *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
 
 
 def restore_fused_qkv(tensor: torch.Tensor, tp: int) -> torch.Tensor:

@@ -132,6 +132,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shards = [FlatShard(list(g["params"]), rank, world, stage) for g in optimizer.param_groups]
         inner = rebuild_optimizer(optimizer, self.shards)
         self.inner = wrap_inner(inner) if wrap_inner else inner
+        # An LR scheduler built on the user's optimizer keeps driving it: let it see the rebuilt groups.
+        optimizer.param_groups = inner.param_groups
         self._reduced = False
 
     @property

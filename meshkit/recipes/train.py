@@ -93,11 +93,14 @@ def _train(engine: Engine) -> dict[str, Any]:
         f"meshkit: training GPT ({n_params / 1e6:.2f}M params) on {engine.num_processes} rank(s), "
         f"layout {engine.mesh.dims.describe()}, precision {cfg.precision}, {tokens_per_step} tokens/step"
     )
-    losses: list[float] = []
+    resumed = engine.resume()  # checkpoint.resume: auto | PATH (restores data position, RNG, optimizer, ...)
+    losses: list[float] = list(resumed.get("losses", [])) if resumed else []
+    first_step = len(losses)
     batches = endless(loader)
     window_loss = torch.zeros((), device=engine.device)
     start = time.perf_counter()
     with TrainingProgress(cfg.train.steps, enabled=engine.is_main_process) as progress:
+        progress.update(first_step, losses[-1] if losses else float("nan"), 0.0)
         while len(losses) < cfg.train.steps:
             window_loss += engine.train_step(next(batches))
             if not engine.sync_gradients:
@@ -106,18 +109,23 @@ def _train(engine: Engine) -> dict[str, Any]:
             window_loss.zero_()
             losses.append(loss)
             step = len(losses)
-            tokens_per_s = step * tokens_per_step / (time.perf_counter() - start)
+            tokens_per_s = (step - first_step) * tokens_per_step / (time.perf_counter() - start)
             progress.update(step, loss, tokens_per_s)
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 engine.log({"loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s}, step)
+            final = step == cfg.train.steps and cfg.checkpoint.every_steps > 0
+            engine.save_checkpoint(extra={"losses": losses}, force=final)  # when checkpoint.every_steps is due
+    engine.wait_for_checkpoint()
     wall = time.perf_counter() - start
+    trained = len(losses) - first_step
     memory = collectives.gather_object(engine.memory_report(), group=None)  # every rank's, in rank order
 
     summary = {
         "final_loss": losses[-1],
         "first_loss": losses[0],
         "steps": len(losses),
-        "tokens_per_s": len(losses) * tokens_per_step / wall,
+        "resumed_at_step": first_step,
+        "tokens_per_s": trained * tokens_per_step / wall if trained else 0.0,
         "wall_s": wall,
         "world_size": engine.num_processes,
         "layout": engine.mesh.dims.as_dict(),

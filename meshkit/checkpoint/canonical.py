@@ -1,0 +1,331 @@
+"""The training state in one layout-free form: every tensor under its original name and full shape.
+
+Model weights are saved under `model.<name>` and optimizer states under `optim.<param name>.<state>`, each a
+DTensor (sharded by FSDP or tensor parallel), or a plain tensor (replicated): torch.distributed.checkpoint
+records each rank's piece with its offsets, and a later load at another layout reads exactly the pieces
+it needs. Two exceptions:
+
+- fused q/k/v weights under tensor parallel are kept interleaved per rank (see `parallel/tensor.py`); they
+  are saved in their original order as full tensors and re-interleaved on load;
+- ZeRO-1/2 keep each param group's optimizer state as one flat buffer split at arbitrary offsets, which no
+  rectangular piece of a parameter can describe. It is saved as `optim.flat.pp<p>.group<g>.<state>`, one
+  1-D tensor per group split over the data-parallel ranks, and loads directly at any ZeRO-1/2 world size.
+  Moving between this form and the per-parameter one (e.g. ZeRO-1 → DDP) reads the full states on every
+  rank once: transient memory of one unsharded optimizer state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from meshkit import collectives
+from meshkit.accumulation import PreparedOptimizer
+from meshkit.mesh import ParallelMesh
+from meshkit.parallel.compose import unwrap
+from meshkit.parallel.nvme import NVMeOptimizer
+from meshkit.parallel.tensor import interleave_fused_qkv, restore_fused_qkv
+from meshkit.parallel.zero import FlatShard, ZeroOptimizer
+
+StoredShapes = dict[str, tuple[torch.Size, torch.dtype]]
+Reader = Callable[[dict[str, torch.Tensor]], None]  # fills the given tensors (in place) from the checkpoint
+
+
+def _prefix(kind: str, index: int) -> str:
+    return kind if index == 0 else f"{kind}{index}"
+
+
+def _inner(optimizer: Any) -> Any:
+    return optimizer.optimizer if isinstance(optimizer, PreparedOptimizer) else optimizer
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A full tensor laid out like `param`: this rank's piece of it, without communication."""
+    if isinstance(param, DTensor):
+        return distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+    return full.to(device=param.device)
+
+
+@dataclass
+class Parameters:
+    """One prepared model's parameters by name, and the names stored interleaved for tensor parallel."""
+
+    names: dict[int, str]  # id(parameter) -> name
+    fused: set[str]
+    tp: int
+
+    def to_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return restore_fused_qkv(_full(tensor), self.tp) if name in self.fused else tensor
+
+    def from_canonical(self, name: str, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return _like(interleave_fused_qkv(full, self.tp) if name in self.fused else full, like)
+
+
+class TrainingState:
+    """Maps the prepared models and optimizers of an engine to checkpoint tensors and back."""
+
+    def __init__(
+        self, models: list[nn.Module], optimizers: list[Any], fused: dict[int, list[str]], mesh: ParallelMesh
+    ) -> None:
+        self.models = models
+        self.optimizers = optimizers
+        self.mesh = mesh
+        tp = mesh.size("tp")
+        self.parameters: dict[int, str] = {}
+        self.fused: set[str] = set()
+        for index, model in enumerate(models):
+            prefix = _prefix("model", index)
+            for name, param in unwrap(model).named_parameters():
+                self.parameters[id(param)] = f"{prefix}.{name}"
+            self.fused |= {f"{prefix}.{name}" for name in fused.get(id(model), [])}
+        self.names = Parameters(self.parameters, self.fused, tp)
+
+    # ------------------------------------------------------------------ helpers
+    @contextlib.contextmanager
+    def exposed(self) -> Iterator[None]:
+        """Optimizer states in memory (NVMe offload keeps them in files between steps)."""
+        with contextlib.ExitStack() as stack:
+            for optimizer in self.optimizers:
+                inner = _inner(optimizer)
+                paged = inner.inner if isinstance(inner, ZeroOptimizer) else inner
+                if isinstance(paged, NVMeOptimizer):
+                    stack.enter_context(paged.paged_in())
+            yield
+
+    def _model_tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for index, model in enumerate(self.models):
+            prefix = _prefix("model", index)
+            for name, tensor in unwrap(model).state_dict().items():
+                key = f"{prefix}.{name}"
+                out[key] = self.names.to_canonical(key, tensor)
+        return out
+
+    def _flat_key(self, index: int, group: int, state: str) -> str:
+        return f"{_prefix('optim', index)}.flat.pp{self.mesh.coordinate('pp')}.group{group}.{state}"
+
+    # ------------------------------------------------------------------ save
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor to save (call inside `exposed()`)."""
+        out = self._model_tensors()
+        for index, optimizer in enumerate(self.optimizers):
+            inner = _inner(optimizer)
+            if isinstance(inner, ZeroOptimizer):
+                for number, shard in enumerate(inner.shards):
+                    for state, value in inner.state.get(shard.shard, {}).items():
+                        out[self._flat_key(index, number, state)] = self._flat_piece(shard, value)
+                continue
+            prefix = _prefix("optim", index)
+            for param, states in inner.state.items():
+                name = self.parameters[id(param)]
+                for state, value in states.items():
+                    if isinstance(value, torch.Tensor):
+                        key = f"{prefix}.{name.partition('.')[2]}.{state}"
+                        out[key] = self.names.to_canonical(name, value) if value.shape == param.shape else value
+        return out
+
+    def _flat_piece(self, shard: FlatShard, value: torch.Tensor) -> torch.Tensor:
+        if value.shape != shard.shard.shape:
+            return value  # a scalar such as Adam's step: the same on every rank
+        numel = sum(size for _, size in shard.slices)
+        start = shard.bounds[0]
+        valid = max(0, min(shard.chunk, numel - start))
+        return DTensor.from_local(
+            value[:valid], self.mesh.grad_mesh, [Shard(0)], run_check=False, shape=(numel,), stride=(1,)
+        )
+
+    def hyperparameters(self) -> list[list[dict[str, Any]]]:
+        """Per optimizer, its param groups' settings (JSON-ready; parameters left out)."""
+        return [
+            [{k: v for k, v in group.items() if k != "params"} for group in _inner(opt).param_groups]
+            for opt in self.optimizers
+        ]
+
+    # ------------------------------------------------------------------ load
+    def load(self, stored: StoredShapes, read: Reader, hyperparameters: list[list[dict[str, Any]]] | None) -> None:
+        """Fill the models and optimizers from a checkpoint (call inside `exposed()`)."""
+        self._load_model(stored, read)
+        for index, optimizer in enumerate(self.optimizers):
+            inner = _inner(optimizer)
+            if isinstance(inner, ZeroOptimizer):
+                self._load_flat(index, inner, stored, read)
+            else:
+                self._load_per_param(index, inner, stored, read)
+            if hyperparameters and index < len(hyperparameters):
+                for group, saved in zip(inner.param_groups, hyperparameters[index], strict=False):
+                    group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+
+    def _load_model(self, stored: StoredShapes, read: Reader) -> None:
+        live: dict[str, torch.Tensor] = {}
+        for index, model in enumerate(self.models):
+            prefix = _prefix("model", index)
+            live.update({f"{prefix}.{name}": tensor for name, tensor in unwrap(model).state_dict().items()})
+        everywhere = set(live)
+        if self.mesh.size("pp") > 1:  # each stage holds some layers: the model is the union over stages
+            everywhere = set().union(*collectives.gather_object(sorted(live), self.mesh.group("pp")))
+        check_keys(live, stored, everywhere)
+        targets = {k: torch.empty(stored[k][0], dtype=v.dtype) if k in self.fused else v for k, v in live.items()}
+        read(targets)  # in place: the state dict's tensors share the parameters' storage
+        for key in self.fused & set(live):
+            with torch.no_grad():
+                _local(live[key]).copy_(_local(self.names.from_canonical(key, targets[key], live[key])))
+
+    def _param_state_targets(
+        self, prefix: str, name: str, param: torch.Tensor, stored: StoredShapes
+    ) -> dict[str, torch.Tensor]:
+        targets: dict[str, torch.Tensor] = {}
+        for key, (shape, dtype) in stored.items():
+            head = f"{prefix}.{name.partition('.')[2]}."
+            if not key.startswith(head) or "." in key[len(head) :]:
+                continue
+            if shape == param.shape and name not in self.fused:
+                targets[key] = torch.empty_like(param, dtype=dtype)
+            else:
+                targets[key] = torch.empty(shape, dtype=dtype)
+        return targets
+
+    def _load_per_param(self, index: int, inner: Any, stored: StoredShapes, read: Reader) -> None:
+        prefix = _prefix("optim", index)
+        params = [p for group in inner.param_groups for p in group["params"]]
+        flat_stored = any(k.startswith(f"{prefix}.flat.") for k in stored)
+        if flat_stored:
+            full = self._read_flat_as_full(index, stored, read)
+        targets: dict[int, dict[str, torch.Tensor]] = {}
+        for param in params:
+            name = self.parameters[id(param)]
+            if flat_stored:
+                targets[id(param)] = {s: t for s, t in full.get(name, {}).items()}
+                continue
+            targets[id(param)] = self._param_state_targets(prefix, name, param, stored)
+        if not flat_stored:
+            read({k: t for per in targets.values() for k, t in per.items()})
+        for param in params:
+            name = self.parameters[id(param)]
+            head = len(f"{prefix}.{name.partition('.')[2]}.")
+            states = {}
+            for key, tensor in targets[id(param)].items():
+                state = key if flat_stored else key[head:]
+                if tensor.shape == param.shape and not isinstance(tensor, DTensor):
+                    tensor = self.names.from_canonical(name, tensor, param)
+                states[state] = tensor
+            if states:
+                inner.state[param] = states
+
+    def _read_flat_as_full(self, index: int, stored: StoredShapes, read: Reader) -> dict[str, dict[str, Any]]:
+        """flat ZeRO-1/2 states -> {param name: {state: full tensor}} for this rank's parameters."""
+        layout = flat_layout(_inner(self.optimizers[index]).param_groups, self.parameters)
+        wanted = {
+            key: torch.empty(shape, dtype=dtype)
+            for key, (shape, dtype) in stored.items()
+            if key.startswith(f"{_prefix('optim', index)}.flat.pp{self.mesh.coordinate('pp')}.")
+        }
+        read(wanted)
+        out: dict[str, dict[str, Any]] = {}
+        for key, tensor in wanted.items():
+            group, state = int(key.split(".")[3].removeprefix("group")), key.split(".", 4)[4]
+            if group >= len(layout):
+                raise_mismatch(f"optimizer param group {group}", "missing in this run")
+            for name, offset, shape in layout[group]:
+                piece = tensor if tensor.dim() == 0 else tensor[offset : offset + shape.numel()].view(shape)
+                out.setdefault(name, {})[state] = piece.clone()
+        return out
+
+    def _load_flat(self, index: int, inner: ZeroOptimizer, stored: StoredShapes, read: Reader) -> None:
+        prefix = _prefix("optim", index)
+        if not any(k.startswith(f"{prefix}.flat.") for k in stored):  # saved per parameter: rebuild the chunks
+            per_param = {
+                self.parameters[id(p)]: self._param_state_targets(prefix, self.parameters[id(p)], p, stored)
+                for s in inner.shards
+                for p in s.params
+            }
+            read({k: t for per in per_param.values() for k, t in per.items()})
+            for shard in inner.shards:
+                states: dict[str, list[torch.Tensor]] = {}
+                for param in shard.params:
+                    name = self.parameters[id(param)]
+                    head = len(f"{prefix}.{name.partition('.')[2]}.")
+                    for key, tensor in per_param[name].items():
+                        states.setdefault(key[head:], []).append(_full(tensor))
+                inner.state[shard.shard] = {state: _chunk_of(shard, values) for state, values in states.items()}
+            return
+        targets: dict[str, torch.Tensor] = {}
+        for number, shard in enumerate(inner.shards):
+            state = inner.state.setdefault(shard.shard, {})
+            for key, (shape, dtype) in stored.items():
+                head = self._flat_key(index, number, "")
+                if not key.startswith(head):
+                    continue
+                name = key[len(head) :]
+                numel = sum(size for _, size in shard.slices)
+                if len(shape) == 1 and shape[0] != numel:
+                    raise_mismatch(f"{key} of {shape[0]} elements", f"{numel} in this run")
+                if len(shape) == 1:
+                    state[name] = torch.zeros_like(shard.shard, dtype=dtype)
+                    targets[key] = self._flat_piece(shard, state[name])
+                else:
+                    state[name] = targets[key] = torch.empty(shape, dtype=dtype)
+        read(targets)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _chunk_of(shard: FlatShard, values: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's chunk of the flat concatenation of per-parameter states (scalars: the first one)."""
+    if values[0].shape != shard.params[0].shape and values[0].dim() == 0:
+        return values[0].clone()
+    flat = torch.cat([v.reshape(-1) for v in values])
+    chunk = torch.zeros_like(shard.shard, dtype=flat.dtype)
+    start, end = shard.bounds
+    piece = flat[start : min(end, flat.numel())]
+    chunk[: piece.numel()].copy_(piece)
+    return chunk
+
+
+def flat_layout(param_groups: list[dict[str, Any]], names: dict[int, str]) -> list[list[tuple[str, int, torch.Size]]]:
+    """Per param group: (name, offset, shape) of each parameter in the group's flat buffer."""
+    layout = []
+    for group in param_groups:
+        offset, entries = 0, []
+        for param in group["params"]:  # ZeRO-1/2 flatten a group's parameters in this same order
+            entries.append((names[id(param)], offset, param.shape))
+            offset += param.numel()
+        layout.append(entries)
+    return layout
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint belongs to another model."""
+
+
+def raise_mismatch(what: str, expected: str) -> None:
+    raise CheckpointMismatchError(f"checkpoint does not match this model: {what}, {expected}")
+
+
+def check_keys(live: dict[str, torch.Tensor], stored: StoredShapes, everywhere: set[str] | None = None) -> None:
+    """The model's tensors must all be in the checkpoint with the same shapes, and the checkpoint must hold
+    no model tensor this model lacks (`everywhere`: the names held by any pipeline stage); names the first
+    mismatches."""
+    problems = []
+    for key, tensor in live.items():
+        if key not in stored:
+            problems.append(f"{key} missing")
+        elif tuple(stored[key][0]) != tuple(tensor.shape):
+            problems.append(f"{key} {tuple(stored[key][0])} in the checkpoint vs {tuple(tensor.shape)} here")
+    known = live.keys() if everywhere is None else everywhere
+    extra = sorted(k for k in stored if k.startswith("model") and k not in known)
+    problems += [f"{key} not in this model" for key in extra]
+    if problems:
+        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        raise CheckpointMismatchError(f"checkpoint does not match this model: {shown}")

@@ -1,0 +1,158 @@
+"""The engine's checkpoint API: `save_state`, `load_state`, and the periodic `save_checkpoint` / `resume`."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from meshkit import collectives
+from meshkit.checkpoint.canonical import TrainingState
+from meshkit.checkpoint.directory import commit, partial_dir, remove_partials, resolve_resume, step_dir_name
+from meshkit.checkpoint.session import Checkpointer
+from meshkit.checkpoint.storage import CheckpointError, fsync_dir
+from meshkit.hang_doctor import watched
+
+
+class CheckpointingMixin:
+    """Mixed into `Engine`; uses its prepared models, optimizers, schedulers, loaders, scaler and mesh."""
+
+    _checkpointer: Checkpointer
+
+    def _make_checkpointer(self) -> Checkpointer:
+        return Checkpointer(self.process_index, self._describe_for_checkpoint, self._training_state)  # type: ignore[attr-defined]
+
+    def _training_state(self) -> TrainingState:
+        return TrainingState(self._models, self._optimizers, self._fused_qkv, self.mesh)  # type: ignore[attr-defined]
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (restored by `load_state`)."""
+        optimizers = self._optimizers  # type: ignore[attr-defined]
+        return optimizers[0].steps_taken if optimizers else 0
+
+    def _describe_for_checkpoint(self) -> dict[str, Any]:
+        scaler = self.scaler  # type: ignore[attr-defined]
+        return {
+            "step": self.step,
+            "world_size": self.num_processes,  # type: ignore[attr-defined]
+            "layout": self.mesh.dims.as_dict(),  # type: ignore[attr-defined]
+            "zero_stage": self.zero_stage,  # type: ignore[attr-defined]
+            "schedulers": [s.state_dict() for s in self._schedulers],  # type: ignore[attr-defined]
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
+
+    # ------------------------------------------------------------------ explicit
+    @watched("save_state")
+    def save_state(
+        self, directory: str | os.PathLike[str], *, asynchronous: bool = False, extra: dict[str, Any] | None = None
+    ) -> Path:
+        """Save everything needed to continue training into `directory` (collective: every rank calls it).
+
+        Model and optimizer (sharded as they are held), schedulers, the step, every rank's RNG states, the
+        data position, and `extra` (any JSON, e.g. your own counters). The directory appears complete or not
+        at all. With `asynchronous` the call returns once the state is copied; `wait_for_checkpoint()` (or the
+        next save) waits for the files.
+        """
+        target = Path(directory).absolute()
+
+        def finish(partial: Path) -> Path:
+            if target.exists():
+                raise CheckpointError(f"{target} already exists: choose a new directory or remove it")
+            os.replace(partial, target)
+            fsync_dir(target.parent)
+            return target
+
+        partial = target.parent / f".{target.name}.partial"
+        self._save(partial, finish, asynchronous, extra)
+        return target
+
+    def _save(self, partial: Path, finish: Any, asynchronous: bool, extra: dict[str, Any] | None) -> None:
+        loaders = [loader.state_dict() for loader in self._loaders]  # type: ignore[attr-defined]
+        self._checkpointer.save(
+            partial, finish, asynchronous=asynchronous, extra=extra or {}, rank_extra={"loaders": loaders}
+        )
+
+    @watched("load_state")
+    def load_state(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore a `save_state` checkpoint, at this run's layout and world size; returns its `extra`.
+
+        The layout may differ from the one that saved it (ZeRO-3 at world 4 -> DDP at world 2, TP -> one
+        process, pp2 -> pp1): every rank reads exactly its piece of every tensor.
+        """
+        path = Path(directory)
+        if not path.exists():
+            raise CheckpointError(f"load_state: {path} does not exist")
+        meta, rank_data = self._checkpointer.load(path)
+        for scheduler, state in zip(self._schedulers, meta.get("schedulers", []), strict=False):  # type: ignore[attr-defined]
+            scheduler.load_state_dict(state)
+        if self.scaler is not None and meta.get("scaler"):  # type: ignore[attr-defined]
+            self.scaler.load_state_dict(meta["scaler"])  # type: ignore[attr-defined]
+        for optimizer in self._optimizers:  # type: ignore[attr-defined]
+            optimizer.steps_taken = int(meta["step"])
+        # The data position is global (samples read by all ranks together): rank 0's file holds it for all.
+        first = path / "rank-00000.json"
+        positions = (rank_data if self.process_index == 0 else None) or _read_json(first)  # type: ignore[attr-defined]
+        for loader, state in zip(self._loaders, positions.get("loaders", []), strict=False):  # type: ignore[attr-defined]
+            loader.load_state_dict(state)
+        if rank_data is None:
+            warnings.warn(
+                f"{path} has no RNG state for rank {self.process_index} (saved by fewer ranks): "  # type: ignore[attr-defined]
+                "this rank keeps its current random state",
+                stacklevel=2,
+            )
+        return meta.get("extra", {})
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save is committed (raises if it failed)."""
+        self._checkpointer.wait()
+
+    def _close_checkpointer(self) -> None:
+        self._checkpointer.close()
+
+    # ------------------------------------------------------------------ periodic (config `checkpoint`)
+    @property
+    def checkpoint_root(self) -> Path:
+        cfg = self.config.checkpoint  # type: ignore[attr-defined]
+        return Path(cfg.dir) if cfg.dir is not None else Path(self.config.logging.dir) / "checkpoints"  # type: ignore[attr-defined]
+
+    @watched("save_checkpoint")
+    def save_checkpoint(self, *, extra: dict[str, Any] | None = None, force: bool = False) -> Path | None:
+        """Save `<root>/step-NNNNNN/` when the step is a multiple of `checkpoint.every_steps` (or `force`);
+        moves `latest` and keeps the newest `checkpoint.keep_last`. Returns the directory, or None."""
+        cfg = self.config.checkpoint  # type: ignore[attr-defined]
+        due = cfg.every_steps > 0 and self.step > 0 and self.step % cfg.every_steps == 0
+        if not (due or force):
+            return None
+        root, step = self.checkpoint_root, self.step
+        if self.process_index == 0:  # type: ignore[attr-defined]
+            root.mkdir(parents=True, exist_ok=True)
+            remove_partials(root)
+        self._save(partial_dir(root, step), lambda p: commit(p, root, step, cfg.keep_last), cfg.async_save, extra)
+        return root / step_dir_name(step)
+
+    @watched("resume")
+    def resume(self) -> dict[str, Any] | None:
+        """Load what `checkpoint.resume` names (auto: the newest good checkpoint); returns its `extra`, or None
+        when there is nothing to resume. Corrupt checkpoints are skipped with a warning naming them."""
+        choice = None
+        if self.process_index == 0:  # type: ignore[attr-defined]
+            try:
+                found = resolve_resume(self.config.checkpoint.resume, self.checkpoint_root)  # type: ignore[attr-defined]
+                choice = ("ok", str(found) if found else None)
+            except CheckpointError as err:
+                choice = ("error", str(err))
+        kind, value = collectives.broadcast_object(choice, src=0)
+        if kind == "error":
+            raise CheckpointError(value)
+        if value is None:
+            return None
+        extra = self.load_state(value)
+        self.print(f"meshkit: resumed from {value} at step {self.step}")  # type: ignore[attr-defined]
+        return extra
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,114 @@
+"""Full weights out as Hugging Face style safetensors shards, from a live engine or from a saved checkpoint.
+
+Both stream: the shard plan is made from names, shapes and dtypes alone, then the tensors are produced one
+at a time in plan order and each shard is written as soon as it is complete. The writer (the main process)
+holds at most one output shard besides its own local pieces; other ranks hold one full tensor at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshkit import collectives
+from meshkit.checkpoint.directory import resolve_resume
+from meshkit.checkpoint.storage import CheckpointError, load_tensors, stored_shapes
+from meshkit.export import ShardStream, TensorInfo, parse_size, plan_shards
+from meshkit.mesh import ParallelMesh
+from meshkit.parallel.compose import unwrap
+from meshkit.parallel.tensor import restore_fused_qkv
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict without aliases (tied weights keep their first name)."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out = {}
+    for name, tensor in unwrap(model).state_dict().items():
+        if not isinstance(tensor, DTensor):
+            identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if identity in seen:
+                continue
+            seen.add(identity)
+        out[name] = tensor
+    return out
+
+
+def save_model_weights(
+    model: nn.Module, mesh: ParallelMesh, fused: list[str], out_dir: str | os.PathLike[str], max_shard_size: int | str
+) -> Path:
+    """Collective: every rank calls it; rank 0 writes `out_dir`. Returns the index path."""
+    local = _local_tensors(model)
+    mine = [(name, tuple(t.shape), str(t.dtype)) for name, t in local.items()]
+    pp = mesh.size("pp")
+    stages = collectives.gather_object(mine, mesh.group("pp")) if pp > 1 else [mine]
+    stage_of_rank = collectives.gather_object(mesh.coordinate("pp"), None) if pp > 1 else [0]
+    leads = {stage: stage_of_rank.index(stage) for stage in range(pp)}
+    owner: dict[str, int] = {}
+    infos = []
+    for stage, entries in enumerate(stages):
+        for name, shape, dtype in entries:
+            if name not in owner:
+                owner[name] = stage
+                infos.append(TensorInfo(name, shape, _dtype(dtype)))
+    plan = plan_shards(infos, parse_size(max_shard_size))
+    rank, my_stage = (dist.get_rank() if dist.is_initialized() else 0), mesh.coordinate("pp")
+    stream = ShardStream(out_dir, plan) if rank == 0 else None
+    for shard in plan:
+        for info in shard:
+            stage = owner[info.name]
+            full = None
+            if stage == my_stage:
+                tensor = local[info.name]
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+                if info.name in fused:
+                    full = restore_fused_qkv(full, mesh.size("tp"))
+                if rank == leads[stage] and rank != 0:
+                    dist.send(full.to("cpu").contiguous(), dst=0)
+            elif rank == 0:
+                full = torch.empty(info.shape, dtype=info.dtype)
+                dist.recv(full, src=leads[stage])
+            if stream is not None and full is not None:
+                stream.add(info.name, full)
+    index = stream.close() if stream is not None else Path(out_dir) / "model.safetensors.index.json"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return index
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    max_shard_size: int | str = "2GB",
+    model: int = 0,
+) -> Path:
+    """A `save_state` checkpoint (or a checkpoint root: its newest good one) -> safetensors shards + index.
+
+    One process, no process group; reads one output shard's tensors at a time.
+    """
+    source = resolve_resume(str(checkpoint), Path(checkpoint), label="checkpoint")
+    assert source is not None  # a path is never "never" or "auto"
+    prefix = "model." if model == 0 else f"model{model}."
+    stored = stored_shapes(source)
+    infos = [
+        TensorInfo(key[len(prefix) :], tuple(shape), dtype)
+        for key, (shape, dtype) in stored.items()
+        if key.startswith(prefix)
+    ]
+    if not infos:
+        raise CheckpointError(f"checkpoint {source} holds no weights of model {model}")
+    stream = ShardStream(out_dir, plan_shards(infos, parse_size(max_shard_size)))
+    for shard in stream.plan:
+        targets = {prefix + info.name: torch.empty(info.shape, dtype=info.dtype) for info in shard}
+        load_tensors(targets, source, None, alone=True)
+        for info in shard:
+            stream.add(info.name, targets.pop(prefix + info.name))
+    return stream.close()

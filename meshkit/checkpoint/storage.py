@@ -1,0 +1,133 @@
+"""Files of one checkpoint directory, and how they are written and checked.
+
+    shard-0000R-model-00001-of-00001.safetensors   each writing rank's tensors (torch.distributed.checkpoint,
+                                                   Hugging Face storage: safetensors + offsets in its header)
+    rank-0000R.json                                each rank's RNG states and data position
+    meta.json                                      step, layout, optimizer settings, scheduler and scaler state
+    manifest.json                                  size and sha256 of every other file (written last)
+
+Nothing here is pickled: tensors are safetensors, everything else JSON. The manifest is checked before a
+load reads anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from meshkit.errors import MeshkitError
+
+MANIFEST = "manifest.json"
+META = "meta.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(MeshkitError):
+    """A checkpoint that cannot be used; the message names it and what is wrong."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write, flush and fsync: once this returns the bytes are on disk."""
+    with path.open("w") as handle:
+        json.dump(data, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """Record every file's size and checksum (after fsyncing it), then fsync the directory."""
+    files = {}
+    for path in sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST):
+        with path.open("rb") as handle:
+            os.fsync(handle.fileno())
+        files[path.name] = {"size": path.stat().st_size, "sha256": sha256(path)}
+    write_json(directory / MANIFEST, {"format": FORMAT_VERSION, "files": files})
+    fsync_dir(directory)
+
+
+def verify(directory: Path) -> None:
+    """Raise CheckpointError unless every file the manifest lists is present, of its size and checksum."""
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}: it was not completely written")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} is unreadable ({err})") from None
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory}: {name} is missing")
+        if path.stat().st_size != expected["size"]:
+            raise CheckpointError(
+                f"checkpoint {directory}: {name} has {path.stat().st_size} bytes, the manifest says {expected['size']}"
+            )
+        if sha256(path) != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {directory}: {name} does not match its checksum")
+    listed = set(files) | {MANIFEST}
+    unlisted = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in listed)
+    if unlisted:
+        raise CheckpointError(f"checkpoint {directory}: files not in the manifest: {', '.join(unlisted[:3])}")
+
+
+def writer(directory: Path) -> HuggingFaceStorageWriter:
+    return HuggingFaceStorageWriter(str(directory), save_distributed=True)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], directory: Path, group: dist.ProcessGroup | None) -> None:
+    """Every rank writes its pieces (replicated tensors once, by the lowest rank holding them)."""
+    dcp.save(tensors, storage_writer=writer(directory), process_group=group, no_dist=not dist.is_initialized())
+
+
+def stored_shapes(directory: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Name -> (full shape, dtype) of every tensor in the checkpoint (read from the safetensors headers)."""
+    metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
+    return {
+        key: (md.size, md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+
+
+def load_tensors(
+    targets: dict[str, torch.Tensor], directory: Path, group: dist.ProcessGroup | None, *, alone: bool = False
+) -> None:
+    """Fill `targets` in place, each with exactly the piece its layout holds.
+
+    Collective over `group` unless `alone` (one process reading for itself, e.g. an offline export).
+    """
+    alone = alone or not dist.is_initialized()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # intended when alone
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), process_group=group, no_dist=alone)
