@@ -21,6 +21,7 @@ from meshkit.checkpoint.directory import CheckpointSkippedWarning, latest
 from meshkit.checkpoint.storage import CheckpointError, verify
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
 from tests.cli import ROOT, meshkit
+from tests.distributed import run_world
 from tests.training import TINY, split, token_batches
 
 
@@ -135,7 +136,7 @@ from pathlib import Path
 
 engine, _ = _engine(Path(sys.argv[1]), every_steps=2)
 _train(engine, 2)
-def die(directory):  # every tensor file written, nothing committed yet
+def die(*args):  # every tensor file written, nothing committed yet
     os.kill(os.getpid(), signal.SIGKILL)
 session.write_manifest = die
 _train(engine, 2)
@@ -174,3 +175,39 @@ def test_random_states_step_and_extra_come_back(tmp_path) -> None:
         assert engine.load_state(tmp_path / "state") == {"note": "two steps"}
         assert engine.step == 2
         assert torch.equal(torch.rand(3), expected_torch) and random.random() == expected_python
+
+
+def save_with_a_failing_rank(rank: int, root: str) -> str:
+    """Rank 1 cannot write its files: every rank must fail the save alike (no hang), and the next one works."""
+    import torch.distributed as dist
+
+    import meshkit.checkpoint.session as session
+
+    dist.init_process_group("gloo")
+    engine, _ = _engine(Path(root))
+    _train(engine, 1)
+    original = session.write_json
+
+    def disk_full(path, data) -> None:  # noqa: ANN001
+        raise OSError(28, "No space left on device")
+
+    if rank == 1:
+        session.write_json = disk_full
+    try:
+        engine.save_checkpoint(force=True)
+        outcome = "saved"
+    except CheckpointError as err:
+        outcome = str(err)
+    session.write_json = original
+    engine.save_checkpoint(force=True)
+    engine.end()
+    dist.destroy_process_group()
+    return outcome
+
+
+def test_a_save_failing_on_one_rank_fails_on_every_rank_and_the_next_save_works(tmp_path) -> None:
+    outcomes = run_world(save_with_a_failing_rank, 2, str(tmp_path), timeout=120)
+    for outcome in outcomes:
+        assert "rank 1: [Errno 28] No space left on device" in outcome and "nothing was committed" in outcome
+    assert (tmp_path / "latest").read_text().strip() == "step-000001"
+    verify(tmp_path / "step-000001")

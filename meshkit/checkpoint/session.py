@@ -9,10 +9,11 @@ Checkpoint traffic runs on its own gloo group so it never interleaves with train
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from meshkit.checkpoint.storage import (
     FORMAT_VERSION,
     META,
     CheckpointError,
+    file_entries,
     load_tensors,
     rank_file,
     save_tensors,
@@ -119,37 +121,74 @@ class Checkpointer:
     def save(
         self, partial: Path, commit: Commit, *, asynchronous: bool, extra: dict[str, Any], rank_extra: dict[str, Any]
     ) -> None:
+        """Write the state to `partial`, then (rank 0) commit it. A failure on any rank fails the save on every
+        rank with the same error, after the partial directory is removed; nothing is committed."""
         self.wait()
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         self._barrier()
         meta = {"format": FORMAT_VERSION, **self.describe(), "extra": extra}
-        try:
-            write_json(partial / rank_file(self.rank), {"rng": rng_state(), **rank_extra})
-            json.dumps(meta)  # fail here, on every rank, if something is not JSON
-            state = self.state()
-            with state.exposed():
+        state = self.state()
+        with state.exposed():
+            tensors: dict[str, Any] = {}
+            with self._agreed(partial):  # local preparation: every rank learns of any rank's failure
+                write_json(partial / rank_file(self.rank), {"rng": rng_state(), **rank_extra})
                 meta["hyperparameters"] = state.hyperparameters()
+                json.dumps(meta)  # fail here, on every rank, if something is not JSON
                 tensors = state.tensors()
+            try:  # collective: torch.distributed.checkpoint reports a failure on every rank itself
                 if asynchronous:
                     self._start_async(tensors, partial, commit, meta)
                     return
                 save_tensors(tensors, partial, self.group)
+            except _SAVE_ERRORS as err:
+                self._fail(partial, err)
+        entries: dict[str, Any] = {}
+        with self._agreed(partial):  # the ranks checksum the written files in parallel, a share each
+            entries = self._checksum_share(partial)
+        if self.group is not None:
+            entries = {k: v for part in collectives.gather_object(entries, self.group) for k, v in part.items()}
+        with self._agreed(partial):
             if self.rank == 0:
-                self._finish(partial, commit, meta)
-        except (OSError, RuntimeError, TypeError, ValueError, CheckpointException) as err:
-            if self.rank == 0:
-                shutil.rmtree(partial, ignore_errors=True)
-            raise CheckpointError(
-                f"saving the checkpoint to {partial} failed ({_first_line(err)}); nothing was committed: "
-                "the previous checkpoint is intact and still the latest"
-            ) from err
-        self._barrier()
+                self._finish(partial, commit, meta, entries)
 
-    def _finish(self, partial: Path, commit: Commit, meta: dict[str, Any]) -> Path:
+    def _checksum_share(self, partial: Path) -> dict[str, Any]:
+        names = sorted(p.name for p in partial.iterdir() if p.is_file())
+        world = dist.get_world_size(self.group) if self.group is not None else 1
+        mine = dist.get_rank(self.group) if self.group is not None else 0
+        return file_entries(partial, names[mine::world])
+
+    @contextlib.contextmanager
+    def _agreed(self, partial: Path) -> Iterator[None]:
+        """Run a local block; then every rank raises if any rank's block failed."""
+        failure: str | None = None
+        cause: BaseException | None = None
+        try:
+            yield
+        except _SAVE_ERRORS as err:
+            failure, cause = f"rank {self.rank}: {_first_line(err)}", err
+        if self.group is not None:
+            anyone = torch.tensor([failure is not None], dtype=torch.int32)
+            dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=self.group)
+            if anyone.item():  # only then the messages: one small collective when all went well
+                failure = next(f for f in collectives.gather_object(failure, self.group) if f)
+        if failure is not None:
+            self._fail(partial, cause or RuntimeError(failure), failure)
+
+    def _fail(self, partial: Path, err: BaseException, message: str | None = None) -> None:
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(
+            f"saving the checkpoint to {partial} failed ({message or _first_line(err)}); nothing was committed: "
+            "the previous checkpoint is intact and still the latest"
+        ) from err
+
+    def _finish(
+        self, partial: Path, commit: Commit, meta: dict[str, Any], entries: dict[str, Any] | None = None
+    ) -> Path:
         write_json(partial / META, meta)
-        write_manifest(partial)
+        write_manifest(partial, entries)
         return commit(partial)
 
     def _start_async(self, tensors: dict[str, Any], partial: Path, commit: Commit, meta: dict[str, Any]) -> None:
@@ -206,6 +245,9 @@ class Checkpointer:
         if rank_data is not None:
             set_rng_state(rank_data["rng"])
         return meta, rank_data
+
+
+_SAVE_ERRORS = (OSError, RuntimeError, TypeError, ValueError, CheckpointException)
 
 
 def _first_line(err: BaseException) -> str:

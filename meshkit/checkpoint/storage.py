@@ -64,14 +64,23 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(directory: Path) -> None:
-    """Record every file's size and checksum (after fsyncing it), then fsync the directory."""
-    files = {}
-    for path in sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST):
+def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Size and checksum of each named file, after fsyncing it."""
+    entries = {}
+    for name in names:
+        path = directory / name
         with path.open("rb") as handle:
             os.fsync(handle.fileno())
-        files[path.name] = {"size": path.stat().st_size, "sha256": sha256(path)}
-    write_json(directory / MANIFEST, {"format": FORMAT_VERSION, "files": files})
+        entries[name] = {"size": path.stat().st_size, "sha256": sha256(path)}
+    return entries
+
+
+def write_manifest(directory: Path, known: dict[str, dict[str, Any]] | None = None) -> None:
+    """Record every file's size and checksum (`known`: entries other ranks computed), then fsync the directory."""
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    known = {name: entry for name, entry in (known or {}).items() if name in names}
+    files = {**known, **file_entries(directory, [name for name in names if name not in known])}
+    write_json(directory / MANIFEST, {"format": FORMAT_VERSION, "files": dict(sorted(files.items()))})
     fsync_dir(directory)
 
 
