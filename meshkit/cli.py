@@ -14,9 +14,13 @@ from rich.console import Console
 from rich.prompt import Prompt
 from rich.table import Table
 
+from meshkit.commbench import OPS, parse_ops, parse_sizes
+from meshkit.config import LaunchSettings
 from meshkit.errors import MeshkitError
+from meshkit.estimate_cli import estimate_command
 from meshkit.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.mesh import ProcessInfo
+from meshkit.plan_cli import plan_command
 from meshkit.recipes.train import resolve_recipe
 from meshkit.recipes.train import train as run_recipe
 from meshkit.resolve import ResolvedConfig, default_config_path, parse_assignments, resolve
@@ -202,6 +206,31 @@ def export_command(
         raise MeshkitError(f"--max-shard-size: {err}") from None
     index = export_checkpoint(checkpoint, out_dir, limit)
     Console().print(f"exported {checkpoint} -> [bold]{index}[/]")
+
+
+app.command("estimate")(user_errors(estimate_command))
+app.command("plan")(user_errors(plan_command))
+bench_app = typer.Typer(help="Benchmarks: communication.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("comm")
+@user_errors
+def bench_comm(
+    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", help="ranks on this node")] = 2,
+    sizes: Annotated[str, typer.Option("--sizes", help="bytes per call: 1M,16M,64M")] = "1M,16M,64M",
+    ops: Annotated[str, typer.Option("--ops", help="all_reduce,all_gather,reduce_scatter,broadcast")] = ",".join(OPS),
+    out: Annotated[Path, typer.Option("--out", help="JSON report")] = Path("comm_bench.json"),
+) -> None:
+    """Time, algbw and busbw per collective and size (busbw as nccl-tests defines it), against a bare loop."""
+    parsed = parse_sizes(sizes)
+    parse_ops(ops)
+    target = LaunchTarget(
+        "meshkit.commbench",
+        ("--ops", ops, "--sizes", ",".join(map(str, parsed)), "--out", str(out.absolute())),
+        module=True,
+    )
+    raise typer.Exit(launch(target, LaunchPlan(LaunchSettings(nproc_per_node=nproc_per_node))))
 
 
 @app.command("env")

@@ -1,0 +1,96 @@
+"""`meshkit estimate`: the memory estimator on the command line (a table with formulas, or JSON)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from meshkit.estimate import EstimateError, ModelShape, as_table_rows, estimate_memory
+
+
+def model_shape(
+    model: Path | None,
+    params: float | None,
+    layers: int | None,
+    hidden: int | None,
+    heads: int | None,
+    vocab: int | None,
+) -> ModelShape:
+    """From a Hugging Face config.json, a meshkit YAML (its `model` section), or --params and shape flags."""
+    if model is not None:
+        if not model.is_file():
+            raise EstimateError(f"model config {model} does not exist")
+        if model.suffix == ".json":
+            return ModelShape.from_hf_config(model)
+        from meshkit.resolve import resolve
+
+        return ModelShape.from_gpt(resolve(file=model).config.model)
+    if params is None:
+        raise EstimateError(
+            "give a model: a config.json or meshkit YAML, or --params 7.5e9 [--layers --hidden --heads]"
+        )
+    if layers and hidden and heads:
+        shape = ModelShape.transformer(layers=layers, hidden=hidden, heads=heads, vocab=vocab or 0)
+        return ModelShape(params, layers, hidden, heads, vocab, shape.largest_layer_params)
+    return ModelShape(params, layers, hidden, heads, vocab)
+
+
+def estimate_command(
+    model: Annotated[Optional[Path], typer.Argument(help="HF config.json or meshkit YAML")] = None,
+    params: Annotated[Optional[float], typer.Option("--params", help="parameter count, e.g. 7.5e9")] = None,
+    layers: Annotated[Optional[int], typer.Option("--layers")] = None,
+    hidden: Annotated[Optional[int], typer.Option("--hidden")] = None,
+    heads: Annotated[Optional[int], typer.Option("--heads")] = None,
+    vocab: Annotated[Optional[int], typer.Option("--vocab")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len")] = 2048,
+    micro_batch: Annotated[int, typer.Option("--micro-batch")] = 1,
+    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "bf16",
+    optimizer: Annotated[str, typer.Option("--optimizer", help="adam or sgd")] = "adam",
+    zero_stage: Annotated[int, typer.Option("--zero-stage")] = 0,
+    dp: Annotated[int, typer.Option("--dp")] = 1,
+    tp: Annotated[int, typer.Option("--tp")] = 1,
+    pp: Annotated[int, typer.Option("--pp")] = 1,
+    cp: Annotated[int, typer.Option("--cp")] = 1,
+    activation_checkpointing: Annotated[
+        str, typer.Option("--activation-checkpointing", help="none, selective or full")
+    ] = "none",
+    offload: Annotated[str, typer.Option("--offload", help="none, cpu or nvme")] = "none",
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Memory per device (GB = 10^9 bytes): params, grads, optimizer, activations, buffers, with formulas."""
+    for name, value, choices in (
+        ("--precision", precision, ("fp32", "bf16", "fp16")),
+        ("--optimizer", optimizer, ("adam", "sgd")),
+        ("--activation-checkpointing", activation_checkpointing, ("none", "selective", "full")),
+        ("--offload", offload, ("none", "cpu", "nvme")),
+    ):
+        if value not in choices:
+            raise EstimateError(f"{name} {value}: choose {', '.join(choices)}")
+    estimate = estimate_memory(
+        model_shape(model, params, layers, hidden, heads, vocab),
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        precision=precision,  # type: ignore[arg-type]
+        optimizer=optimizer,  # type: ignore[arg-type]
+        zero_stage=zero_stage,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        activation_checkpointing=activation_checkpointing,  # type: ignore[arg-type]
+        offload=offload,  # type: ignore[arg-type]
+    )
+    if as_json:
+        print(json.dumps(estimate.as_json(), indent=2))
+        return
+    table = Table(title=f"memory per device (dp={dp} tp={tp} pp={pp} cp={cp}, ZeRO-{zero_stage}, {precision})")
+    for column in ("item", "GB", "formula"):
+        table.add_column(column, justify="right" if column == "GB" else "left")
+    for row in as_table_rows(estimate):
+        table.add_row(*row)
+    Console().print(table)

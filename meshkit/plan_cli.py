@@ -1,0 +1,83 @@
+"""`meshkit plan`: the strategy planner on the command line; `--emit-config` writes the top layout as YAML."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from meshkit.estimate_cli import model_shape
+from meshkit.plan import Cluster, PlanError, plan, to_config
+
+
+def plan_command(
+    model: Annotated[Optional[Path], typer.Argument(help="HF config.json or meshkit YAML")] = None,
+    params: Annotated[Optional[float], typer.Option("--params", help="parameter count, e.g. 7e9")] = None,
+    layers: Annotated[Optional[int], typer.Option("--layers")] = None,
+    hidden: Annotated[Optional[int], typer.Option("--hidden")] = None,
+    heads: Annotated[Optional[int], typer.Option("--heads")] = None,
+    vocab: Annotated[Optional[int], typer.Option("--vocab")] = None,
+    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node")] = 8,
+    gpu_mem_gb: Annotated[float, typer.Option("--gpu-mem-gb")] = 80.0,
+    nodes: Annotated[int, typer.Option("--nodes")] = 1,
+    intra_node: Annotated[str, typer.Option("--intra-node", help="nvlink or pcie")] = "nvlink",
+    inter_node: Annotated[str, typer.Option("--inter-node", help="ib or ethernet")] = "ib",
+    seq_len: Annotated[int, typer.Option("--seq-len")] = 2048,
+    global_batch: Annotated[int, typer.Option("--global-batch", help="sequences per optimizer step")] = 64,
+    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "bf16",
+    top: Annotated[int, typer.Option("--top", help="layouts shown")] = 8,
+    emit_config: Annotated[Optional[Path], typer.Option("--emit-config", help="write the top layout as YAML")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The layouts that fit, ranked, each with memory, communication per step, bubble and a reason."""
+    shape = model_shape(model, params, layers, hidden, heads, vocab)
+    cluster = Cluster(gpus_per_node, gpu_mem_gb, nodes, intra_node, inter_node)
+    result = plan(shape, cluster, seq_len=seq_len, global_batch=global_batch, precision=precision)
+    if not result.fitting:
+        raise PlanError(result.suggestion)
+    shown = result.fitting[:top]
+    if as_json:
+        print(json.dumps([layout.as_json() for layout in shown], indent=2))
+    else:
+        table = Table(title=f"layouts that fit {gpus_per_node}×{nodes} GPUs of {gpu_mem_gb:g} GB, fastest first")
+        for column in ("#", "layout", "memory GB", "comm GB/step", "bubble", "why"):
+            table.add_column(column)
+        for rank, layout in enumerate(shown, 1):
+            table.add_row(
+                str(rank),
+                layout.describe() + ("" if layout.runnable else " *"),
+                f"{layout.memory_gb:.1f}",
+                f"{layout.comm_gb:.2f}",
+                f"{layout.bubble:.2f}",
+                layout.reason,
+            )
+        Console().print(table)
+        if not all(layout.runnable for layout in shown):
+            Console().print("* ZeRO-1/2 with tensor parallel: meshkit does not run it yet (ZeRO-3 + TP does)")
+    if emit_config is not None:
+        _emit(result.fitting, cluster, seq_len, global_batch, precision, model, emit_config)
+
+
+def _emit(
+    fitting: list[Any], cluster: Cluster, seq_len: int, batch: int, precision: str, model: Path | None, path: Path
+) -> None:
+    chosen = next((layout for layout in fitting if layout.runnable), None)
+    if chosen is None:
+        raise PlanError("none of the fitting layouts runs in meshkit yet (ZeRO-1/2 with TP): nothing written")
+    config = to_config(chosen, cluster, seq_len, batch, precision)
+    if model is not None and model.suffix in (".yaml", ".yml"):
+        from meshkit.resolve import resolve
+
+        config["model"] = resolve(file=model).config.model.model_dump(exclude_defaults=True)
+    path.write_text(
+        f"# meshkit plan: {chosen.describe()} - {chosen.reason}\n" + yaml.safe_dump(config, sort_keys=False)
+    )
+    note = ""
+    if chosen.activation_checkpointing != "none":
+        note = f" (activation checkpointing '{chosen.activation_checkpointing}' is not a meshkit setting yet)"
+    Console().print(f"wrote {path}: {chosen.describe()}{note}")

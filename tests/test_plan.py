@@ -1,0 +1,76 @@
+"""The strategy planner: the rules it follows, that it never proposes what does not fit, and its YAML output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from meshkit.estimate import ModelShape, estimate_memory
+from meshkit.plan import HEADROOM, Cluster, PlanError, plan
+from meshkit.resolve import resolve
+from tests.cli import meshkit
+
+SMALL = ModelShape.transformer(layers=12, hidden=768, heads=12, vocab=50257)  # GPT-2 small
+WIDE = ModelShape.transformer(layers=2, hidden=65536, heads=64, vocab=32000)  # one block: 103 GB in bf16
+
+
+def test_a_model_that_fits_one_gpu_gets_plain_ddp() -> None:
+    result = plan(SMALL, Cluster(8, 80.0), seq_len=1024, global_batch=64)
+    best = result.fitting[0]
+    assert (best.dp, best.tp, best.pp, best.zero_stage) == (8, 1, 1, 0)
+    assert "plain DDP" in best.reason
+
+
+def test_a_layer_too_large_for_one_gpu_forces_tensor_parallel_within_the_node() -> None:
+    cluster = Cluster(8, 80.0, nodes=4)
+    result = plan(WIDE, cluster, seq_len=2048, global_batch=64)
+    assert result.fitting and all(layout.tp > 1 for layout in result.fitting)
+    assert all(layout.tp <= cluster.gpus_per_node for layout in result.fitting)
+    assert "largest layer does not fit one GPU" in result.fitting[0].reason
+
+
+def test_every_proposed_layout_fits_by_the_estimator() -> None:
+    cluster = Cluster(8, 24.0, nodes=4, intra_node="pcie", inter_node="ethernet")
+    model = ModelShape.transformer(layers=40, hidden=5120, heads=40, vocab=32000)
+    result = plan(model, cluster, seq_len=2048, global_batch=128)
+    assert result.fitting
+    for layout in result.fitting:
+        estimate = estimate_memory(
+            model, seq_len=2048, micro_batch=1, precision="bf16", zero_stage=layout.zero_stage, dp=layout.dp,
+            tp=layout.tp, pp=layout.pp, cp=layout.cp, activation_checkpointing=layout.activation_checkpointing,
+            offload=layout.offload,
+        )  # fmt: skip
+        assert estimate.total_gb <= cluster.gpu_mem_gb * HEADROOM
+    best = result.fitting[0]
+    assert best.pp > 1 and "across the slow inter-node links" in best.reason  # pipeline over ethernet
+
+
+def test_nothing_fits_names_the_smallest_change() -> None:
+    big = ModelShape.transformer(layers=80, hidden=8192, heads=64, vocab=32000)
+    result = plan(big, Cluster(2, 16.0), seq_len=2048, global_batch=8)
+    assert not result.fitting
+    assert "nothing fits in 16 GB per GPU" in result.suggestion and "use GPUs with at least" in result.suggestion
+    with pytest.raises(PlanError, match="--intra-node is nvlink or pcie"):
+        plan(SMALL, Cluster(8, 80.0, intra_node="infiniband"), seq_len=1024, global_batch=64)
+
+
+def test_emit_config_writes_a_layout_meshkit_train_runs(tmp_path) -> None:
+    model = tmp_path / "model.yaml"
+    model.write_text("model:\n  dim: 32\n  n_layers: 2\n  n_heads: 2\n  max_seq_len: 64\n")
+    emitted = tmp_path / "plan.yaml"
+    proc = meshkit(
+        "plan", str(model), "--gpus-per-node", "2", "--gpu-mem-gb", "80", "--seq-len", "32",
+        "--global-batch", "4", "--emit-config", str(emitted), "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    ranked = json.loads(proc.stdout[: proc.stdout.rindex("]") + 1])
+    assert ranked[0]["dp"] == 2 and ranked[0]["zero_stage"] == 0
+    config = yaml.safe_load(emitted.read_text())
+    assert config["launch"]["nproc_per_node"] == 2 and config["model"]["dim"] == 32
+    resolve(file=emitted)  # a valid meshkit config
+    run = meshkit("train", str(emitted), "train.steps=2", f"logging.dir={tmp_path / 'run'}", timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["grad_accum_steps"] == config["grad_accum_steps"]
