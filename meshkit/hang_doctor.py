@@ -102,7 +102,7 @@ class HangDoctor:
             yield
         except RuntimeError as err:  # gloo and NCCL report a timed-out collective as a RuntimeError
             waited = time.time() - self.state.since
-            if waited >= 0.9 * self.state.timeout_s:
+            if waited >= 0.9 * self.state.timeout_s and _is_timeout(err):
                 raise HangError(self.report or self.diagnose()) from err
             raise
         finally:
@@ -169,6 +169,12 @@ class HangDoctor:
                 print(f"meshkit hang doctor: {self.report}", file=sys.stderr, flush=True)
             if waited > state.timeout_s + self.grace_s and self.report is not None:
                 _record_and_exit(HangError(self.report))
+
+
+def _is_timeout(err: RuntimeError) -> bool:
+    """A backend's timeout (gloo: "Timed out waiting ...", NCCL watchdog: "... timeout") or a broken peer."""
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text or isinstance(err, getattr(dist, "DistBackendError", ()))
 
 
 def _record_and_exit(error: HangError) -> None:
