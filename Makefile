@@ -26,11 +26,14 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check meshkit tests bench
 
 bench: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/overhead.py --nproc 2
 	$(BIN)/python bench/overhead.py --nproc 4
 	$(BIN)/python bench/memory.py --nproc 4
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/checkpoint.py
+	$(BIN)/meshkit bench comm --nproc-per-node 2 --out bench/results/comm-w2.json
+	$(BIN)/python bench/report.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

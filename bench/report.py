@@ -1,0 +1,150 @@
+"""Write BENCHMARKS.md: every bench table, rendered from the JSON results in bench/results/.
+
+Each section names the command that produced it and the date of its JSON file; the machine is described once
+(results are produced on the machine that runs `make bench`, which ends by running this script).
+
+    python bench/report.py [--results bench/results] [--out BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
+        cpu = names[0] if names else cpu
+    memory = ""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        kib = int(meminfo.read_text().split()[1])
+        memory = f", {kib / 2**20:.0f} GiB memory"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu}, {cores} cores{memory}; Python {platform.python_version()}, torch {torch.__version__}, gloo"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
+
+
+def overhead(data: dict[str, Any]) -> str:
+    median, ratios, mfu = data["median_step_s"], data.get("ratio_median_vs_torch", {}), data.get("mfu", {})
+    rows = [
+        [name, f"{median[name] * 1e3:.1f} ms", f"{ratios.get(name, float('nan')):.3f}", f"{mfu.get(name, 0):.1%}"]
+        for name in median
+    ]
+    peak = data.get("matmul_peak_gflops_per_rank")
+    note = f"fp32 matmul peak {peak:.1f} GFLOP/s per rank. " if peak else ""
+    return (
+        f"World {data['world_size']}, {data['steps']} interleaved steps per loop, GPT dim {data['model']['dim']}, "
+        f"{data['model']['n_layers']} layers, seq {data['seq_len']}, micro-batch {data['micro_batch']}. {note}"
+        "Ratios: each loop's median step over its plain-torch counterpart (DDP loops over torch DDP, ZeRO-3 over "
+        "`fully_shard`); target for meshkit ≤ 1.02.\n\n" + _table(["loop", "median step", "vs torch", "MFU"], rows)
+    )
+
+
+def memory(data: dict[str, Any]) -> str:
+    rows = [
+        [row["layout"], f"{row['held_mb']:.1f}", f"{row['formula_mb']:.1f}", f"{row['held_over_formula']:.3f}",
+         f"{row['rss_added_mb']:.0f}", f"{row['peak_rss_added_mb']:.0f}", f"{row['step_vs_ddp']:.2f}"]
+        for row in data["rows"]
+    ]  # fmt: skip
+    return f"World {data['world_size']}, Ψ = {data['psi'] / 1e6:.1f} M, fp32 AdamW; MB = 10⁶ bytes.\n\n" + _table(
+        ["layout", "held MB", "formula MB", "held/formula", "rss+ MB", "peak rss+ MB", "step vs DDP"], rows
+    )
+
+
+def pipeline(data: dict[str, Any]) -> str:
+    rows = [
+        [row["schedule"], str(row["p"]), str(row["m"]), f"{row['bubble']:.3f}",
+         "-" if row.get("theory") is None else f"{row['theory']:.3f}"]
+        for row in data["rows"]
+    ]  # fmt: skip
+    return "Idle fraction of a step per schedule (synthetic 20/40 ms blocks).\n\n" + _table(
+        ["schedule", "p", "m", "bubble", "theory"], rows
+    )
+
+
+def checkpoint(data: dict[str, Any]) -> str:
+    rows = [
+        ["sync save", f"{data['sync_save_s']:.2f} s ({data['save_mb_per_s']:.0f} MB/s)"],
+        ["async blocking", f"{data['async_blocking_s']:.3f} s ({data['async_blocking_fraction_of_sync']:.1%} of sync)"],
+        ["first async blocking", f"{data.get('first_async_blocking_s', float('nan')):.3f} s"],
+        ["async until committed", f"{data['async_total_s']:.2f} s"],
+        ["dd of the same bytes", f"{data['dd_mb_per_s']:.0f} MB/s (save/dd {data['save_throughput_vs_dd']:.2f})"],
+        ["load", f"{data['load_s']:.2f} s"],
+    ]
+    size = data["checkpoint_bytes"] / 1e6
+    return f"{size:.0f} MB checkpoint ({data['layout']}).\n\n" + _table(["measure", "value"], rows)
+
+
+def comm(data: dict[str, Any]) -> str:
+    rows = [
+        [row["op"], f"{row['bytes'] / 2**20:g} MiB", f"{row['time_us']:.0f}", f"{row['algbw_gbps']:.3f}",
+         f"{row['busbw_gbps']:.3f}", f"{row['vs_bare']:.2f}" if "vs_bare" in row else "-"]
+        for row in data["rows"]
+    ]  # fmt: skip
+    return f"{data['ranks']} ranks, {data['backend']}.\n\n" + _table(
+        ["op", "size", "time (µs)", "algbw GB/s", "busbw GB/s", "vs bare all_reduce"], rows
+    )
+
+
+SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
+    ("Step time against peers, world 2", "overhead-w2.json", "python bench/overhead.py --nproc 2", overhead),
+    ("Step time against peers, world 4", "overhead-w4.json", "python bench/overhead.py --nproc 4", overhead),
+    ("Model-state memory per ZeRO stage", "memory.json", "python bench/memory.py --nproc 4", memory),
+    ("Pipeline bubbles", "pipeline.json", "python bench/pipeline.py", pipeline),
+    ("Checkpoint save and load", "checkpoint.json", "python bench/checkpoint.py", checkpoint),
+    ("Collectives", "comm-w2.json", "meshkit bench comm --nproc-per-node 2", comm),
+]
+
+
+def render(results: Path) -> str:
+    parts = [
+        "# Benchmarks",
+        "",
+        "Every bench table, rendered by `python bench/report.py` from the JSON in `bench/results/` (`make bench` "
+        f"runs them all, then this). Machine: {_machine()}.",
+    ]
+    for title, name, command, section in SECTIONS:
+        path = results / name
+        if not path.is_file():
+            parts += ["", f"## {title}", "", f"Not run yet: `{command}`."]
+            continue
+        date = datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
+        parts += [
+            "",
+            f"## {title}",
+            "",
+            f"`{command}` — {date}, `bench/results/{name}`.",
+            "",
+            section(json.loads(path.read_text())),
+        ]
+    return "\n".join(parts) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=Path("BENCHMARKS.md"))
+    args = parser.parse_args()
+    args.out.write_text(render(args.results))
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
