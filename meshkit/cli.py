@@ -221,13 +221,14 @@ def bench_comm(
     sizes: Annotated[str, typer.Option("--sizes", help="bytes per call: 1M,16M,64M")] = "1M,16M,64M",
     ops: Annotated[str, typer.Option("--ops", help="all_reduce,all_gather,reduce_scatter,broadcast")] = ",".join(OPS),
     out: Annotated[Path, typer.Option("--out", help="JSON report")] = Path("comm_bench.json"),
+    iters: Annotated[int, typer.Option("--iters", help="calls per timing; 0 = by size (5 to 200)")] = 0,
 ) -> None:
     """Time, algbw and busbw per collective and size (busbw as nccl-tests defines it), against a bare loop."""
     parsed = parse_sizes(sizes)
     parse_ops(ops)
     target = LaunchTarget(
         "meshkit.commbench",
-        ("--ops", ops, "--sizes", ",".join(map(str, parsed)), "--out", str(out.absolute())),
+        ("--ops", ops, "--sizes", ",".join(map(str, parsed)), "--out", str(out.absolute()), "--iters", str(iters)),
         module=True,
     )
     raise typer.Exit(launch(target, LaunchPlan(LaunchSettings(nproc_per_node=nproc_per_node))))

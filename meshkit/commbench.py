@@ -111,22 +111,22 @@ def iterations_for(size: int) -> int:
     return max(5, min(200, (256 << 20) // max(size, 1)))
 
 
-def measure(ops: list[str], sizes: list[int], repeats: int = 3) -> list[dict[str, Any]]:
+def measure(ops: list[str], sizes: list[int], repeats: int = 3, iterations: int | None = None) -> list[dict[str, Any]]:
     """Rows of op, size, time and bandwidths; the median of `repeats` timings, the bare loop interleaved."""
     ranks = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     rows = []
     for size in sizes:
-        iterations = iterations_for(size)
+        calls = iterations or iterations_for(size)
         bare_runs: list[float] = []
         for op in ops:
             call = _operation(op, size, ranks, device)
             call()  # warm-up (connections, allocations)
             runs = []
             for _ in range(repeats):
-                runs.append(_time(call, iterations, device))
+                runs.append(_time(call, calls, device))
                 if op == "all_reduce":
-                    bare_runs.append(_bare_all_reduce(size, iterations, device))
+                    bare_runs.append(_bare_all_reduce(size, calls, device))
             seconds = statistics.median(runs)
             algbw = size / seconds / 1e9
             row = {"op": op, "bytes": size, "ranks": ranks, "time_us": seconds * 1e6, "algbw_gbps": algbw}
@@ -156,13 +156,15 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--ops", required=True)
     parser.add_argument("--sizes", required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--iters", type=int, default=0)
     args = parser.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     try:
-        rows = measure(parse_ops(args.ops), [int(s) for s in args.sizes.split(",")])
+        sizes = [int(s) for s in args.sizes.split(",")]
+        rows = measure(parse_ops(args.ops), sizes, iterations=args.iters or None)
         if dist.get_rank() == 0:
             print_table(rows)
             args.out.parent.mkdir(parents=True, exist_ok=True)

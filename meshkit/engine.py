@@ -314,7 +314,6 @@ class Engine(ProcessHelpers, CheckpointingMixin):
         """Bytes this rank holds now for `params`, `grads` and `optimizer` state, and its `rss`/`peak_rss`."""
         return memory_report(self._models, [opt.optimizer for opt in self._optimizers])
 
-    @watched("save_model")
     def save_model(
         self, out_dir: str | os.PathLike[str], model: nn.Module | None = None, max_shard_size: int | str = "2GB"
     ) -> Path:

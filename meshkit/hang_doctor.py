@@ -1,7 +1,8 @@
 """The hang doctor: when a collective stalls, say which rank is stuck, in which collective, at which step.
 
-Each rank marks the engine calls that talk to the other ranks (`train_step`, `reduce`, `gather`, barriers,
-checkpoint saves and loads) as phases. A background thread publishes this rank's phase, step and time to the
+Each rank marks the engine calls that talk to the other ranks (`prepare`, `train_step`, `backward`, `reduce`,
+`gather`, barriers) as phases; checkpoint saves and loads are not marked, as their file writes may rightly
+outlast the collective timeout. A background thread publishes this rank's phase, step and time to the
 job's key-value store once a second and watches its own phase: once a phase outlasts the collective timeout
 it reads every rank's heartbeat and writes a diagnosis, e.g.
 

@@ -26,7 +26,8 @@ def test_sizes_are_binary_like_nccl_tests() -> None:
 
 def test_bench_comm_at_world_2_reports_busbw_with_the_right_factor(tmp_path) -> None:
     out = tmp_path / "comm.json"
-    proc = meshkit("bench", "comm", "--nproc-per-node", "2", "--sizes", "64K,256K", "--out", str(out), timeout=180)
+    args = ("--nproc-per-node", "2", "--sizes", "64K,256K", "--iters", "5", "--out", str(out))
+    proc = meshkit("bench", "comm", *args, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["ranks"] == 2 and {row["op"] for row in report["rows"]} == {

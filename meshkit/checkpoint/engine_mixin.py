@@ -13,7 +13,6 @@ from meshkit.checkpoint.canonical import TrainingState
 from meshkit.checkpoint.directory import commit, partial_dir, remove_partials, resolve_resume, step_dir_name
 from meshkit.checkpoint.session import Checkpointer
 from meshkit.checkpoint.storage import CheckpointError, fsync_dir
-from meshkit.hang_doctor import watched
 
 
 class CheckpointingMixin:
@@ -45,7 +44,6 @@ class CheckpointingMixin:
         }
 
     # ------------------------------------------------------------------ explicit
-    @watched("save_state")
     def save_state(
         self, directory: str | os.PathLike[str], *, asynchronous: bool = False, extra: dict[str, Any] | None = None
     ) -> Path:
@@ -75,7 +73,6 @@ class CheckpointingMixin:
             partial, finish, asynchronous=asynchronous, extra=extra or {}, rank_extra={"loaders": loaders}
         )
 
-    @watched("load_state")
     def load_state(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore a `save_state` checkpoint, at this run's layout and world size; returns its `extra`.
 
@@ -118,7 +115,6 @@ class CheckpointingMixin:
         cfg = self.config.checkpoint  # type: ignore[attr-defined]
         return Path(cfg.dir) if cfg.dir is not None else Path(self.config.logging.dir) / "checkpoints"  # type: ignore[attr-defined]
 
-    @watched("save_checkpoint")
     def save_checkpoint(self, *, extra: dict[str, Any] | None = None, force: bool = False) -> Path | None:
         """Save `<root>/step-NNNNNN/` when the step is a multiple of `checkpoint.every_steps` (or `force`);
         moves `latest` and keeps the newest `checkpoint.keep_last`. Returns the directory, or None."""
@@ -133,7 +129,6 @@ class CheckpointingMixin:
         self._save(partial_dir(root, step), lambda p: commit(p, root, step, cfg.keep_last), cfg.async_save, extra)
         return root / step_dir_name(step)
 
-    @watched("resume")
     def resume(self) -> dict[str, Any] | None:
         """Load what `checkpoint.resume` names (auto: the newest good checkpoint); returns its `extra`, or None
         when there is nothing to resume. Corrupt checkpoints are skipped with a warning naming them."""
