@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from meshkit import Engine
 from meshkit.config import LaunchSettings
+from meshkit.estimate import ModelShape, estimate_memory
 from meshkit.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.memory import current_rss_bytes
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
@@ -117,6 +118,21 @@ def main() -> int:
     return 0
 
 
+def estimated_peak(name: str, world: int) -> float:
+    """`meshkit estimate` for the layout: model states, activations, buffers (bytes)."""
+    estimate = estimate_memory(
+        ModelShape.from_gpt(MODEL),
+        seq_len=SEQ_LEN,
+        micro_batch=MICRO_BATCH,
+        precision="fp32",
+        zero_stage={"zero1": 1, "zero2": 2}.get(name, 3 if name.startswith("zero3") else 0),
+        dp=world,
+        offload="nvme" if "nvme" in name else "none",
+        gradient_as_bucket_view=True,  # as the DDP layouts here run
+    )
+    return estimate.total_gb * 1e9
+
+
 def report(rows: list[tuple[str, dict]], world: int, out: Path) -> None:
     ddp_step = statistics.fmean(r["step_s"] for name, r in rows if name.startswith("ddp"))
     table = []
@@ -138,20 +154,23 @@ def report(rows: list[tuple[str, dict]], world: int, out: Path) -> None:
                 "rss_added_mb": max(r["rss_added"] for r in result["reports"]) / 1e6,
                 "peak_rss_added_mb": max(r["peak_rss_added"] for r in result["reports"]) / 1e6,
                 "step_vs_ddp": result["step_s"] / ddp_step,
+                "estimate_mb": estimated_peak(name, world) / 1e6,
             }
         )
+        table[-1]["peak_rss_added_over_estimate"] = table[-1]["peak_rss_added_mb"] / table[-1]["estimate_mb"]
     psi = rows[0][1]["psi"]
     result = {"benchmark": "sharded data parallel memory", "world_size": world, "psi": psi, "rows": table}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nmodel states per rank, Ψ = {psi:,} parameters, N = {world} ranks, fp32 + AdamW")
     head = f"{'layout':<12}{'params':>9}{'grads':>9}{'optim':>9}{'held':>9}{'formula':>9}{'ratio':>7}"
-    print(head + f"{'rss+':>9}{'peak rss+':>11}{'step/ddp':>10}   (MB; rss+ = resident memory added by the layout)")
+    print(head + f"{'rss+':>9}{'peak rss+':>11}{'estimate':>10}{'peak/est':>9}{'step/ddp':>10}   (MB)")
     for row in table:
         print(
             f"{row['layout']:<12}{row['params_mb']:>9.1f}{row['grads_mb']:>9.1f}{row['optimizer_mb']:>9.1f}"
             f"{row['held_mb']:>9.1f}{row['formula_mb']:>9.1f}{row['held_over_formula']:>7.3f}"
-            f"{row['rss_added_mb']:>9.1f}{row['peak_rss_added_mb']:>11.1f}{row['step_vs_ddp']:>10.2f}"
+            f"{row['rss_added_mb']:>9.1f}{row['peak_rss_added_mb']:>11.1f}{row['estimate_mb']:>10.1f}"
+            f"{row['peak_rss_added_over_estimate']:>9.2f}{row['step_vs_ddp']:>10.2f}"
         )
     print(f"written to {out}")
 

@@ -59,11 +59,24 @@ def overhead(data: dict[str, Any]) -> str:
 def memory(data: dict[str, Any]) -> str:
     rows = [
         [row["layout"], f"{row['held_mb']:.1f}", f"{row['formula_mb']:.1f}", f"{row['held_over_formula']:.3f}",
-         f"{row['rss_added_mb']:.0f}", f"{row['peak_rss_added_mb']:.0f}", f"{row['step_vs_ddp']:.2f}"]
+         f"{row['rss_added_mb']:.0f}", f"{row['peak_rss_added_mb']:.0f}",
+         f"{row['estimate_mb']:.0f}" if "estimate_mb" in row else "-",
+         f"{row['peak_rss_added_over_estimate']:.2f}" if "estimate_mb" in row else "-", f"{row['step_vs_ddp']:.2f}"]
         for row in data["rows"]
     ]  # fmt: skip
     return f"World {data['world_size']}, Ψ = {data['psi'] / 1e6:.1f} M, fp32 AdamW; MB = 10⁶ bytes.\n\n" + _table(
-        ["layout", "held MB", "formula MB", "held/formula", "rss+ MB", "peak rss+ MB", "step vs DDP"], rows
+        [
+            "layout",
+            "held MB",
+            "formula MB",
+            "held/formula",
+            "rss+ MB",
+            "peak rss+ MB",
+            "estimate MB",
+            "peak/estimate",
+            "step vs DDP",
+        ],
+        rows,
     )
 
 
@@ -105,7 +118,12 @@ def comm(data: dict[str, Any]) -> str:
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("Step time against peers, world 2", "overhead-w2.json", "python bench/overhead.py --nproc 2", overhead),
     ("Step time against peers, world 4", "overhead-w4.json", "python bench/overhead.py --nproc 4", overhead),
-    ("Model-state memory per ZeRO stage", "memory.json", "python bench/memory.py --nproc 4", memory),
+    (
+        "Model-state memory per ZeRO stage, and the estimator's accuracy",
+        "memory.json",
+        "python bench/memory.py --nproc 4",
+        memory,
+    ),
     ("Pipeline bubbles", "pipeline.json", "python bench/pipeline.py", pipeline),
     ("Checkpoint save and load", "checkpoint.json", "python bench/checkpoint.py", checkpoint),
     ("Collectives", "comm-w2.json", "meshkit bench comm --nproc-per-node 2", comm),

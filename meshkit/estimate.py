@@ -154,6 +154,7 @@ def estimate_memory(
     offload: Offload = "none",
     sequence_parallel: bool | None = None,
     dropout: bool = False,
+    gradient_as_bucket_view: bool = False,
 ) -> Estimate:
     """Per-device GB (10^9 bytes) for params, grads, optimizer, activations and buffers, with formulas."""
     _check_layout(model, zero_stage, dp, tp, pp, cp)
@@ -177,7 +178,11 @@ def estimate_memory(
     lines.append(
         _activations(model, seq_len, micro_batch, precision, tp, pp, cp, sp, activation_checkpointing, dropout)
     )
-    lines.append(_buffers(model, zero_stage, dp, tp, cp, weight_b, grads))
+    full_grads = grad_b * local
+    bucket = full_grads if zero_stage == 0 and not gradient_as_bucket_view else 0.0
+    if zero_stage == 2:  # meshkit's ZeRO-2 reduce-scatters once backward is done: the full gradients exist until then
+        bucket = full_grads - grads
+    lines.append(_buffers(model, zero_stage, dp, cp, tp, weight_b, bucket))
     return Estimate(lines)
 
 
@@ -224,13 +229,15 @@ def _activations(
     return Line("activations", total / GB, formula)
 
 
-def _buffers(model: ModelShape, zero_stage: int, dp: int, tp: int, cp: int, weight_b: int, grads: float) -> Line:
+def _buffers(model: ModelShape, zero_stage: int, dp: int, cp: int, tp: int, weight_b: int, bucket: float) -> Line:
     if zero_stage >= 3:
         layer = model.largest_layer_params or model.params / max(1, model.layers or 1)
         gathered = 2 * weight_b * layer / tp  # the layer in use and the one prefetched
         return Line("buffers", gathered / GB, f"2 gathered layers: 2·{weight_b}·{layer:.4g}/tp")
-    if dp * cp > 1 and zero_stage == 0:
-        return Line("buffers", grads / GB, "DDP gradient buckets: a copy of the gradients")
+    if dp * cp > 1 and zero_stage == 0 and bucket:
+        return Line("buffers", bucket / GB, "DDP gradient buckets: a copy of the gradients")
+    if dp * cp > 1 and zero_stage == 2:
+        return Line("buffers", bucket / GB, "full gradients until the reduce-scatter after backward (meshkit ZeRO-2)")
     return Line("buffers", 0.0, "none")
 
 
