@@ -12,6 +12,14 @@ from rich.table import Table
 
 from meshkit.estimate import EstimateError, ModelShape, as_table_rows, estimate_memory
 
+# The model options `meshkit estimate` and `meshkit plan` share.
+ModelArg = Annotated[Optional[Path], typer.Argument(help="HF config.json or meshkit YAML")]
+ParamsOpt = Annotated[Optional[float], typer.Option("--params", help="parameter count, e.g. 7.5e9")]
+LayersOpt = Annotated[Optional[int], typer.Option("--layers")]
+HiddenOpt = Annotated[Optional[int], typer.Option("--hidden")]
+HeadsOpt = Annotated[Optional[int], typer.Option("--heads")]
+VocabOpt = Annotated[Optional[int], typer.Option("--vocab")]
+
 
 def model_shape(
     model: Path | None,
@@ -41,12 +49,12 @@ def model_shape(
 
 
 def estimate_command(
-    model: Annotated[Optional[Path], typer.Argument(help="HF config.json or meshkit YAML")] = None,
-    params: Annotated[Optional[float], typer.Option("--params", help="parameter count, e.g. 7.5e9")] = None,
-    layers: Annotated[Optional[int], typer.Option("--layers")] = None,
-    hidden: Annotated[Optional[int], typer.Option("--hidden")] = None,
-    heads: Annotated[Optional[int], typer.Option("--heads")] = None,
-    vocab: Annotated[Optional[int], typer.Option("--vocab")] = None,
+    model: ModelArg = None,
+    params: ParamsOpt = None,
+    layers: LayersOpt = None,
+    hidden: HiddenOpt = None,
+    heads: HeadsOpt = None,
+    vocab: VocabOpt = None,
     seq_len: Annotated[int, typer.Option("--seq-len")] = 2048,
     micro_batch: Annotated[int, typer.Option("--micro-batch")] = 1,
     precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "bf16",

@@ -34,12 +34,17 @@ def parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
+def storage_identity(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    """Equal for two names of the same tensor (tied weights)."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+
+
 def unique_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU tensors; names that alias an earlier tensor (tied weights) are dropped."""
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
-        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        identity = storage_identity(tensor)
         if tensor.device.type != "meta" and identity in seen:
             continue
         seen.add(identity)

@@ -11,17 +11,17 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from meshkit.estimate_cli import model_shape
+from meshkit.estimate_cli import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
 from meshkit.plan import Cluster, PlanError, plan, to_config
 
 
 def plan_command(
-    model: Annotated[Optional[Path], typer.Argument(help="HF config.json or meshkit YAML")] = None,
-    params: Annotated[Optional[float], typer.Option("--params", help="parameter count, e.g. 7e9")] = None,
-    layers: Annotated[Optional[int], typer.Option("--layers")] = None,
-    hidden: Annotated[Optional[int], typer.Option("--hidden")] = None,
-    heads: Annotated[Optional[int], typer.Option("--heads")] = None,
-    vocab: Annotated[Optional[int], typer.Option("--vocab")] = None,
+    model: ModelArg = None,
+    params: ParamsOpt = None,
+    layers: LayersOpt = None,
+    hidden: HiddenOpt = None,
+    heads: HeadsOpt = None,
+    vocab: VocabOpt = None,
     gpus_per_node: Annotated[int, typer.Option("--gpus-per-node")] = 8,
     gpu_mem_gb: Annotated[float, typer.Option("--gpu-mem-gb")] = 80.0,
     nodes: Annotated[int, typer.Option("--nodes")] = 1,

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from meshkit import collectives
 from meshkit.checkpoint.directory import resolve_resume
 from meshkit.checkpoint.storage import CheckpointError, load_tensors, stored_shapes
-from meshkit.export import ShardStream, TensorInfo, parse_size, plan_shards
+from meshkit.export import ShardStream, TensorInfo, parse_size, plan_shards, storage_identity
 from meshkit.mesh import ParallelMesh
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.tensor import restore_fused_qkv
@@ -30,11 +30,11 @@ def _dtype(name: str) -> torch.dtype:
 
 def _local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The module's state dict without aliases (tied weights keep their first name)."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
     out = {}
     for name, tensor in unwrap(model).state_dict().items():
         if not isinstance(tensor, DTensor):
-            identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            identity = storage_identity(tensor)
             if identity in seen:
                 continue
             seen.add(identity)
