@@ -21,8 +21,6 @@ from meshkit.estimate_cli import estimate_command
 from meshkit.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.mesh import ProcessInfo
 from meshkit.plan_cli import plan_command
-from meshkit.recipes.train import resolve_recipe
-from meshkit.recipes.train import train as run_recipe
 from meshkit.resolve import ResolvedConfig, default_config_path, parse_assignments, resolve
 
 app = typer.Typer(
@@ -149,6 +147,10 @@ def train(
     overrides: Annotated[Optional[list[str]], typer.Argument(help="key=value overrides, e.g. tp=2 steps=50")] = None,
 ) -> None:
     """Train the reference GPT with the built-in recipe: `meshkit train examples/demo.yaml train.steps=50`."""
+    # Imported here: the engine's imports take seconds that `estimate`, `plan` or `config` need not pay.
+    from meshkit.recipes.train import resolve_recipe
+    from meshkit.recipes.train import train as run_recipe
+
     assignments = overrides or []
     resolved = resolve_recipe(config, assignments)
     settings = resolved.config.launch

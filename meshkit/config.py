@@ -85,6 +85,22 @@ class DDPConfig(Section):
     broadcast_buffers: bool = Field(True, description="broadcast buffers from rank 0 every forward")
 
 
+class ActivationCheckpointConfig(Section):
+    """Recompute activations in backward instead of keeping them (`meshkit.parallel.activation`)."""
+
+    mode: Literal["none", "full", "selective"] = Field(
+        "none", description="none | full (recompute whole blocks) | selective (keep matmul outputs, recompute the rest)"
+    )
+    every: int = Field(1, description="checkpoint every k-th block (1 = all blocks)")
+
+    @field_validator("every")
+    @classmethod
+    def _every_positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"every={value}: must be >= 1 (1 checkpoints every block, 2 every second block, ...)")
+        return value
+
+
 class LoggingConfig(Section):
     """Where the run writes, and which trackers receive `engine.log()`."""
 
@@ -148,7 +164,12 @@ class ShardingConfig(Section):
     reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         None, description="zero_stage 3: dtype of the gradient reduce-scatter; null = fp32"
     )
-    blocks: str | None = Field(None, description="dotted path of the block list; null = found automatically")
+    forward_prefetch: int = Field(
+        0, ge=0, description="zero_stage 3: blocks whose all-gather is issued ahead in forward; 0 = torch's default"
+    )
+    backward_prefetch: int = Field(
+        0, ge=0, description="zero_stage 3: blocks whose all-gather is issued ahead in backward; 0 = torch's default"
+    )
     init_from: Path | None = Field(
         None, description="safetensors file or index.json to fill a meta-device model from; null = the model's init"
     )
@@ -165,6 +186,9 @@ class ShardingConfig(Section):
             for name in ("param_dtype", "reduce_dtype", "reshard_after_forward"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies to zero_stage=3 (FSDP) only; use precision= for autocast")
+            for name in ("forward_prefetch", "backward_prefetch"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} applies to zero_stage=3 (FSDP) only; DDP overlaps via ddp.bucket_cap_mb")
         return self
 
 
@@ -238,6 +262,13 @@ class RunConfig(Section):
     )
     threads_per_process: int | None = Field(
         None, ge=1, description="torch threads per rank; null = the rank's share of its cores"
+    )
+    blocks: str | None = Field(
+        None, description="dotted path of the repeated-block list; null = the longest ModuleList of one class"
+    )
+    activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig()
+    activation_offload: bool = Field(
+        False, description="keep saved activations in (pinned) CPU memory between forward and backward"
     )
     sharding: ShardingConfig = ShardingConfig()
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()

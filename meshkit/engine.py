@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from meshkit import collectives
 from meshkit.accumulation import GradientState, PreparedOptimizer, PreparedScheduler
+from meshkit.activation_report import ActivationReport
 from meshkit.affinity import apply_affinity
 from meshkit.checkpoint.engine_mixin import CheckpointingMixin
 from meshkit.checkpoint.model_export import save_model_weights
@@ -36,6 +37,7 @@ from meshkit.hang_doctor import HangDoctor, watched
 from meshkit.loss import LossFn, compute_loss
 from meshkit.memory import memory_report
 from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
+from meshkit.parallel.activation import CheckpointedBlock
 from meshkit.parallel.compose import parallelize, unwrap
 from meshkit.parallel.context import shard_sequence
 from meshkit.parallel.nvme import check_offload_dir
@@ -115,6 +117,7 @@ class Engine(ProcessHelpers, CheckpointingMixin):
         self._loaders: list[ShardedLoader] = []
         self._logits_sharded = False  # a prepared model returns vocab-sharded logits (tensor parallel)
         self._fused_qkv: dict[int, list[str]] = {}  # id(prepared model) -> weights stored interleaved
+        self._checkpointed: list[CheckpointedBlock] = []  # blocks under activation checkpointing/offload
         self._gradients = GradientSync(
             self.gradient_state,
             self.scaler,
@@ -200,6 +203,7 @@ class Engine(ProcessHelpers, CheckpointingMixin):
         self._renamed_params.update({id(p): now.get(n) for n, p in originals.items() if now.get(n) is not p})
         self._logits_sharded |= done.logits_sharded
         self._fused_qkv[id(done.model)] = done.fused_qkv
+        self._checkpointed.extend(done.checkpointed)
         if done.needs_gradient_reduce:
             self._gradients.model_reducers.append(GradientAllReduce(list(now.values()), self.mesh.grad_group))
         if isinstance(done.model, PipelineModel):
@@ -208,7 +212,9 @@ class Engine(ProcessHelpers, CheckpointingMixin):
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         optimizer = rebind_params(optimizer, self._renamed_params)
-        sharded = shard_optimizer(optimizer, self._models, self.mesh, self.config.sharding, self.zero_stage)
+        sharded = shard_optimizer(
+            optimizer, self._models, self.mesh, self.config.sharding, self.zero_stage, self.config.blocks
+        )
         return PreparedOptimizer(sharded, self.gradient_state, self.scaler)
 
     def _prepare_loader(self, loader: DataLoader) -> ShardedLoader:
@@ -313,6 +319,17 @@ class Engine(ProcessHelpers, CheckpointingMixin):
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now for `params`, `grads` and `optimizer` state, and its `rss`/`peak_rss`."""
         return memory_report(self._models, [opt.optimizer for opt in self._optimizers])
+
+    def activation_report(self) -> ActivationReport:
+        """Measure the activations kept for backward by the step(s) run inside `with` (bytes on this rank):
+
+            with engine.activation_report() as report:
+                engine.train_step(batch)
+            report.as_dict()  # saved_bytes, recompute_peak_bytes, peak_bytes, per-block figures
+
+        Measured in eager mode: under torch.compile the compiled graphs decide what they save.
+        """
+        return ActivationReport(self._models, self._checkpointed, self.config.blocks)
 
     def save_model(
         self, out_dir: str | os.PathLike[str], model: nn.Module | None = None, max_shard_size: int | str = "2GB"

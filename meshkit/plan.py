@@ -257,6 +257,8 @@ def to_config(layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
         "sharding": {"zero_stage": layout.zero_stage, **({"offload": "cpu"} if layout.offload == "cpu" else {})},
         "precision": "no" if precision == "fp32" else precision,
     }
+    if layout.activation_checkpointing != "none":
+        config["activation_checkpointing"] = {"mode": layout.activation_checkpointing}
     if layout.pp > 1:  # the pipeline splits each rank's batch into its micro-batches
         config["pipeline"] = {"microbatches": layout.microbatches}
         config["train"] = {"seq_len": seq_len, "micro_batch_size": layout.microbatches}

@@ -77,7 +77,4 @@ def _emit(
     path.write_text(
         f"# meshkit plan: {chosen.describe()} - {chosen.reason}\n" + yaml.safe_dump(config, sort_keys=False)
     )
-    note = ""
-    if chosen.activation_checkpointing != "none":
-        note = f" (activation checkpointing '{chosen.activation_checkpointing}' is not a meshkit setting yet)"
-    Console().print(f"wrote {path}: {chosen.describe()}{note}")
+    Console().print(f"wrote {path}: {chosen.describe()}")

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+WORLD8_LAYOUTS = {"pp2_dp2_tp2": ("gpt4", {"pp": 2, "dp_replicate": 2, "tp": 2})}
+
 
 @pytest.fixture(autouse=True)
 def isolated_config(tmp_path, monkeypatch):
@@ -14,3 +16,24 @@ def isolated_config(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("MESHKIT_LOGGING__DIR", str(tmp_path / "run"))
     return tmp_path
+
+
+def _world8_rank(rank: int) -> dict:
+    import torch.distributed as dist
+
+    from tests.layouts import run_layouts
+    from tests.test_mesh import mesh_answers
+
+    dist.init_process_group("gloo")
+    try:
+        return {"mesh": mesh_answers(), "layouts": run_layouts(rank, WORLD8_LAYOUTS)}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def world8() -> list[dict]:
+    """One world of 8 ranks, shared by the tests that need 8 (starting 8 processes on a small host is slow)."""
+    from tests.distributed import run_world
+
+    return run_world(_world8_rank, 8, timeout=400)

@@ -50,7 +50,10 @@ def reference(kind: str) -> tuple[list[float], dict]:
 
 
 def run_layouts(rank: int, layouts: dict) -> dict:
-    torch.distributed.init_process_group("gloo")
+    """Each layout's losses and full weights on this rank (in the caller's process group, if it has one)."""
+    owns_group = not torch.distributed.is_initialized()
+    if owns_group:
+        torch.distributed.init_process_group("gloo")
     out = {}
     for name, (kind, overrides) in layouts.items():
         engine = Engine(seed=0, **overrides)
@@ -63,7 +66,8 @@ def run_layouts(rank: int, layouts: dict) -> dict:
             losses.append(engine.reduce(engine.train_step(split(part))).item())
         out[name] = {"losses": losses, "state": engine.full_state_dict()}
         engine.end()
-    torch.distributed.destroy_process_group()
+    if owns_group:
+        torch.distributed.destroy_process_group()
     return out
 
 

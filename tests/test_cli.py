@@ -87,17 +87,23 @@ def test_meshkit_train_launches_itself_on_two_ranks(tmp_path) -> None:
     assert [m["params"] for m in summary["memory"]] == [4 * summary["parameters"]] * 2
     assert summary["final_loss"] < summary["first_loss"]
     assert "meshkit run summary" in proc.stdout and "memory per rank" in proc.stdout
+    for activations in summary["activations"]:  # the first micro-step, measured on every rank
+        assert activations["checkpointed_blocks"] == [] and activations["blocks_saved_bytes"] > 0
 
 
 def test_meshkit_train_with_zero3_reports_sharded_memory(tmp_path) -> None:
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({"launch": {"nproc_per_node": 2}, "sharding": {"zero_stage": 3}}))
+    checkpointing = {"activation_checkpointing": {"mode": "full"}}
+    config.write_text(yaml.safe_dump({"launch": {"nproc_per_node": 2}, "sharding": {"zero_stage": 3}, **checkpointing}))
     proc = meshkit("train", str(config), *SMALL, f"logging.dir={tmp_path / 'r'}", timeout=180)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["zero_stage"] == 3 and summary["layout"]["dp_shard"] == 2
     for rank_memory in summary["memory"]:
         assert rank_memory["params"] <= 4 * summary["parameters"] / 2 * 1.05  # each rank holds about half
+    blocks = [f"layers.{i}" for i in range(len(summary["activations"][0]["blocks"]))]
+    assert blocks and all(a["checkpointed_blocks"] == blocks for a in summary["activations"])
+    assert "activations kept" in proc.stdout and "checkpointing full" in proc.stdout
 
 
 def test_meshkit_train_bad_override_is_one_line(tmp_path) -> None:

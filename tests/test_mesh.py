@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from meshkit.config import ParallelConfig
-from meshkit.mesh import MeshError, ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
-from tests.distributed import run_world
+from meshkit.mesh import MeshError, ParallelDims, ParallelMesh, ProcessInfo, select_device
 
 
 def dims(world: int, **sizes: int) -> ParallelDims:
@@ -50,12 +48,12 @@ def test_device_selection_on_a_cpu_host() -> None:
     assert select_device("auto", 0).type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def mesh_rank(rank: int) -> dict:
+def mesh_answers() -> dict:
+    """This rank's answers on a pp=2 × dp=2 × tp=2 mesh (the world of 8 is shared: tests/conftest.py)."""
     info = ProcessInfo.from_env()
     device = select_device("cpu", info.local_rank)
-    start_process_group(info, device, 60)
     mesh = ParallelMesh(dims(8, pp=2, tp=2), info, device)
-    answer = {
+    return {
         "pp": mesh.coordinate("pp"),
         "dp": mesh.dp_rank,
         "tp": mesh.coordinate("tp"),
@@ -64,12 +62,10 @@ def mesh_rank(rank: int) -> dict:
         "last": mesh.is_last_stage,
         "main": mesh.is_main_process,
     }
-    dist.destroy_process_group()
-    return answer
 
 
-def test_rank_questions_on_a_pp2_dp2_tp2_mesh() -> None:
-    answers = run_world(mesh_rank, 8, timeout=120)
+def test_rank_questions_on_a_pp2_dp2_tp2_mesh(world8) -> None:
+    answers = [rank_results["mesh"] for rank_results in world8]
     # row-major over (pp, dp_replicate, dp_shard, cp, tp): rank = pp * 4 + dp * 2 + tp
     for rank, answer in enumerate(answers):
         assert answer["pp"] == rank // 4 and answer["dp"] == (rank // 2) % 2 and answer["tp"] == rank % 2

@@ -39,9 +39,8 @@ def test_pipeline_compositions_at_world_4(world4_results, name) -> None:
     check(world4_results, name, "gpt4")
 
 
-def test_pp2_dp2_tp2_at_world_8() -> None:
-    layouts = {"pp2_dp2_tp2": ("gpt4", {"pp": 2, "dp_replicate": 2, "tp": 2})}
-    check(run_world(run_layouts, 8, layouts, timeout=400), "pp2_dp2_tp2", "gpt4")
+def test_pp2_dp2_tp2_at_world_8(world8) -> None:
+    check([rank_results["layouts"] for rank_results in world8], "pp2_dp2_tp2", "gpt4")
 
 
 def test_balanced_split_by_parameter_count() -> None:

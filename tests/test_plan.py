@@ -74,3 +74,15 @@ def test_emit_config_writes_a_layout_meshkit_train_runs(tmp_path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["grad_accum_steps"] == config["grad_accum_steps"]
+
+
+def test_a_layout_with_recompute_emits_meshkit_activation_checkpointing() -> None:
+    from meshkit.config import RunConfig
+    from meshkit.plan import Layout, to_config
+
+    layout = Layout(
+        dp=4, tp=2, pp=1, cp=1, zero_stage=3, microbatches=2, activation_checkpointing="full", offload="none"
+    )
+    config = RunConfig(**to_config(layout, Cluster(8, 24.0), seq_len=2048, global_batch=8, precision="bf16"))
+    assert config.activation_checkpointing.mode == "full"
+    assert (config.parallel.tp, config.parallel.dp_shard, config.sharding.zero_stage) == (2, 4, 3)

@@ -17,7 +17,7 @@ def compile_options(cfg: CompileConfig) -> dict[str, Any]:
     return options
 
 
-def apply_compile(model: nn.Module, cfg: CompileConfig) -> nn.Module:
+def apply_compile(model: nn.Module, cfg: CompileConfig, blocks: str | None = None) -> nn.Module:
     """Compile in place (`nn.Module.compile`), so parameter names and state-dict keys stay unchanged.
 
     Regional compilation compiles one block and reuses the code for its identical siblings: much shorter
@@ -27,8 +27,8 @@ def apply_compile(model: nn.Module, cfg: CompileConfig) -> nn.Module:
         return model
     options = compile_options(cfg)
     if cfg.regional:
-        _, blocks = find_blocks(model)
-        for block in blocks:
+        _, block_list = find_blocks(model, blocks)
+        for block in block_list:
             block.compile(**options)
     else:
         model.compile(**options)

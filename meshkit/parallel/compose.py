@@ -14,6 +14,7 @@ from torch import nn
 
 from meshkit.config import RunConfig
 from meshkit.mesh import ParallelMesh
+from meshkit.parallel.activation import CheckpointedBlock, apply_activation_checkpointing
 from meshkit.parallel.compile import apply_compile
 from meshkit.parallel.context import apply_context_parallel
 from meshkit.parallel.ddp import apply_ddp
@@ -32,6 +33,7 @@ class Parallelized:
     fused_qkv: list[str] = field(default_factory=list)  # weights stored interleaved for tensor parallel
     logits_sharded: bool = False  # the model returns vocab-sharded logits: compute the loss under loss_parallel
     needs_gradient_reduce: bool = False  # data parallel that no wrapper reduces (DTensor parameters)
+    checkpointed: list[CheckpointedBlock] = field(default_factory=list)  # blocks with checkpointing/offload
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_stage: int) -> Parallelized:
@@ -46,13 +48,14 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
         return _parallelize_one(model, mesh, config, zero_stage)
     chunks = chunks_per_rank(config.pipeline)
     stage_list = stage_ids(mesh.coordinate("pp"), pp, chunks, config.pipeline.schedule)
-    stage_modules = split_model(model, stage_list, pp * chunks)
+    stage_modules = split_model(model, stage_list, pp * chunks, config.blocks)
     parts = [_parallelize_one(m, mesh, config, zero_stage, in_pipeline=True) for m in stage_modules]
     return Parallelized(
         PipelineModel([part.model for part in parts], stage_list, pp * chunks),
         fused_qkv=[name for part in parts for name in part.fused_qkv],
         logits_sharded=any(part.logits_sharded for part in parts),
         needs_gradient_reduce=any(part.needs_gradient_reduce for part in parts),
+        checkpointed=[block for part in parts for block in part.checkpointed],
     )
 
 
@@ -71,10 +74,13 @@ def _parallelize_one(
         split = apply_tensor_parallel(model, mesh.device_mesh["tp"], config.tensor_parallel)
         result.fused_qkv, result.logits_sharded = split.fused_qkv, split.logits_sharded
     if mesh.size("cp") > 1:
-        apply_context_parallel(model, mesh.group("cp"))
-    model = apply_compile(model, config.compile)
+        apply_context_parallel(model, mesh.group("cp"), config.blocks)
+    result.checkpointed = apply_activation_checkpointing(
+        model, config.activation_checkpointing, config.activation_offload, mesh.device, config.blocks
+    )
+    model = apply_compile(model, config.compile, config.blocks)
     if zero_stage == 3:
-        model = apply_fsdp(model, mesh, sharding, config.precision)
+        model = apply_fsdp(model, mesh, sharding, config.precision, config.blocks)
     if on_meta:
         materialize(model, mesh.device, sharding.init_from)
     if zero_stage == 0 and mesh.grad_size > 1:

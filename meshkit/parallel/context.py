@@ -58,13 +58,13 @@ class _RingAttend:
         return ring_attention(q, k, v, self.group, causal=True)
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, blocks_path: str | None = None) -> None:
     """Swap every block's attention for ring attention and feed the model its true token positions.
 
     The model must route attention through an `attend(q, k, v)` method on its attention modules (the
     reference GPT does) and accept `positions=` in forward.
     """
-    _, blocks = find_blocks(model)
+    _, blocks = find_blocks(model, blocks_path)
     attends = [m for block in blocks for m in block.modules() if callable(getattr(m, "attend", None))]
     if not attends:
         raise ContextParallelError(

@@ -52,9 +52,11 @@ def offload_policy(cfg: ShardingConfig, device: torch.device) -> CPUOffloadPolic
     return CPUOffloadPolicy(pin_memory=True)
 
 
-def apply_fsdp(model: nn.Module, mesh: ParallelMesh, cfg: ShardingConfig, precision: str) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, mesh: ParallelMesh, cfg: ShardingConfig, precision: str, blocks: str | None = None
+) -> nn.Module:
     """Shard each block, then the root. Returns the same module object (FSDP2 works in place)."""
-    _, block_list = find_blocks(model, cfg.blocks)
+    _, block_list = find_blocks(model, blocks)
     blocks = [block for block in block_list if not getattr(block, "is_placeholder", False)]
     options = {"mesh": fsdp_mesh(mesh), "mp_policy": mixed_precision_policy(cfg, precision)}
     policy = offload_policy(cfg, mesh.device)
@@ -66,4 +68,17 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, cfg: ShardingConfig, precis
         reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else index < len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard, **options)
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward is not False, **options)
+    set_prefetch(blocks, cfg.forward_prefetch, cfg.backward_prefetch)
     return model
+
+
+def set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:
+    """Issue the all-gathers of the next `forward` blocks (forward) and the previous `backward` blocks (backward)
+    as soon as a block starts, so they run while it computes. 0 keeps torch's defaults (forward: the next
+    all-gather overlaps through its own stream on GPUs; backward: one block ahead). More hides more latency and
+    holds more gathered blocks at once."""
+    for index, block in enumerate(blocks):
+        if forward:
+            block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + forward])
+        if backward:
+            block.set_modules_to_backward_prefetch(blocks[max(0, index - backward) : index][::-1])

@@ -121,7 +121,9 @@ def _parameter_count(module: nn.Module | None) -> int:
     return sum(p.numel() for p in module.parameters()) if module is not None else 0
 
 
-def split_model(model: nn.Module, stage_list: list[int], stages: int) -> list[nn.Module]:
+def split_model(
+    model: nn.Module, stage_list: list[int], stages: int, blocks_path: str | None = None
+) -> list[nn.Module]:
     """This rank's stage modules (the model itself for a single stage, copies for several)."""
     first_names = getattr(model, "pipeline_first", None)
     last_names = getattr(model, "pipeline_last", None)
@@ -130,7 +132,7 @@ def split_model(model: nn.Module, stage_list: list[int], stages: int) -> list[nn
             f"{type(model).__name__} does not name its first- and last-stage modules: give it pipeline_first / "
             "pipeline_last attributes (e.g. ('tok_embeddings',) and ('norm', 'output')) and skip them when None"
         )
-    block_path, blocks = find_blocks(model)
+    block_path, blocks = find_blocks(model, blocks_path)
     first_extra = sum(_parameter_count(getattr(model, name)) for name in first_names)
     last_extra = sum(_parameter_count(getattr(model, name)) for name in last_names)
     ranges = balanced_split([_parameter_count(b) for b in blocks], stages, first_extra, last_extra)

@@ -71,6 +71,7 @@ def shard_optimizer(
     mesh: ParallelMesh,
     cfg: ShardingConfig,
     stage: int,
+    blocks: str | None = None,
 ) -> torch.optim.Optimizer:
     """ZeRO-1/2 shard the optimizer itself; `offload=nvme` moves its states to files (any stage)."""
     directory = Path(cfg.offload_dir or ".") / f"rank{mesh.rank}"
@@ -86,5 +87,5 @@ def shard_optimizer(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     pages: list[list[nn.Parameter]] = []
     for model in models:
-        pages.extend(block_pages(model, params, cfg.blocks))
+        pages.extend(block_pages(model, params, blocks))
     return NVMeOptimizer(optimizer, directory, pages)

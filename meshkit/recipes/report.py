@@ -80,11 +80,21 @@ def print_summary(summary: dict[str, Any], run_dir: Path, plot: Path | None) -> 
     table.add_row("loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}")
     table.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}")
     table.add_row("wall time", f"{summary['wall_s']:.1f} s")
+    table.add_row("activations kept", activations_row(summary))
     table.add_row("params sha256", summary["params_sha256"][:16] + "...")
     table.add_row("summary", str(run_dir / "summary.json"))
     table.add_row("loss plot", str(plot) if plot else "not drawn: pip install 'meshkit[plot]'")
     Console().print(table)
     Console().print(memory_table(summary["memory"]))
+
+
+def activations_row(summary: dict[str, Any]) -> str:
+    """Largest per-rank activation bytes of the measured step, and the checkpointing that gave them."""
+    peak = max(report["peak_bytes"] for report in summary["activations"])
+    checkpointing = summary["activation_checkpointing"]
+    mode = checkpointing["mode"] + (f", every {checkpointing['every']}" if checkpointing["every"] > 1 else "")
+    offload = ", offloaded to CPU" if summary["activation_offload"] else ""
+    return f"{peak / 1e6:,.1f} MB per rank (checkpointing {mode}{offload})"
 
 
 def memory_table(per_rank: list[dict[str, int]]) -> Table:

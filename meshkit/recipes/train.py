@@ -7,6 +7,7 @@ a progress bar and writes `<logging.dir>/summary.json`, `metrics.jsonl` and `los
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -98,11 +99,14 @@ def _train(engine: Engine) -> dict[str, Any]:
     first_step = len(losses)
     batches = endless(loader)
     window_loss = torch.zeros((), device=engine.device)
+    activations, measured = engine.activation_report(), False  # measures the first micro-step only
     start = time.perf_counter()
     with TrainingProgress(cfg.train.steps, enabled=engine.is_main_process) as progress:
         progress.update(first_step, losses[-1] if losses else float("nan"), 0.0)
         while len(losses) < cfg.train.steps:
-            window_loss += engine.train_step(next(batches))
+            with contextlib.nullcontext() if measured else activations:
+                window_loss += engine.train_step(next(batches))
+            measured = True
             if not engine.sync_gradients:
                 continue
             loss = engine.reduce(window_loss / cfg.grad_accum_steps).item()
@@ -136,6 +140,9 @@ def _train(engine: Engine) -> dict[str, Any]:
         "zero_stage": engine.zero_stage,
         "params_sha256": state_dict_sha256(engine.full_state_dict()),
         "memory": memory,
+        "activation_checkpointing": cfg.activation_checkpointing.model_dump(),
+        "activation_offload": cfg.activation_offload,
+        "activations": collectives.gather_object(activations.as_dict(), group=None),  # first micro-step, per rank
     }
     if engine.is_main_process:
         run_dir = Path(cfg.logging.dir)
