@@ -6,8 +6,9 @@
    fixed so freed tensors leave the resident set at once). Also the Korthikanti et al. per-layer formula.
 2. Step time, one process, the modes interleaved round by round: each mode's step time over `none`'s
    (median of the per-round ratios).
-3. DDP overlap, world 2, one process group: default buckets (all-reduce starts while backward goes on)
-   against one bucket as large as the model (nothing is sent before backward ends), interleaved.
+3. Overlap, world 2, one process group, interleaved: DDP with default buckets (all-reduce starts while
+   backward goes on) against one bucket as large as the model (nothing is sent before backward ends); FSDP
+   with explicit prefetching of the next two blocks' all-gathers against torch's default.
 
     python bench/activation.py [--rounds 16] [--out bench/results/activation.json]
 """
@@ -28,13 +29,14 @@ import torch
 import torch.distributed as dist
 
 from meshkit import Engine
-from meshkit.config import ActivationCheckpointConfig, DDPConfig, LaunchSettings
+from meshkit.config import ActivationCheckpointConfig, DDPConfig, LaunchSettings, ShardingConfig
 from meshkit.estimate import layer_activation_bytes
 from meshkit.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.memory import current_rss_bytes
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
 from meshkit.parallel.activation import apply_activation_checkpointing
 from meshkit.parallel.ddp import apply_ddp
+from meshkit.parallel.fsdp import apply_fsdp
 
 MODEL = GPTConfig(dim=512, n_layers=4, n_heads=8, max_seq_len=256)
 MICRO_BATCH, SEQ_LEN = 4, 256
@@ -109,13 +111,22 @@ def timing(rounds: int) -> dict[str, float]:
 
 
 def overlap_worker(rounds: int, out: Path) -> None:
-    """World 2: default DDP buckets against one model-sized bucket, interleaved in one process group."""
+    """World 2, one process group, interleaved: DDP with default buckets against one model-sized bucket, and
+    FSDP with torch's default prefetching against explicit prefetching of the next two blocks."""
     with tempfile.TemporaryDirectory() as run_dir:
-        engine = Engine(logging={"dir": run_dir}, hang_doctor=False)
+        engine = Engine(logging={"dir": run_dir}, hang_doctor=False, zero_stage=3)  # its mesh: 2 shards
+        builders = {
+            "ddp default buckets": lambda m: apply_ddp(m, engine.mesh, DDPConfig()),
+            "ddp one bucket": lambda m: apply_ddp(m, engine.mesh, DDPConfig(bucket_cap_mb=100_000.0)),
+            "fsdp default prefetch": lambda m: apply_fsdp(m, engine.mesh, ShardingConfig(zero_stage=3), "no"),
+            "fsdp prefetch 2": lambda m: apply_fsdp(
+                m, engine.mesh, ShardingConfig(zero_stage=3, forward_prefetch=2, backward_prefetch=2), "no"
+            ),
+        }
         models = {}
-        for name, cap in (("default buckets", DDPConfig().bucket_cap_mb), ("one bucket", 100_000.0)):
+        for name, build in builders.items():
             torch.manual_seed(0)
-            model = apply_ddp(GPT(OVERLAP_MODEL), engine.mesh, DDPConfig(bucket_cap_mb=cap))
+            model = build(GPT(OVERLAP_MODEL))
             models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         inputs, targets = _batch(OVERLAP_MODEL, 128, seed=engine.process_index)
         times: dict[str, list[float]] = {name: [] for name in models}
@@ -131,16 +142,18 @@ def overlap_worker(rounds: int, out: Path) -> None:
                 if round_index >= 2:
                     times[name].append(elapsed.item())
         if engine.is_main_process:
-            params = sum(p.numel() for p in GPT(OVERLAP_MODEL).parameters())
-            base = times["one bucket"]
+
+            def ratio(name: str, base: str) -> float:
+                return statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
+
             out.write_text(
                 json.dumps(
                     {
-                        "params": params,
-                        "one_bucket_step_s": statistics.median(base),
-                        "default_over_one_bucket": statistics.median(
-                            t / b for t, b in zip(times["default buckets"], base, strict=True)
-                        ),
+                        "params": sum(p.numel() for p in GPT(OVERLAP_MODEL).parameters()),
+                        "one_bucket_step_s": statistics.median(times["ddp one bucket"]),
+                        "default_over_one_bucket": ratio("ddp default buckets", "ddp one bucket"),
+                        "fsdp_default_step_s": statistics.median(times["fsdp default prefetch"]),
+                        "fsdp_prefetch_over_default": ratio("fsdp prefetch 2", "fsdp default prefetch"),
                     }
                 )
             )
@@ -247,6 +260,10 @@ def report(memory: dict, ratios: dict, overlap: dict, out: Path) -> None:
     print(
         f"DDP world 2, {overlap['params']:,} params: default buckets / one bucket after backward = "
         f"{overlap['default_over_one_bucket']:.3f} (one bucket: {overlap['one_bucket_step_s']:.3f} s/step)"
+    )
+    print(
+        f"FSDP world 2: forward/backward prefetch of 2 blocks / torch's default = "
+        f"{overlap['fsdp_prefetch_over_default']:.3f} (default: {overlap['fsdp_default_step_s']:.3f} s/step)"
     )
     print(f"written to {out}")
 

@@ -1,12 +1,13 @@
-"""Sharded data parallel: bytes held per rank against the ZeRO formulas, resident memory, step time vs DDP.
+"""Memory per layout: bytes held per rank against the ZeRO formulas, resident memory against `meshkit estimate`.
 
-Each layout runs in its own world of `--nproc` ranks (so resident memory is the layout's own), one after the
-other in this run; DDP runs first and last and the step-time ratios use the mean of the two. The model is built
-on the meta device and materialised after sharding. Model states are measured right after the optimizer step,
-before zero_grad (parameters, gradients and optimizer states all held); "rss+" is the resident memory the
-layout adds to the process after the engine started. Prints a table and writes JSON.
+Each layout (data parallel, ZeRO-1/2/3, NVMe offload, tensor, pipeline and context parallel) runs in its own
+world of 4 ranks (so resident memory is the layout's own), one after the other in this run; DDP runs first and
+last and the step-time ratios use the mean of the two. The model is built on the meta device and materialised
+after sharding. Model states are measured right after the optimizer step, before zero_grad (parameters,
+gradients and optimizer states all held; a pipeline's schedule frees its gradients within the step); "rss+" is
+the resident memory the layout adds to the process after the engine started. Prints a table and writes JSON.
 
-    python bench/memory.py [--nproc 4] [--steps 8] [--out bench/results/memory.json]
+    python bench/memory.py [--steps 8] [--out bench/results/memory.json]
 """
 
 from __future__ import annotations
@@ -42,20 +43,44 @@ def layouts(offload_dir: str) -> list[tuple[str, dict]]:
         ("zero2", {"zero_stage": 2}),
         ("zero3", {"zero_stage": 3}),
         ("zero3+nvme", {"zero_stage": 3, "offload": "nvme", "offload_dir": offload_dir}),
+        ("tp2 dp2", {"tp": 2}),
+        ("zero3 tp2", {"zero_stage": 3, "tp": 2}),
+        ("pp2 dp2", {"pp": 2}),
+        ("cp2 dp2", {"cp": 2}),
         ("ddp again", ddp),
     ]
 
 
+# How `meshkit estimate` describes each layout (world 4): the sizes, and what the run does that it must know.
+ESTIMATE_ARGS: dict[str, dict] = {
+    "ddp": {"dp": 4, "gradient_as_bucket_view": True},
+    "ddp again": {"dp": 4, "gradient_as_bucket_view": True},
+    "zero1": {"dp": 4, "zero_stage": 1},
+    "zero2": {"dp": 4, "zero_stage": 2},
+    "zero3": {"dp": 4, "zero_stage": 3},
+    "zero3+nvme": {"dp": 4, "zero_stage": 3, "offload": "nvme"},
+    "tp2 dp2": {"dp": 2, "tp": 2, "sequence_parallel": False, "gradient_as_bucket_view": True},
+    "zero3 tp2": {"dp": 2, "tp": 2, "zero_stage": 3, "sequence_parallel": False},
+    # pp micro-batches (pipeline.microbatches = pp) of MICRO_BATCH / pp sequences each
+    "pp2 dp2": {"dp": 2, "pp": 2, "micro_batch": MICRO_BATCH // 2, "gradient_as_bucket_view": True},
+    "cp2 dp2": {"dp": 2, "cp": 2, "gradient_as_bucket_view": True},
+}
+
+
 def formula(name: str, psi: int, n: int) -> float:
-    """fp32 params 4Ψ, grads 4Ψ, Adam moments 8Ψ (nvme: the moments are on disk, not in memory)."""
-    return {
-        "ddp": 16 * psi,
-        "ddp again": 16 * psi,
-        "zero1": 8 * psi + 8 * psi / n,
-        "zero2": 4 * psi + 12 * psi / n,
-        "zero3": 16 * psi / n,
-        "zero3+nvme": 8 * psi / n,
-    }[name]
+    """Model states by the ZeRO paper: fp32 params 4Ψ, grads 4Ψ, Adam moments 8Ψ over the layout's split
+    (nvme: the moments are on disk, not in memory)."""
+    if name in ("ddp", "ddp again", "zero1", "zero2", "zero3", "zero3+nvme"):
+        return {
+            "ddp": 16 * psi,
+            "ddp again": 16 * psi,
+            "zero1": 8 * psi + 8 * psi / n,
+            "zero2": 4 * psi + 12 * psi / n,
+            "zero3": 16 * psi / n,
+            "zero3+nvme": 8 * psi / n,
+        }[name]
+    lines = estimate_memory(ModelShape.from_gpt(MODEL), precision="fp32", **ESTIMATE_ARGS[name]).as_json()
+    return (lines["params_gb"] + lines["grads_gb"] + lines["optimizer_gb"]) * 1e9
 
 
 def worker(overrides: dict, steps: int, out: Path) -> None:
@@ -64,15 +89,21 @@ def worker(overrides: dict, steps: int, out: Path) -> None:
     torch.manual_seed(0)
     with torch.device("meta"):  # materialised after sharding: full-size weights are never allocated
         model = GPT(MODEL)
-    model, optimizer = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    model, optimizer = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), loss_fn=lm_loss)
     generator = torch.Generator().manual_seed(engine.process_index)
     times, report = [], {}
     for step in range(WARMUP + steps):
         tokens = torch.randint(0, MODEL.vocab_size, (MICRO_BATCH, SEQ_LEN + 1), generator=generator)
         dist.barrier()
         start = time.perf_counter()
-        engine.backward(lm_loss(model(tokens[:, :-1]), tokens[:, 1:]))
-        optimizer.step()
+        if engine.mesh.size("pp") > 1:  # the schedule runs forward and backward; gradients are freed in the step
+            engine.train_step((tokens[:, :-1], tokens[:, 1:]))
+        else:
+            inputs, targets = engine.shard_sequence((tokens[:, :-1], tokens[:, 1:]))  # cp: this rank's chunks
+            with engine.loss_parallel():  # tp: vocab-sharded logits
+                loss = lm_loss(model(inputs), targets)
+            engine.backward(loss)
+            optimizer.step()
         elapsed = torch.tensor(time.perf_counter() - start)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
         if step >= WARMUP:
@@ -92,7 +123,7 @@ def worker(overrides: dict, steps: int, out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--nproc", type=int, default=4, choices=[4], help="the layouts are written for 4 ranks")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("bench/results/memory.json"))
     parser.add_argument("--worker", nargs=2, metavar=("LAYOUT_JSON", "OUT"), help=argparse.SUPPRESS)
@@ -118,19 +149,10 @@ def main() -> int:
     return 0
 
 
-def estimated_peak(name: str, world: int) -> float:
+def estimated_peak(name: str) -> float:
     """`meshkit estimate` for the layout: model states, activations, buffers (bytes)."""
-    estimate = estimate_memory(
-        ModelShape.from_gpt(MODEL),
-        seq_len=SEQ_LEN,
-        micro_batch=MICRO_BATCH,
-        precision="fp32",
-        zero_stage={"zero1": 1, "zero2": 2}.get(name, 3 if name.startswith("zero3") else 0),
-        dp=world,
-        offload="nvme" if "nvme" in name else "none",
-        gradient_as_bucket_view=True,  # as the DDP layouts here run
-    )
-    return estimate.total_gb * 1e9
+    args = {"seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "precision": "fp32", **ESTIMATE_ARGS[name]}
+    return estimate_memory(ModelShape.from_gpt(MODEL), **args).total_gb * 1e9
 
 
 def report(rows: list[tuple[str, dict]], world: int, out: Path) -> None:
@@ -154,7 +176,7 @@ def report(rows: list[tuple[str, dict]], world: int, out: Path) -> None:
                 "rss_added_mb": max(r["rss_added"] for r in result["reports"]) / 1e6,
                 "peak_rss_added_mb": max(r["peak_rss_added"] for r in result["reports"]) / 1e6,
                 "step_vs_ddp": result["step_s"] / ddp_step,
-                "estimate_mb": estimated_peak(name, world) / 1e6,
+                "estimate_mb": estimated_peak(name) / 1e6,
             }
         )
         table[-1]["peak_rss_added_over_estimate"] = table[-1]["peak_rss_added_mb"] / table[-1]["estimate_mb"]

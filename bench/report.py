@@ -141,8 +141,13 @@ def activation(data: dict[str, Any]) -> str:
             ],
             rows,
         )  # fmt: skip
-        + f"\n\nDDP, world 2, {overlap['params'] / 1e6:.1f} M params: default buckets / one bucket after backward = "
-        f"{overlap['default_over_one_bucket']:.3f} (step time ratio; one bucket {overlap['one_bucket_step_s']:.2f} s)."
+        + f"\n\nWorld 2, {overlap['params'] / 1e6:.1f} M params, step-time ratios: DDP default buckets / one bucket "
+        f"after backward = {overlap['default_over_one_bucket']:.3f} (one bucket {overlap['one_bucket_step_s']:.2f} s)"
+        + (
+            f"; FSDP prefetch of 2 blocks / torch's default = {overlap['fsdp_prefetch_over_default']:.3f}."
+            if "fsdp_prefetch_over_default" in overlap
+            else "."
+        )
     )
 
 

@@ -98,6 +98,31 @@ def test_every_mode_matches_no_checkpointing_under_fsdp() -> None:
             assert_same_run(result, results["none"], label=mode)
 
 
+def losses_of(kind: str, overrides: dict) -> tuple[list[float], list[str]]:
+    """Losses of a few train steps, and the blocks the activation report saw checkpointed."""
+    from tests.layouts import build
+
+    with Engine(seed=0, **overrides) as engine:
+        model = build(kind)
+        engine.prepare(model, make_optimizer(model), loss_fn=lm_loss)
+        batches = [split(batch) for batch in token_batches(STEPS, 4)]
+        with engine.activation_report() as report:
+            losses = [engine.train_step(batches[0]).item()]
+        losses += [engine.train_step(batch).item() for batch in batches[1:]]
+        return losses, report.as_dict()["checkpointed_blocks"]
+
+
+@pytest.mark.parametrize("kind", ["hf", "gpt2"])
+def test_models_with_other_block_names_are_checkpointed_too(kind: str) -> None:
+    """Hugging Face-style decoders (`layers`, and GPT-2's `h` with biased linears: `addmm` under selective)."""
+    plain, none_checkpointed = losses_of(kind, {})
+    assert none_checkpointed == []
+    for mode in ("full", "selective"):
+        losses, checkpointed = losses_of(kind, MODES[mode])
+        assert len(checkpointed) == 2, (mode, checkpointed)
+        assert all(abs(a - e) <= 1e-6 * abs(e) for a, e in zip(losses, plain, strict=True)), (mode, kind)
+
+
 # ---------------------------------------------------------------- measured bytes
 
 REPORT_MODEL = GPTConfig(vocab_size=64, dim=64, n_layers=4, n_heads=4, max_seq_len=64)
