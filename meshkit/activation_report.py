@@ -83,6 +83,7 @@ class ActivationReport:
             raise MeshkitError("an activation report is already measuring: one `with` at a time")
         self.blocks.clear()
         self._seen.clear()
+        self._current.clear()  # a step that failed inside a block last time leaves its name behind
         for model in self.models:
             self._track_blocks(model)
         for wrapper in self.checkpointed:
