@@ -327,7 +327,7 @@ class Engine(ProcessHelpers, CheckpointingMixin):
                 engine.train_step(batch)
             report.as_dict()  # saved_bytes, recompute_peak_bytes, peak_bytes, per-block figures
 
-        Measured in eager mode: under torch.compile the compiled graphs decide what they save.
+        Under torch.compile the total is what the compiled graph saves, with no per-block split (eager has one).
         """
         return ActivationReport(self._models, self._checkpointed, self.config.blocks)
 
