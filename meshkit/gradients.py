@@ -130,9 +130,7 @@ class GradientSync:
         if zero:  # gradients live in per-rank chunks: the norm needs one all-reduce
             return zero[0].clip_grad_norm_(max_norm, norm_type)
         grads = [p.grad for model in self.models for p in model.parameters() if p.grad is not None]
-        norm: Any = nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros(())
-        if isinstance(norm, DTensor):  # sharded (FSDP) or split (TP) gradients: the DTensor reduces the parts
-            norm = norm.full_tensor()
+        norm = total_norm(grads, norm_type)
         if self.pp_group is not None:  # every pipeline stage holds other parameters: combine their norms
             norm = norm.float()
             if norm_type == float("inf"):
@@ -146,3 +144,19 @@ class GradientSync:
             for grad in grads:
                 grad.mul_(coefficient)
         return norm
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm over every gradient. DTensor gradients (sharded by FSDP, split by TP) reduce their parts; plain
+    ones (e.g. norms left whole under tensor parallel) are the same on every rank. The two kinds cannot share
+    one foreach call, so each gets its own and the results are combined."""
+    parts = []
+    for kind in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
+        if kind:
+            norm: Any = nn.utils.get_total_norm(kind, norm_type)
+            parts.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+    if not parts:
+        return torch.zeros(())
+    if norm_type == float("inf"):
+        return torch.stack(parts).max()
+    return torch.stack([part**norm_type for part in parts]).sum() ** (1.0 / norm_type)

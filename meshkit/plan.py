@@ -60,7 +60,6 @@ class Layout:
     bubble: float = 0.0
     step_s: float = 0.0
     reason: str = ""
-    runnable: bool = True  # meshkit runs this combination today
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -112,9 +111,7 @@ def candidates(model: ModelShape, cluster: Cluster, seq_len: int, global_batch: 
                 for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                     for recompute in ("none", "selective", "full"):
                         for offload in ("none", "cpu") if zero == 3 else ("none",):
-                            layout = Layout(dp, tp, pp, cp, zero, microbatches, recompute, offload)  # type: ignore[arg-type]
-                            layout.runnable = not (zero in (1, 2) and tp > 1)
-                            out.append(layout)
+                            out.append(Layout(dp, tp, pp, cp, zero, microbatches, recompute, offload))  # type: ignore[arg-type]
     return out
 
 

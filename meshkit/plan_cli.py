@@ -50,15 +50,13 @@ def plan_command(
         for rank, layout in enumerate(shown, 1):
             table.add_row(
                 str(rank),
-                layout.describe() + ("" if layout.runnable else " *"),
+                layout.describe(),
                 f"{layout.memory_gb:.1f}",
                 f"{layout.comm_gb:.2f}",
                 f"{layout.bubble:.2f}",
                 layout.reason,
             )
         Console().print(table)
-        if not all(layout.runnable for layout in shown):
-            Console().print("* ZeRO-1/2 with tensor parallel: meshkit does not run it yet (ZeRO-3 + TP does)")
     if emit_config is not None:
         _emit(result.fitting, cluster, seq_len, global_batch, precision, model, emit_config)
 
@@ -66,9 +64,7 @@ def plan_command(
 def _emit(
     fitting: list[Any], cluster: Cluster, seq_len: int, batch: int, precision: str, model: Path | None, path: Path
 ) -> None:
-    chosen = next((layout for layout in fitting if layout.runnable), None)
-    if chosen is None:
-        raise PlanError("none of the fitting layouts runs in meshkit yet (ZeRO-1/2 with TP): nothing written")
+    chosen = fitting[0]
     config = to_config(chosen, cluster, seq_len, batch, precision)
     if model is not None and model.suffix in (".yaml", ".yml"):
         from meshkit.resolve import resolve

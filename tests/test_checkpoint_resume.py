@@ -32,6 +32,7 @@ SAVED = {
     "hsdp": (4, "gpt", {"zero_stage": 3, "dp_replicate": 2, "dp_shard": 2}),
     "zero3_w4": (4, "gpt", {"zero_stage": 3}),
     "dp2_tp2": (4, "gpt", {"tp": 2, "dp_replicate": 2}),
+    "zero1_tp2": (4, "gpt", {"tp": 2, "zero_stage": 1}),
 }
 # name -> (saved checkpoint, world, layout of the run that loads, tolerance)
 # Across layouts the tolerance is the layout-equivalence tests' (another reduction order).
@@ -43,6 +44,8 @@ RESUMED = {
     "fused_qkv_tp2_as_one_process": ("tp_fused_qkv", 1, {}, 1e-4),
     "pp2_as_pp1": ("pp", 1, {}, 1e-5),
     "zero1_as_ddp": ("zero1", 2, {}, 1e-5),
+    "zero1_tp2": ("zero1_tp2", 4, SAVED["zero1_tp2"][2], 1e-5),
+    "dp2_tp2_as_zero2_tp2": ("dp2_tp2", 4, {"tp": 2, "zero_stage": 2}, 1e-5),
     "ddp_as_zero2": ("ddp", 2, {"zero_stage": 2}, 1e-5),
     "zero3_sync_as_one_process": ("zero3", 1, {}, 1e-5),
     "zero3_async_as_one_process": ("zero3_async", 1, {}, 1e-5),
@@ -90,3 +93,15 @@ def test_an_async_save_holds_the_same_state_as_a_sync_save(runs) -> None:
     from_async = runs["resumed"]["zero3_async_as_one_process"][0]
     assert from_sync["losses"] == from_async["losses"]
     assert_state_close(from_async["state"], from_sync["state"], 0.0)
+
+
+def test_zero_states_saved_under_tensor_parallel_refuse_another_layout(runs) -> None:
+    from meshkit import Engine
+    from meshkit.checkpoint.storage import CheckpointError
+    from tests.checkpointing import adamw, build
+
+    with Engine(seed=0) as engine:
+        model = build("gpt")
+        engine.prepare(model, adamw(model))
+        with pytest.raises(CheckpointError, match="saved by ZeRO-1/2 with tensor parallel .* resume with the saving"):
+            engine.load_state(str(Path(runs["root"]) / "zero1_tp2"))

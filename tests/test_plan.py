@@ -86,3 +86,17 @@ def test_a_layout_with_recompute_emits_meshkit_activation_checkpointing() -> Non
     config = RunConfig(**to_config(layout, Cluster(8, 24.0), seq_len=2048, global_batch=8, precision="bf16"))
     assert config.activation_checkpointing.mode == "full"
     assert (config.parallel.tp, config.parallel.dp_shard, config.sharding.zero_stage) == (2, 4, 3)
+
+
+def test_the_slow_link_rule_layout_is_emitted_and_meshkit_accepts_it() -> None:
+    """DP + PP + TP + ZeRO-1 (the rule for slow inter-node links and small memory) is a layout meshkit runs."""
+    from meshkit.config import RunConfig
+    from meshkit.mesh import ParallelDims
+    from meshkit.plan import Layout, to_config
+
+    layout = Layout(
+        dp=2, tp=2, pp=2, cp=1, zero_stage=1, microbatches=4, activation_checkpointing="none", offload="none"
+    )
+    config = RunConfig(**to_config(layout, Cluster(4, 24.0, nodes=2), seq_len=2048, global_batch=8, precision="bf16"))
+    dims = ParallelDims.from_config(config.parallel, 8)
+    assert (dims.pp, dims.tp, dims.dp_replicate * dims.dp_shard, config.sharding.zero_stage) == (2, 2, 2, 1)

@@ -112,7 +112,23 @@ class TrainingState:
         return out
 
     def _flat_key(self, index: int, group: int, state: str) -> str:
-        return f"{_prefix('optim', index)}.flat.pp{self.mesh.coordinate('pp')}.group{group}.{state}"
+        # Under tensor parallel each tp rank's flat buffer holds its own shards: one key per tp coordinate.
+        tp = f".tp{self.mesh.coordinate('tp')}" if self.mesh.size("tp") > 1 else ""
+        return f"{_prefix('optim', index)}.flat.pp{self.mesh.coordinate('pp')}{tp}.group{group}.{state}"
+
+    def _refuse_flat_tp_crossing(self, index: int, stored: StoredShapes, into_flat: bool) -> None:
+        """ZeRO-1/2 states saved under tensor parallel hold tp shards in flat buffers: only ZeRO-1/2 at the same
+        tp size can read them (any dp size); anything else would need them cut out and reassembled."""
+        flat = [k for k in stored if k.startswith(f"{_prefix('optim', index)}.flat.")]
+        saved_tp = {part for k in flat for part in k.split(".")[3:4] if part.startswith("tp")}
+        here = {f"tp{self.mesh.coordinate('tp')}"} if self.mesh.size("tp") > 1 and into_flat else set()
+        if flat and (saved_tp or here) and not (into_flat and f"tp{self.mesh.coordinate('tp')}" in saved_tp):
+            saved = f"tensor parallel ({len(saved_tp)} tp ranks)" if saved_tp else "no tensor parallel"
+            raise CheckpointLayoutError(
+                f"optimizer states were saved by ZeRO-1/2 with {saved}; ZeRO-1/2 flat states cross to another tp "
+                "size or to a non-ZeRO-1/2 layout only without tensor parallel: resume with the saving run's "
+                "zero_stage and tp (any dp), or export the weights (meshkit export) and start the optimizer afresh"
+            )
 
     # ------------------------------------------------------------------ save
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -199,6 +215,7 @@ class TrainingState:
         params = [p for group in inner.param_groups for p in group["params"]]
         flat_stored = any(k.startswith(f"{prefix}.flat.") for k in stored)
         if flat_stored:
+            self._refuse_flat_tp_crossing(index, stored, into_flat=False)
             full = self._read_flat_as_full(index, stored, read)
         targets: dict[int, dict[str, torch.Tensor]] = {}
         for param in params:
@@ -255,9 +272,12 @@ class TrainingState:
                     name = self.parameters[id(param)]
                     head = len(f"{prefix}.{name.partition('.')[2]}.")
                     for key, tensor in per_param[name].items():
-                        states.setdefault(key[head:], []).append(_full(tensor))
+                        # under tensor parallel the chunks hold this rank's shards, not the full states
+                        piece = _local(tensor) if shard.distributed else _full(tensor)
+                        states.setdefault(key[head:], []).append(piece)
                 inner.state[shard.shard] = {state: _chunk_of(shard, values) for state, values in states.items()}
             return
+        self._refuse_flat_tp_crossing(index, stored, into_flat=True)
         targets: dict[str, torch.Tensor] = {}
         for number, shard in enumerate(inner.shards):
             state = inner.state.setdefault(shard.shard, {})
@@ -307,6 +327,10 @@ def flat_layout(param_groups: list[dict[str, Any]], names: dict[int, str]) -> li
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint belongs to another model."""
+
+
+class CheckpointLayoutError(CheckpointMismatchError):
+    """The checkpoint's optimizer states are in a form this run's layout cannot read."""
 
 
 def raise_mismatch(what: str, expected: str) -> None:

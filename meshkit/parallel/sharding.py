@@ -41,11 +41,6 @@ def effective_zero_stage(cfg: ShardingConfig, mesh: ParallelMesh) -> int:
             f"zero_stage=3 with dp_shard=1 shards nothing (dp_replicate={replicate}): "
             "set dp_shard=-1 for FSDP, or dp_replicate and dp_shard both > 1 for HSDP"
         )
-    if stage in (1, 2) and mesh.size("tp") > 1:
-        raise ShardingError(
-            f"zero_stage={stage} flattens parameters, which tensor-parallel DTensors cannot be: use zero_stage=3 "
-            "(FSDP + TP) or zero_stage=0"
-        )
     if stage in (1, 2) and replicate > 1 and shard > 1:
         raise ShardingError(
             f"zero_stage={stage} shards over all data-parallel ranks and has no hybrid form: use zero_stage=3 "
@@ -81,7 +76,8 @@ def shard_optimizer(
             pages = [[p for p in group["params"]] for group in inner.param_groups]
             return NVMeOptimizer(inner, directory, pages)
 
-        return ZeroOptimizer(optimizer, mesh.grad_group, stage, offload if cfg.offload == "nvme" else None)
+        tp_group = mesh.group("tp") if mesh.size("tp") > 1 else None
+        return ZeroOptimizer(optimizer, mesh.grad_group, stage, offload if cfg.offload == "nvme" else None, tp_group)
     if cfg.offload != "nvme":
         return optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -22,9 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshkit.collectives import all_gather_flat, reduce_scatter_flat
 from meshkit.errors import MeshkitError
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 class ZeroError(MeshkitError):
@@ -43,16 +48,24 @@ class FlatShard:
         self.params = params
         self.stage = stage
         self.world = world
-        numel = sum(p.numel() for p in params)
+        # Tensor-parallel parameters are DTensors: this rank flattens its local shards (their gradients are
+        # copied in after backward, since a DTensor's gradient cannot be made a view of a plain buffer).
+        self.distributed = any(isinstance(p, DTensor) for p in params)
+        locals_ = [_local(p) for p in params]
+        numel = sum(t.numel() for t in locals_)
         self.chunk = math.ceil(numel / world)
-        self.flat = torch.zeros(self.chunk * world, dtype=params[0].dtype, device=params[0].device)
+        self.flat = torch.zeros(self.chunk * world, dtype=params[0].dtype, device=locals_[0].device)
         self.slices: list[tuple[int, int]] = []
         offset = 0
         with torch.no_grad():
-            for param in params:
-                size = param.numel()
-                self.flat[offset : offset + size].copy_(param.detach().reshape(-1))
-                param.data = self.flat[offset : offset + size].view_as(param)  # same Parameter, new storage
+            for param, local in zip(params, locals_, strict=True):
+                size = local.numel()
+                view = self.flat[offset : offset + size].view_as(local)
+                view.copy_(local)
+                if isinstance(param, DTensor):
+                    param._local_tensor = view  # the same DTensor parameter, its shard now in the flat buffer
+                else:
+                    param.data = view  # same Parameter, new storage
                 self.slices.append((offset, size))
                 offset += size
         self.bounds = (rank * self.chunk, (rank + 1) * self.chunk)
@@ -62,6 +75,8 @@ class FlatShard:
 
     def attach_grads(self) -> None:
         """Before backward: make every parameter's .grad a view of one flat gradient buffer."""
+        if self.distributed:
+            return  # DTensor gradients accumulate in their own tensors; `reduce` copies them in
         if self.flat_grad is not None and all(p.grad is not None for p in self.params):
             return
         self.flat_grad = torch.zeros_like(self.flat)
@@ -70,6 +85,8 @@ class FlatShard:
 
     def reduce(self, group: dist.ProcessGroup) -> None:
         """After the last backward of a window: average the gradients over the dp ranks."""
+        if self.distributed:
+            self._collect_distributed_grads()
         if self.flat_grad is None:
             self.shard.grad = None
             return
@@ -85,11 +102,43 @@ class FlatShard:
             param.grad = None
         self.flat_grad = None
 
+    def _collect_distributed_grads(self) -> None:
+        if all(p.grad is None for p in self.params):
+            self.flat_grad = None
+            return
+        self.flat_grad = torch.zeros_like(self.flat)
+        for param, (offset, size) in zip(self.params, self.slices, strict=True):
+            grad = param.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+                grad = grad.redistribute(param.device_mesh, param.placements)  # e.g. a partial sum: reduce it
+            self.flat_grad[offset : offset + size].copy_(_local(grad).reshape(-1))
+            param.grad = None  # the flat copy is the gradient from here on
+
+    def norm_weights(self, tp_size: int) -> torch.Tensor | None:
+        """Per element of this rank's chunk: 1, or 1/tp for a parameter every tensor-parallel rank holds whole
+        (its gradient would otherwise count tp times in a norm summed over the tp ranks)."""
+        if not self.distributed or tp_size == 1:
+            return None
+        weights = torch.ones_like(self.flat)
+        for param, (offset, size) in zip(self.params, self.slices, strict=True):
+            sharded = isinstance(param, DTensor) and any(placement.is_shard() for placement in param.placements)
+            if not sharded:
+                weights[offset : offset + size] = 1.0 / tp_size
+        return weights[self.bounds[0] : self.bounds[1]]
+
     def gather(self, group: dist.ProcessGroup) -> None:
         """After the step: every rank receives the others' updated chunks."""
         all_gather_flat(self.flat, self.shard.detach(), group)
 
     def zero_grad(self) -> None:
+        if self.distributed:
+            self.flat_grad = None
+            self.shard.grad = None
+            for param in self.params:
+                param.grad = None
+            return
         if self.flat_grad is not None:
             self.flat_grad.zero_()
         if self.stage == 2:
@@ -122,12 +171,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group: dist.ProcessGroup,
         stage: int,
         wrap_inner: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         # Deliberately no super().__init__: the inner optimizer keeps all the state.
         if optimizer.state:
             raise ZeroError("prepare() the optimizer before its first step: zero_stage 1/2 cannot shard existing state")
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
+        self.tp_group = tp_group  # tensor parallel: the chunks hold local shards, a norm sums over tp too
         self.stage = stage
         self.shards = [FlatShard(list(g["params"]), rank, world, stage) for g in optimizer.param_groups]
         inner = rebuild_optimizer(optimizer, self.shards)
@@ -159,14 +210,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global norm from the chunks (one all-reduce), then scale the chunks' gradients."""
-        grads = [s.shard.grad for s in self.shards if s.shard.grad is not None]
+        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        pairs = [(s.shard.grad, s.norm_weights(tp)) for s in self.shards if s.shard.grad is not None]
+        grads = [grad for grad, _ in pairs]
+        groups = [self.group] + ([self.tp_group] if tp > 1 else [])
         if norm_type == math.inf:
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            for group in groups:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
             total = local
         else:
-            local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros(()))
-            dist.all_reduce(local, group=self.group)
+            powers = [(grad.float().abs() ** norm_type, weights) for grad, weights in pairs]
+            local = sum(((p * w).sum() if w is not None else p.sum() for p, w in powers), torch.zeros(()))
+            for group in groups:
+                dist.all_reduce(local, group=group)
             total = local ** (1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
