@@ -120,14 +120,14 @@ class TrainingState:
         """ZeRO-1/2 states saved under tensor parallel hold tp shards in flat buffers: only ZeRO-1/2 at the same
         tp size can read them (any dp size); anything else would need them cut out and reassembled."""
         flat = [k for k in stored if k.startswith(f"{_prefix('optim', index)}.flat.")]
-        saved_tp = {part for k in flat for part in k.split(".")[3:4] if part.startswith("tp")}
-        here = {f"tp{self.mesh.coordinate('tp')}"} if self.mesh.size("tp") > 1 and into_flat else set()
-        if flat and (saved_tp or here) and not (into_flat and f"tp{self.mesh.coordinate('tp')}" in saved_tp):
-            saved = f"tensor parallel ({len(saved_tp)} tp ranks)" if saved_tp else "no tensor parallel"
+        saved_tp = len({part for k in flat for part in k.split(".")[3:4] if part.startswith("tp")}) or 1
+        readable_tp = self.mesh.size("tp") if into_flat else 1  # other layouts read the flat states as full ones
+        if flat and saved_tp != readable_tp:
+            here = f"ZeRO-1/2 with tp={self.mesh.size('tp')}" if into_flat else "not ZeRO-1/2"
             raise CheckpointLayoutError(
-                f"optimizer states were saved by ZeRO-1/2 with {saved}; ZeRO-1/2 flat states cross to another tp "
-                "size or to a non-ZeRO-1/2 layout only without tensor parallel: resume with the saving run's "
-                "zero_stage and tp (any dp), or export the weights (meshkit export) and start the optimizer afresh"
+                f"optimizer states were saved by ZeRO-1/2 with tp={saved_tp} (flat buffers of tp shards) and this "
+                f"run is {here}: resume with the saving run's zero_stage and tp (any dp), or export the weights "
+                "(meshkit export) and start the optimizer afresh"
             )
 
     # ------------------------------------------------------------------ save
