@@ -31,7 +31,7 @@ import torch.distributed as dist
 from meshkit import Engine
 from meshkit.config import ActivationCheckpointConfig, DDPConfig, LaunchSettings, ShardingConfig
 from meshkit.estimate import layer_activation_bytes
-from meshkit.launch import LaunchPlan, LaunchTarget, launch
+from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.memory import current_rss_bytes
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
 from meshkit.parallel.activation import apply_activation_checkpointing

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from meshkit import Engine
 from meshkit.config import LaunchSettings
-from meshkit.launch import LaunchPlan, LaunchTarget, launch
+from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
 
 MODEL = GPTConfig(vocab_size=256, dim=1024, n_layers=4, n_heads=16, max_seq_len=64)

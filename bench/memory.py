@@ -27,7 +27,7 @@ import torch.distributed as dist
 from meshkit import Engine
 from meshkit.config import LaunchSettings
 from meshkit.estimate import ModelShape, estimate_memory
-from meshkit.launch import LaunchPlan, LaunchTarget, launch
+from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.memory import current_rss_bytes
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
 

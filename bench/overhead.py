@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshkit import Engine
 from meshkit.config import LaunchSettings
-from meshkit.launch import LaunchPlan, LaunchTarget, launch
+from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
 
 MODEL = GPTConfig(dim=128, n_layers=4, n_heads=4, max_seq_len=128)

@@ -11,14 +11,16 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.prompt import Prompt
 from rich.table import Table
 
 from meshkit.commbench import OPS, parse_ops, parse_sizes
 from meshkit.config import LaunchSettings
-from meshkit.errors import MeshkitError
+from meshkit.errors import MeshkitError, one_line
 from meshkit.estimate_cli import estimate_command
-from meshkit.launch import LaunchPlan, LaunchTarget, launch
+from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
+from meshkit.launching.preflight import check_job, check_recipe
 from meshkit.mesh import ProcessInfo
 from meshkit.plan_cli import plan_command
 from meshkit.resolve import ResolvedConfig, default_config_path, parse_assignments, resolve
@@ -45,7 +47,9 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except USER_ERRORS as err:
-            Console(stderr=True).print(f"[bold red]meshkit: error:[/] {err}", highlight=False, soft_wrap=True)
+            Console(stderr=True).print(
+                f"[bold red]meshkit: error:[/] {escape(one_line(str(err)))}", highlight=False, soft_wrap=True
+            )
             raise typer.Exit(2) from None
 
     return run
@@ -134,6 +138,7 @@ def launch_command(
         set_ or [],
     )
     resolved = resolve(flags=flags, flag_labels=labels, file=config_file)
+    check_job(resolved.config, dict(resolved.sources))
     plan = LaunchPlan.from_config(
         resolved.config, config_file=str(config_file) if config_file else None, flags=flags, flag_labels=labels
     )
@@ -157,6 +162,7 @@ def train(
     if ProcessInfo.from_env().launched or settings.nproc_per_node * settings.nnodes == 1:
         run_recipe(resolved)
         return
+    check_recipe(resolved.config)
     target = LaunchTarget("meshkit.recipes.train", (str(config), *assignments), module=True)
     raise typer.Exit(launch(target, LaunchPlan.from_config(resolved.config)))
 

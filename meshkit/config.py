@@ -10,10 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meshkit.models.gpt import GPTConfig
+from meshkit.yaml_text import load_yaml
+
+MAX_SECONDS = 10_000_000.0  # ~115 days: a bound that timedelta and the backends' millisecond clocks can hold
+
+
+def seconds(default: float, description: str) -> Any:
+    """A duration field: positive, finite and bounded (inf or 1e300 would overflow the C++ timeouts)."""
+    return Field(default, gt=0, le=MAX_SECONDS, allow_inf_nan=False, description=description)
+
+
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "none")
 
 PARALLEL_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dimension names, in the fixed order the device mesh is built with (outermost first)."""
@@ -131,9 +141,23 @@ class LaunchSettings(Section):
         None, ge=0, le=65535, description="rendezvous port; null = a free port on one node, 29500 on several"
     )
     max_restarts: int = Field(0, ge=0, description="restart all workers this many times after a failure")
-    rdzv_timeout_s: float = Field(300.0, gt=0, description="seconds to wait for every node to join")
-    rdzv_last_call_s: float = Field(
-        30.0, gt=0, description="elastic: once min_nnodes have joined, seconds to wait for more before starting"
+    rdzv_timeout_s: float = seconds(300.0, "seconds to wait for every node to join")
+    rdzv_last_call_s: float = seconds(
+        30.0, "elastic: once min_nnodes have joined, seconds to wait for more before starting"
+    )
+    local_addr: str | None = Field(
+        None,
+        description="address this node binds its stores to and advertises; null = 127.0.0.1 on one node, "
+        "else this host's address on the route to master_addr",
+    )
+    bind_all_interfaces: bool = Field(
+        False, description="bind the (unauthenticated) stores to every interface: only on a trusted network"
+    )
+    stop_grace_s: float = seconds(
+        5.0, "after a rank fails or hangs, seconds the others get to exit before they are killed (SIGKILL)"
+    )
+    shutdown_grace_s: float = seconds(
+        30.0, "after the preemption signal, seconds the workers get to checkpoint and exit before SIGKILL"
     )
 
     @model_validator(mode="after")
@@ -204,7 +228,7 @@ class TensorParallelConfig(Section):
     @field_validator("plan", mode="before")
     @classmethod
     def _plan_from_text(cls, value: Any) -> Any:
-        return yaml.safe_load(value) if isinstance(value, str) else value
+        return load_yaml(value) if isinstance(value, str) else value
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
@@ -232,6 +256,10 @@ class CheckpointConfig(Section):
     resume: str = Field(
         "never", description="never | auto (newest good checkpoint under dir, if any) | PATH of a checkpoint"
     )
+    preempt_signal: Literal[PREEMPT_SIGNALS] = Field(  # type: ignore[valid-type]
+        "SIGTERM",
+        description="signal that makes every rank checkpoint at the next save_checkpoint() and exit 75; none = off",
+    )
 
 
 class TrainConfig(Section):
@@ -256,7 +284,7 @@ class RunConfig(Section):
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm in train_step")
     seed: int = Field(0, ge=0, description="seed for model init, data order and dropout")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")
-    collective_timeout_s: float = Field(600.0, gt=0, description="timeout of every collective, in seconds")
+    collective_timeout_s: float = seconds(600.0, "timeout of every collective, in seconds")
     hang_doctor: bool = Field(
         True, description="on a stalled collective, name the ranks that never reached it (heartbeats, 1/s)"
     )

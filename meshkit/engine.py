@@ -26,7 +26,6 @@ from torch.utils.data import DataLoader
 from meshkit import collectives
 from meshkit.accumulation import GradientState, PreparedOptimizer, PreparedScheduler
 from meshkit.activation_report import ActivationReport
-from meshkit.affinity import apply_affinity
 from meshkit.checkpoint.engine_mixin import CheckpointingMixin
 from meshkit.checkpoint.model_export import save_model_weights
 from meshkit.config import RunConfig
@@ -34,6 +33,7 @@ from meshkit.data.loader import ShardedLoader, shard_dataloader
 from meshkit.errors import MeshkitError
 from meshkit.gradients import GradientSync
 from meshkit.hang_doctor import HangDoctor, watched
+from meshkit.launching.affinity import apply_affinity
 from meshkit.loss import LossFn, compute_loss
 from meshkit.memory import memory_report
 from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
@@ -47,6 +47,7 @@ from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.sharding import effective_zero_stage, rebind_params, shard_optimizer
 from meshkit.parallel.tensor import restore_fused_qkv
 from meshkit.precision import autocast_context, make_grad_scaler
+from meshkit.preemption import Preempted, PreemptionWatch
 from meshkit.processes import ProcessHelpers
 from meshkit.resolve import ResolvedConfig, explicit_values, resolve
 from meshkit.seed import set_seed
@@ -128,6 +129,7 @@ class Engine(ProcessHelpers, CheckpointingMixin):
             self.mesh.group("pp") if dims.pp > 1 else None,
         )
         self._checkpointer = self._make_checkpointer()
+        self._preemption = PreemptionWatch(self.config.checkpoint.preempt_signal, self.info.world_size)
         self._doctor = (
             HangDoctor(self.info.rank, self.info.world_size, self.config.collective_timeout_s)
             if self.config.hang_doctor and self.info.world_size > 1
@@ -351,6 +353,7 @@ class Engine(ProcessHelpers, CheckpointingMixin):
         """
         if wait_for_peers:
             self._close_checkpointer()
+        self._preemption.disarm()
         if self._doctor is not None:
             self._doctor.stop()
             self._doctor = None
@@ -371,4 +374,5 @@ class Engine(ProcessHelpers, CheckpointingMixin):
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.end(wait_for_peers=exc_type is None)
+        # A preemption stop is agreed by every rank: they leave together, as after a normal end.
+        self.end(wait_for_peers=exc_type is None or issubclass(exc_type, Preempted))

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import meshkit
-from meshkit.affinity import numa_nodes
+from meshkit.launching.affinity import numa_nodes
 
 
 def environment_rows() -> list[tuple[str, str]]:

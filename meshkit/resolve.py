@@ -22,12 +22,14 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from meshkit.config import RunConfig
-from meshkit.errors import MeshkitError
+from meshkit.errors import MeshkitError, brief
+from meshkit.yaml_text import load_yaml
 
 ENV_PREFIX = "MESHKIT_"
 ENV_CONFIG_FILE = "MESHKIT_CONFIG_FILE"  # path of the YAML file (the launcher passes it to the workers)
 ENV_LAUNCH_FLAGS = "MESHKIT_LAUNCH_FLAGS"  # JSON of the launch flags, so workers keep their precedence
 RESERVED_ENV = frozenset({ENV_CONFIG_FILE, ENV_LAUNCH_FLAGS, "MESHKIT_RUN_ID"})
+LAUNCHER_ENV_PREFIX = "MESHKIT_LAUNCHER_"  # what `meshkit launch` tells its workers (not config keys)
 
 
 class ConfigError(MeshkitError):
@@ -129,9 +131,9 @@ def canonical_key(name: str, source: str) -> str:
     if name in aliases:
         return aliases[name]
     known = sorted(leaves | set(aliases))
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(name[:100], known, n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'?" if close else "run `meshkit config show` to list the keys"
-    raise ConfigError(f"unknown config key '{name}' ({source}): {hint}")
+    raise ConfigError(f"unknown config key {brief(name)} ({source}): {hint}")
 
 
 def flatten(values: Mapping[str, Any], source: str, prefix: str = "") -> dict[str, Any]:
@@ -174,10 +176,12 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not file.is_file():
         raise ConfigError(f"config file '{file}' does not exist: create it with `meshkit config` or fix the path")
     try:
-        data = yaml.safe_load(file.read_text())
+        data = load_yaml(file.read_text())
     except yaml.YAMLError as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(f"config file '{file}' is not valid YAML: {first}") from None
+        raise ConfigError(f"config file '{file}' is not valid YAML: {first[:200]}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file '{file}' is not UTF-8 text ({err.reason} at byte {err.start})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -190,7 +194,7 @@ def env_values(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     values: dict[str, Any] = {}
     labels: dict[str, str] = {}
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
+        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV or name.startswith(LAUNCHER_ENV_PREFIX):
             continue
         dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
         key = canonical_key(dotted, f"environment variable {name}")
@@ -225,7 +229,7 @@ def _validation_message(err: ValidationError, sources: Mapping[str, str], merged
     key = ".".join(str(part) for part in first["loc"] if not isinstance(part, int))
     reason = first["msg"].removeprefix("Value error, ")
     if key in merged:
-        return f"invalid value {merged[key]!r} for '{key}' ({sources.get(key, 'default')}): {reason}"
+        return f"invalid value {brief(merged[key])} for '{key}' ({sources.get(key, 'default')}): {reason}"
     involved = sorted({sources[k] for k in merged if k.startswith(key + ".") and sources[k] != "default"})
     where = f" (set by {', '.join(involved)})" if involved else ""
     return f"invalid '{key or 'config'}'{where}: {reason}"
@@ -236,8 +240,15 @@ def launch_flags_from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[
     raw = env.get(ENV_LAUNCH_FLAGS)
     if not raw:
         return {}, {}
-    data = json.loads(raw)
-    return dict(data["values"]), dict(data["labels"])
+    try:
+        data = json.loads(raw)
+        values, labels = dict(data["values"]), {str(k): str(v) for k, v in dict(data["labels"]).items()}
+    except (ValueError, TypeError, KeyError):
+        raise ConfigError(
+            f"environment variable {ENV_LAUNCH_FLAGS}={brief(raw)} is not what `meshkit launch` writes for its workers "
+            "(JSON with 'values' and 'labels'): unset it"
+        ) from None
+    return values, labels
 
 
 def launch_flags_to_env(values: Mapping[str, Any], labels: Mapping[str, str]) -> str:

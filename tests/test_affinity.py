@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshkit.affinity import node_for_local_rank, numa_nodes, parse_cpulist, plan_affinity
+from meshkit.launching.affinity import node_for_local_rank, numa_nodes, parse_cpulist, plan_affinity
 
 
 def test_parse_cpulist() -> None:

@@ -2,7 +2,8 @@
 
 A save goes to `.step-000100.partial/` and becomes `step-000100/` by one rename once every file is written,
 fsynced and listed in the manifest; only then does `latest` move (itself replaced atomically). A crash at
-any point leaves the previous checkpoint complete and still `latest`.
+any point leaves the previous checkpoint complete and still `latest`. A committed directory is only ever
+deleted by `keep_last`; one that a new save of the same step would replace is kept under another name.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 class CheckpointSkippedWarning(UserWarning):
     """A checkpoint failed its integrity check and an older one is used instead."""
+
+
+class CheckpointReplacedWarning(UserWarning):
+    """A committed checkpoint of the step being saved existed; it was renamed, not deleted."""
 
 
 def step_dir_name(step: int) -> str:
@@ -42,8 +47,15 @@ def committed_steps(root: Path) -> list[tuple[int, Path]]:
 def commit(partial: Path, root: Path, step: int, keep_last: int) -> Path:
     """Rename a fully written checkpoint into place, point `latest` at it, drop the oldest beyond keep_last."""
     final = root / step_dir_name(step)
-    if final.exists():  # a checkpoint of the same step (e.g. saved again after a resume): replace it
-        shutil.rmtree(final)
+    if final.exists():  # the same step saved again (e.g. after resuming from an older one): keep the old
+        kept = _free_name(root, f"{final.name}.replaced")
+        os.replace(final, kept)
+        warnings.warn(
+            f"{final} already existed (a newer checkpoint that could not be resumed, or another run's): "
+            f"kept as {kept.name}; delete it when it is no longer needed",
+            CheckpointReplacedWarning,
+            stacklevel=2,
+        )
     os.replace(partial, final)
     fsync_dir(root)
     pointer = root / f".{LATEST}.tmp"
@@ -59,6 +71,14 @@ def commit(partial: Path, root: Path, step: int, keep_last: int) -> Path:
     return final
 
 
+def _free_name(root: Path, base: str) -> Path:
+    candidate, n = root / base, 1
+    while candidate.exists():
+        n += 1
+        candidate = root / f"{base}-{n}"
+    return candidate
+
+
 def remove_partials(root: Path) -> None:
     """Leftovers of saves that never committed (a crash mid-save)."""
     if root.is_dir():
@@ -67,19 +87,31 @@ def remove_partials(root: Path) -> None:
 
 
 def latest(root: Path) -> Path | None:
-    """The newest checkpoint under `root` that passes its integrity check; a failing one is skipped loudly."""
+    """The newest checkpoint under `root` that passes its integrity check; a failing one is skipped loudly.
+
+    None when `root` holds no checkpoint at all. When it holds some and none passes, CheckpointError names
+    each and why: starting over from step 0 would silently discard the training they hold.
+    """
     candidates = committed_steps(root)
     pointer = root / LATEST
     if pointer.is_file():
         named = root / pointer.read_text().strip()
         candidates.sort(key=lambda item: item[1] != named)  # the pointed-to one first, then newest first
+    problems = []
     for _, directory in candidates:
         try:
             verify(directory)
         except CheckpointError as err:
+            problems.append(str(err))
             warnings.warn(f"skipping {err}; trying the previous checkpoint", CheckpointSkippedWarning, stacklevel=2)
             continue
         return directory
+    if problems:
+        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        raise CheckpointError(
+            f"none of the {len(problems)} checkpoints under {root} can be used ({shown}): repair or move them, "
+            "or set checkpoint.resume=never to start over"
+        )
     return None
 
 

@@ -13,6 +13,7 @@ from meshkit.checkpoint.canonical import TrainingState
 from meshkit.checkpoint.directory import commit, partial_dir, remove_partials, resolve_resume, step_dir_name
 from meshkit.checkpoint.session import Checkpointer
 from meshkit.checkpoint.storage import CheckpointError, fsync_dir
+from meshkit.preemption import LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE, Preempted, announce
 
 
 class CheckpointingMixin:
@@ -117,17 +118,37 @@ class CheckpointingMixin:
 
     def save_checkpoint(self, *, extra: dict[str, Any] | None = None, force: bool = False) -> Path | None:
         """Save `<root>/step-NNNNNN/` when the step is a multiple of `checkpoint.every_steps` (or `force`);
-        moves `latest` and keeps the newest `checkpoint.keep_last`. Returns the directory, or None."""
+        moves `latest` and keeps the newest `checkpoint.keep_last`. Returns the directory, or None.
+
+        Call it once per step on every rank: it is also where a preemption signal (`checkpoint.preempt_signal`,
+        SIGTERM by default) takes effect — every rank saves here at the same step, then the process exits
+        with code 75 (`meshkit.preemption.Preempted`), and `resume: auto` continues from it.
+        """
         cfg = self.config.checkpoint  # type: ignore[attr-defined]
+        watch = self._preemption  # type: ignore[attr-defined]
+        watch.arm()
+        preempted = watch.agreed()
         due = cfg.every_steps > 0 and self.step > 0 and self.step % cfg.every_steps == 0
-        if not (due or force):
+        if not (due or force or preempted):
             return None
         root, step = self.checkpoint_root, self.step
+        self._checkpointer.wait()  # the save in flight first: cleanup below must never touch its directory
         if self.process_index == 0:  # type: ignore[attr-defined]
             root.mkdir(parents=True, exist_ok=True)
             remove_partials(root)
         self._save(partial_dir(root, step), lambda p: commit(p, root, step, cfg.keep_last), cfg.async_save, extra)
-        return root / step_dir_name(step)
+        saved = root / step_dir_name(step)
+        if preempted:
+            self._checkpointer.wait()
+            self.print(  # type: ignore[attr-defined]
+                f"meshkit: {watch.signal_name} received: checkpoint {saved} committed at step {step}; exiting with "
+                f"code {PREEMPTED_EXIT_CODE} (run the job again with checkpoint.resume=auto to continue)",
+                flush=True,
+            )
+            if self.info.local_rank == 0:  # type: ignore[attr-defined]
+                announce(os.environ.get(LAUNCHER_STATE_ENV), step, saved, watch.signal_name)
+            raise Preempted(step, watch.signal_name)
+        return saved
 
     def resume(self) -> dict[str, Any] | None:
         """Load what `checkpoint.resume` names (auto: the newest good checkpoint); returns its `extra`, or None

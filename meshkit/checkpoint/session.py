@@ -40,7 +40,9 @@ from meshkit.checkpoint.storage import (
     write_json,
     write_manifest,
     writer,
+    written_by_save,
 )
+from meshkit.errors import one_line
 
 Commit = Callable[[Path], Path]  # rank 0: turns the fully written partial directory into the checkpoint
 
@@ -62,7 +64,10 @@ class PendingSave:
         if self.committer is not None:
             self.committer.join()
         if self.error is not None:
-            raise CheckpointError(f"the asynchronous save to {self.target} failed: {self.error}") from self.error
+            raise CheckpointError(
+                f"the asynchronous save to {self.target} failed ({_first_line(self.error)}); nothing was committed: "
+                "the previous checkpoint is intact and still the latest"
+            ) from self.error
 
 
 class Checkpointer:
@@ -154,7 +159,7 @@ class Checkpointer:
                 self._finish(partial, commit, meta, entries)
 
     def _checksum_share(self, partial: Path) -> dict[str, Any]:
-        names = sorted(p.name for p in partial.iterdir() if p.is_file())
+        names = sorted(p.name for p in partial.iterdir() if p.is_file() and written_by_save(p.name))
         world = dist.get_world_size(self.group) if self.group is not None else 1
         mine = dist.get_rank(self.group) if self.group is not None else 0
         return file_entries(partial, names[mine::world])
@@ -251,7 +256,21 @@ _SAVE_ERRORS = (OSError, RuntimeError, TypeError, ValueError, CheckpointExceptio
 
 
 def _first_line(err: BaseException) -> str:
-    """DCP wraps each rank's traceback; the last line of the first one is the cause (e.g. no space left)."""
+    """The cause in one line, e.g. 'rank 1: OSError: [Errno 28] No space left on device'.
+
+    torch.distributed.checkpoint wraps each failing rank's exception (and `str()` of the wrapper shows only
+    their ranks); the innermost exception of the first rank is what the user can act on.
+    """
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, failure = min(err.failures.items())
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {_first_line(inner)}"
+    while err.__cause__ is not None and not str(err).strip():
+        err = err.__cause__
     lines = [line for line in str(err).splitlines() if line.strip()]
     causes = [line for line in lines if not line.startswith((" ", "Traceback", "CheckpointException"))]
-    return causes[0] if causes else (lines[0] if lines else type(err).__name__)
+    text = causes[0] if causes else (lines[0] if lines else "")
+    name = type(err).__name__
+    if not text:
+        return name
+    return one_line(text if text.startswith(name) else f"{name}: {text}", 300)

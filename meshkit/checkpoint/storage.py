@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,17 @@ from meshkit.errors import MeshkitError
 MANIFEST = "manifest.json"
 META = "meta.json"
 FORMAT_VERSION = 1
+# What a save writes; anything else in a checkpoint directory (an NFS `.nfsXXXX` file, an editor's backup, a
+# user's note) is not meshkit's: left out of the manifest, and reported instead of failing the checkpoint.
+_WRITTEN = re.compile(r"^(?!\.).*\.safetensors$|^rank-\d+\.json$|^" + re.escape(META) + "$")
+
+
+class UnknownFilesWarning(UserWarning):
+    """A checkpoint directory holds files meshkit did not write; they are ignored."""
+
+
+def written_by_save(name: str) -> bool:
+    return bool(_WRITTEN.match(name))
 
 
 class CheckpointError(MeshkitError):
@@ -77,7 +89,7 @@ def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]
 
 def write_manifest(directory: Path, known: dict[str, dict[str, Any]] | None = None) -> None:
     """Record every file's size and checksum (`known`: entries other ranks computed), then fsync the directory."""
-    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and written_by_save(p.name))
     known = {name: entry for name, entry in (known or {}).items() if name in names}
     files = {**known, **file_entries(directory, [name for name in names if name not in known])}
     write_json(directory / MANIFEST, {"format": FORMAT_VERSION, "files": dict(sorted(files.items()))})
@@ -85,7 +97,8 @@ def write_manifest(directory: Path, known: dict[str, dict[str, Any]] | None = No
 
 
 def verify(directory: Path) -> None:
-    """Raise CheckpointError unless every file the manifest lists is present, of its size and checksum."""
+    """Raise CheckpointError unless every file the manifest lists is present, of its size and checksum.
+    Files the manifest does not list are reported (UnknownFilesWarning) and ignored."""
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}: it was not completely written")
@@ -107,7 +120,12 @@ def verify(directory: Path) -> None:
     listed = set(files) | {MANIFEST}
     unlisted = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in listed)
     if unlisted:
-        raise CheckpointError(f"checkpoint {directory}: files not in the manifest: {', '.join(unlisted[:3])}")
+        more = f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else ""
+        warnings.warn(
+            f"checkpoint {directory}: ignoring files it did not write: {', '.join(unlisted[:3])}{more}",
+            UnknownFilesWarning,
+            stacklevel=2,
+        )
 
 
 def writer(directory: Path) -> HuggingFaceStorageWriter:

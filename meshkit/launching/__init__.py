@@ -1,0 +1,1 @@
+"""Starting and supervising the workers: the launcher (`meshkit launch`), the worker bootstrap, CPU affinity."""

@@ -1,0 +1,70 @@
+"""The launcher's one-line account of a failed job: which rank failed first, and how.
+
+torch's agent reports every worker of the last attempt, stamped with whole seconds, including the ones it
+stopped itself (SIGTERM) after the first failure. The first failure is the one that exited first by the
+supervisor's sub-second clock; without that clock, the one that recorded its error first (error-file
+time), then those that died by a signal the launcher did not send.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from meshkit.errors import one_line
+from meshkit.launching.supervisor import WorkerSupervisor
+
+# What the agent sends the others after a failure (SIGTERM) and after its grace (SIGKILL).
+_AGENT_STOP = {signal.SIGTERM.value, signal.SIGKILL.value}
+
+
+def _recorded(failure: ProcessFailure) -> bool:
+    return bool(failure.error_file) and os.path.isfile(failure.error_file)
+
+
+def root_cause(
+    failures: Mapping[int, ProcessFailure], supervisor: WorkerSupervisor | None = None
+) -> tuple[int, ProcessFailure]:
+    """(global rank, failure) of the rank that failed first."""
+
+    def order(item: tuple[int, ProcessFailure]) -> tuple[float, int, int]:
+        rank, failure = item
+        seen = supervisor.exit_time(failure.pid) if supervisor is not None else None
+        if seen is not None and (supervisor is None or failure.pid not in supervisor.killed):
+            return seen, 0, rank
+        if _recorded(failure):
+            return os.stat(failure.error_file).st_mtime_ns / 1e9, 0, rank
+        stopped = -failure.exitcode in _AGENT_STOP  # most likely the agent's own stop of a healthy rank
+        return failure.timestamp + 1.0, int(stopped), rank
+
+    return min(failures.items(), key=order)
+
+
+def describe_failure(rank: int, failure: ProcessFailure) -> str:
+    """'rank 1 (local rank 1, exit code 1): ValueError: boom' (the rank's full traceback is in its output).
+
+    A rank that recorded an exception is described by it even if the agent's SIGTERM ended it before it
+    could exit by itself.
+    """
+    if not _recorded(failure):
+        if failure.exitcode < 0:
+            return f"rank {rank} (local rank {failure.local_rank}) was killed by signal {failure.signal_name()}"
+        return f"rank {rank} (local rank {failure.local_rank}, exit code {failure.exitcode}): it recorded no error"
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+    how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"stopped by {failure.signal_name()}"
+    return f"rank {rank} (local rank {failure.local_rank}, {how}): {one_line(str(message))}"
+
+
+def failure_report(
+    failures: Mapping[int, ProcessFailure], max_restarts: int, supervisor: WorkerSupervisor | None = None
+) -> tuple[str, int]:
+    """The line the launcher prints, and its exit code (the first failure's, at least 1)."""
+    rank, first = root_cause(failures, supervisor)
+    # Ranks stopped by the agent after the first failure end by signal; only real failures are listed.
+    others = sorted(r for r, f in failures.items() if r != rank and (f.exitcode > 0 or _recorded(f)))
+    also = f"; also failed: rank {', '.join(map(str, others))}" if others else ""
+    restarts = f"; restarts used up ({max_restarts} of {max_restarts})" if max_restarts else ""
+    return f"{describe_failure(rank, first)}{also}{restarts}", first.exitcode if first.exitcode > 0 else 1

@@ -1,0 +1,300 @@
+"""`meshkit launch`: start the workers of one node with torch's elastic agent, used as a library.
+
+Node 0 hosts the rendezvous store on `master_addr:master_port` (loopback on one node), bound to that one
+address; every node dials it first, quietly, so a node 0 that never comes is one line, not a C++ trace per
+retry. While the agent runs, the launcher watches its workers (`supervisor`: who exited first, stalled
+ranks killed after a grace, workers that die with the launcher), beats the node roster (a node that died is
+not counted as present), turns the preemption signal into a checkpoint-and-stop, and keeps torch's C++
+retry noise off the terminal (it stays in `<logging.dir>/launch-node<N>.log`). Workers run through
+`meshkit.launching.worker`, which records each rank's exception for the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import signal
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed import TCPStore
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+from torch.distributed.launcher.api import LaunchConfig, launch_agent
+
+from meshkit.config import LaunchSettings, RunConfig
+from meshkit.errors import MeshkitError
+from meshkit.launching.failures import failure_report
+from meshkit.launching.roster import NodeRoster
+from meshkit.launching.stderr_filter import filtered_stderr
+from meshkit.launching.stores import (
+    ENV_STORE_BIND,
+    LOOPBACK,
+    WILDCARD,
+    Addresses,
+    listen,
+    node_addresses,
+    serve,
+    wait_reachable,
+)
+from meshkit.launching.supervisor import WorkerSupervisor
+from meshkit.launching.worker import LAUNCHER_PID_ENV
+from meshkit.preemption import PREEMPTED_EXIT_CODE, signal_number
+from meshkit.resolve import ENV_CONFIG_FILE, ENV_LAUNCH_FLAGS, launch_flags_to_env
+
+MULTI_NODE_DEFAULT_PORT = 29500
+RUN_ID_ENV = "MESHKIT_RUN_ID"
+_TORCH_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+class LaunchError(MeshkitError):
+    """The job could not start or finish; the message names the cause."""
+
+
+@dataclass(frozen=True)
+class LaunchTarget:
+    """What each worker runs: a script path or (module=True) a module name, with its arguments."""
+
+    program: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+
+    def check(self) -> None:
+        if self.module:
+            try:
+                found = importlib.util.find_spec(self.program) is not None
+            except (ImportError, ValueError):  # a parent package that does not exist, or an empty name
+                found = False
+            if not found:
+                raise LaunchError(f"module '{self.program}' was not found: check the name, or drop -m for a script")
+        elif not Path(self.program).is_file():
+            raise LaunchError(f"script '{self.program}' does not exist")
+
+    def worker_args(self) -> list[str]:
+        return ["-u", "-m", "meshkit.launching.worker", *(["-m"] if self.module else []), self.program, *self.args]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The resolved settings the launcher needs, plus what the workers must inherit."""
+
+    settings: LaunchSettings
+    threads_per_process: int | None = None
+    device: str = "auto"
+    preempt_signal: str = "SIGTERM"
+    log_dir: Path | None = None  # where `launch-node<N>.log` goes (the launcher's full stderr)
+    config_file: str | None = None
+    flags: Mapping[str, Any] = field(default_factory=dict)
+    flag_labels: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: RunConfig, **kwargs: Any) -> LaunchPlan:
+        return cls(
+            config.launch,
+            config.threads_per_process,
+            config.device,
+            config.checkpoint.preempt_signal,
+            config.logging.dir,
+            **kwargs,
+        )
+
+    @property
+    def port(self) -> int:
+        if self.settings.master_port is not None:
+            return self.settings.master_port
+        return MULTI_NODE_DEFAULT_PORT if self.settings.nnodes > 1 else 0  # 0: any free port
+
+    def worker_env(self, addresses: Addresses) -> dict[str, str]:
+        """Variables for the agent (this process) and the workers it starts."""
+        env = {
+            ENV_LAUNCH_FLAGS: launch_flags_to_env(self.flags, self.flag_labels),
+            # A store shared between the rendezvous and the workers keeps the previous attempt's keys, so
+            # restarted workers read dead peers' addresses (pytorch/pytorch#135712): one store per attempt,
+            # hosted by global rank 0's worker on this address (`stores.host_worker_store`).
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            ENV_STORE_BIND: "" if addresses.bind == WILDCARD else addresses.bind,
+            LAUNCHER_PID_ENV: str(os.getpid()),
+            # torch's agent turns these signals into a stop of every worker; the preemption signal is
+            # handled by the launcher itself (`_preemption_handler`), so it is left out.
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(s for s in _TORCH_HANDLED_SIGNALS if s != self.preempt_signal),
+        }
+        if addresses.bind == LOOPBACK and "GLOO_SOCKET_IFNAME" not in os.environ and _has_interface("lo"):
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # one node: the workers' own connections stay on loopback too
+        if self.config_file:
+            env[ENV_CONFIG_FILE] = str(Path(self.config_file).resolve())
+        if torch.cuda.is_available():
+            # NCCL's flight recorder: on a collective timeout every rank dumps its last collectives (what it
+            # waited in, with sequence numbers) for `torch.distributed.flight_recorder` to compare.
+            for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")):
+                if name not in os.environ:
+                    env[name] = value
+        if "OMP_NUM_THREADS" not in os.environ:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            threads = self.threads_per_process or max(1, cores // self.settings.nproc_per_node)
+            env["OMP_NUM_THREADS"] = str(threads)
+        return env
+
+
+def _has_interface(name: str) -> bool:
+    try:
+        import socket
+
+        return any(found == name for _, found in socket.if_nameindex())
+    except (OSError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def _environment(updates: Mapping[str, str]) -> Iterator[None]:
+    """Set variables for the workers (they inherit this process's environment), then restore."""
+    saved = {name: os.environ.get(name) for name in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def open_rendezvous_store(settings: LaunchSettings, port: int) -> tuple[TCPStore | None, str, int]:
+    """Node 0 binds the store to its one address (loopback on one node); the others wait until it answers.
+
+    The store is multi-tenant: the agent's own c10d rendezvous reuses this server in the same process.
+    Returns (the server, or None on other nodes; the host the rendezvous dials; its port).
+    """
+    single = settings.nnodes == 1
+    dial = LOOPBACK if single else settings.master_addr
+    if settings.node_rank != 0:
+        wait_reachable(dial, port, settings.rdzv_timeout_s, "--master-addr")
+        return None, dial, port
+    bind = WILDCARD if settings.bind_all_interfaces else dial
+    store = serve(listen(bind, port, "--master-addr"), settings.rdzv_timeout_s)
+    return store, dial, store.port
+
+
+class _PreemptionHandler:
+    """The launcher's handler of the preemption signal: the first one is passed on to the workers (their own
+    process only: their data-loader children keep running) and starts the grace; the next one — sent by the
+    supervisor once the checkpoint is announced, a worker exits or the grace is over — stops the agent."""
+
+    def __init__(self, supervisor: WorkerSupervisor, grace_s: float) -> None:
+        self.supervisor, self.grace_s = supervisor, grace_s
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.supervisor.begin_shutdown(signum, self.grace_s):
+            return
+        raise SignalException(f"meshkit launch got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+
+@contextlib.contextmanager
+def _signal_handler(signum: int | None, handler: Any) -> Iterator[None]:
+    if signum is None:
+        yield
+        return
+    previous = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
+def _agent_config(settings: LaunchSettings, run_id: str, endpoint: str, local_addr: str) -> LaunchConfig:
+    numa = None
+    if torch.cuda.is_available():
+        from torch.numa.binding import AffinityMode, NumaOptions
+
+        numa = NumaOptions(affinity_mode=AffinityMode.NODE, should_fall_back_if_binding_fails=True)
+    options: dict[str, Any] = {
+        "min_nodes": settings.min_nnodes or settings.nnodes,
+        "max_nodes": settings.nnodes,
+        "nproc_per_node": settings.nproc_per_node,
+        "run_id": run_id,
+        "rdzv_backend": "c10d",
+        "rdzv_endpoint": endpoint,
+        "rdzv_configs": {
+            "is_host": settings.node_rank == 0,
+            "join_timeout": max(1, int(settings.rdzv_timeout_s)),
+            "last_call_timeout": max(1, int(settings.rdzv_last_call_s)),
+        },
+        "max_restarts": settings.max_restarts,
+        "logs_specs": DefaultLogsSpecs(),
+        "numa_options": numa,
+        "local_addr": local_addr,
+    }
+    names = {f.name for f in dataclasses.fields(LaunchConfig)}
+    if "shutdown_timeout" in names:  # after the preemption checkpoint the workers only have to exit
+        options["shutdown_timeout"] = max(1, int(settings.stop_grace_s))
+    return LaunchConfig(**{key: value for key, value in options.items() if key in names})
+
+
+def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
+    """Run `target` on this node's workers; returns the job's exit code (0 when every rank succeeded)."""
+    target.check()
+    settings = plan.settings
+    run_id = os.environ.get(RUN_ID_ENV, "meshkit")
+    addresses = node_addresses(settings)
+    store, host, port = open_rendezvous_store(settings, plan.port)
+    config = _agent_config(settings, run_id, f"{host}:{port}", addresses.advertise)
+    preempt = signal_number(plan.preempt_signal)
+    log = plan.log_dir / f"launch-node{settings.node_rank}.log" if plan.log_dir is not None else None
+    with contextlib.ExitStack() as stack:
+        supervisor = stack.enter_context(WorkerSupervisor(settings.stop_grace_s, preempt))
+        roster = stack.enter_context(NodeRoster(host, port, run_id, settings.node_rank, settings.nnodes))
+        stack.enter_context(filtered_stderr(log))
+        stack.enter_context(_environment({**plan.worker_env(addresses), **supervisor.worker_env()}))
+        stack.enter_context(_signal_handler(preempt, _PreemptionHandler(supervisor, settings.shutdown_grace_s)))
+        try:
+            launch_agent(config, sys.executable, target.worker_args())
+        except ChildFailedError as err:
+            if supervisor.preemption_announced() is not None:
+                return _report_preemption(supervisor, plan.preempt_signal)
+            line, code = failure_report(err.failures, settings.max_restarts, supervisor)
+            print(f"meshkit launch: {line}", file=sys.stderr, flush=True)
+            return code
+        except SignalException as err:
+            if preempt is not None and err.sigval == preempt:
+                return _report_preemption(supervisor, plan.preempt_signal)
+            print(f"meshkit launch: stopped by {err.sigval.name}", file=sys.stderr, flush=True)
+            return 128 + int(err.sigval)
+        except RendezvousTimeoutError:
+            low = settings.min_nnodes or settings.nnodes
+            expected = str(settings.nnodes) if low == settings.nnodes else f"at least {low}"
+            print(
+                f"meshkit launch: rendezvous at {host}:{port} timed out after {settings.rdzv_timeout_s:g}s: "
+                f"{roster.describe(expected)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+        finally:
+            del store
+    return 0
+
+
+def _report_preemption(supervisor: WorkerSupervisor, signal_name: str) -> int:
+    announced = supervisor.preemption_announced()
+    if announced is not None:
+        print(
+            f"meshkit launch: preempted by {signal_name}: checkpoint {announced.get('checkpoint')} committed at step "
+            f"{announced.get('step')}; run the same command again to resume from it (checkpoint.resume=auto)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return PREEMPTED_EXIT_CODE
+    print(
+        f"meshkit launch: stopped by {signal_name} before a checkpoint was written (the script never reached "
+        "engine.save_checkpoint() within launch.shutdown_grace_s, or does not call it)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 128 + int(signal_number(signal_name) or 15)

@@ -1,0 +1,66 @@
+"""Checks the launcher makes before any worker starts: an error known from the config alone is one line from
+the launcher (exit code 2), not a traceback from every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshkit.config import RunConfig
+from meshkit.errors import MeshkitError
+from meshkit.mesh import ParallelDims
+
+_NOT_SET = ("default", "derived from other settings")
+
+
+class PreflightError(MeshkitError):
+    """The configured job cannot run on this world; the message says what to change."""
+
+
+def worlds(config: RunConfig) -> list[tuple[int, str]]:
+    """(world size, how it comes about) for the node counts the job may run with."""
+    launch = config.launch
+    counts = sorted({launch.min_nnodes or launch.nnodes, launch.nnodes}, reverse=True)
+    return [(n * launch.nproc_per_node, f"{n} node(s) × {launch.nproc_per_node} process(es)") for n in counts]
+
+
+def check_layout(config: RunConfig) -> list[ParallelDims]:
+    """The layout at every world size the job may have (elastic: its largest and smallest)."""
+    found = []
+    for world, how in worlds(config):
+        try:
+            found.append(ParallelDims.from_config(config.parallel, world))
+        except MeshkitError as err:
+            raise PreflightError(f"{err} ({how})") from None
+    return found
+
+
+def check_resume_path(config: RunConfig) -> None:
+    resume = config.checkpoint.resume
+    if resume not in ("never", "auto") and not Path(resume).exists():
+        raise PreflightError(
+            f"checkpoint.resume={resume}: no such checkpoint directory (use auto for the newest under "
+            "checkpoint.dir, or never)"
+        )
+
+
+def check_job(config: RunConfig, sources: dict[str, str]) -> None:
+    """For `meshkit launch SCRIPT`: what the config alone decides (the script's code may add more)."""
+    if any(sources.get(key, "default") not in _NOT_SET for key in sources if key.startswith("parallel.")):
+        check_layout(config)
+    check_resume_path(config)
+
+
+def check_recipe(config: RunConfig) -> None:
+    """For `meshkit train`: the whole job is known, the model's head counts included."""
+    import torch
+
+    from meshkit.models.gpt import GPT
+    from meshkit.parallel.tensor import check_heads
+
+    layouts = check_layout(config)
+    tp = max(dims.tp for dims in layouts)
+    if tp > 1:
+        with torch.device("meta"):
+            model = GPT(config.model)
+        check_heads(model, tp)
+    check_resume_path(config)

@@ -1,0 +1,122 @@
+"""Keep torch's C++ connection-retry traces off the user's terminal, and everything in the launcher's log.
+
+When a store is unreachable, torch's C++ client logs each retry with a 60-line native stack (`frame #0:
+c10::Error::Error ...`). The launcher routes its stderr (inherited by the workers) through a pipe: every
+line goes to the log file; lines from torch's c10d C++ logging and the native stacks that follow them do
+not reach the terminal. Python tracebacks and everything else pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+_CPP_LOG = re.compile(rb"^\[[WEIF]\d{4} [\d:.]+ [\w.]+:\d+\] ")  # glog-style: [W1123 20:18:15.916 socket.cpp:1028]
+_NATIVE_STACK = (b"Exception raised from ", b"frame #", b"<omitting python frames>")
+
+
+def is_noise(line: bytes, in_stack: bool) -> tuple[bool, bool]:
+    """(drop this line, a native stack continues after it)."""
+    if _CPP_LOG.match(line) and b"[c10d]" in line:
+        return True, False
+    if line.startswith(_NATIVE_STACK):
+        return True, True
+    if in_stack and not line.strip():
+        return True, False  # the blank line that ends a native stack
+    return False, False
+
+
+@contextlib.contextmanager
+def filtered_stderr(log_path: Path | None) -> Iterator[Path | None]:
+    """Route fd 2 of this process (and of the children it starts) through the filter for the block."""
+    if log_path is None or not hasattr(os, "pipe"):
+        yield None
+        return
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = log_path.open("ab")
+    except OSError:
+        yield None
+        return
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    read_end, write_end = _channel(terminal)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    pump = threading.Thread(target=_pump, args=(read_end, terminal, log), name="meshkit-stderr", daemon=True)
+    pump.start()
+    try:
+        yield log_path
+    finally:
+        sys.stderr.flush()
+        os.dup2(terminal, 2)  # our end of the pipe is closed; the pump ends once no child holds it either
+        pump.join(timeout=5)
+        os.close(terminal)
+        log.close()
+
+
+def _channel(terminal: int) -> tuple[int, int]:
+    """A pipe; or, when stderr is a terminal, a pseudo-terminal of the same size, so that progress bars and
+    colours (which check isatty) still render live."""
+    if not os.isatty(terminal):
+        return os.pipe()
+    try:
+        import fcntl
+        import termios
+
+        read_end, write_end = os.openpty()
+        size = fcntl.ioctl(terminal, termios.TIOCGWINSZ, b"\0" * 8)
+        fcntl.ioctl(write_end, termios.TIOCSWINSZ, size)
+        attrs = termios.tcgetattr(write_end)
+        attrs[1] &= ~termios.OPOST  # pass bytes through as written (no \n -> \r\n)
+        termios.tcsetattr(write_end, termios.TCSANOW, attrs)
+        return read_end, write_end
+    except (ImportError, OSError):
+        return os.pipe()
+
+
+_MAYBE_NOISE = (b"[", b"Exception raised", b"frame #", b"<omitting")
+
+
+def _pump(read_end: int, terminal: int, log: object) -> None:
+    in_stack = False
+    with os.fdopen(read_end, "rb", buffering=0) as source:
+        pending = b""
+        while chunk := _read(source):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            out = []
+            for raw in lines:
+                line = raw + b"\n"
+                log.write(line)  # type: ignore[attr-defined]
+                drop, in_stack = is_noise(line, in_stack)
+                if not drop:
+                    out.append(line)
+            if pending and not any(p.startswith(pending[: len(p)]) or pending.startswith(p) for p in _MAYBE_NOISE):
+                log.write(pending)  # type: ignore[attr-defined]
+                out.append(pending)  # a partial line that cannot be noise (e.g. a progress bar's \r update)
+                pending = b""
+            log.flush()  # type: ignore[attr-defined]
+            if out:
+                _write_all(terminal, b"".join(out))
+        if pending:
+            log.write(pending)  # type: ignore[attr-defined]
+            _write_all(terminal, pending)
+
+
+def _read(source: object) -> bytes:
+    try:
+        return source.read(65536) or b""  # type: ignore[attr-defined]
+    except OSError:  # a pseudo-terminal whose last writer closed reads as EIO
+        return b""
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(fd, data) :]

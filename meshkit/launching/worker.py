@@ -1,0 +1,76 @@
+"""Worker bootstrap (`python -m meshkit.launching.worker [-m] PROGRAM ARGS...`), started by `meshkit launch`.
+
+Before the user's script or module runs (as `__main__`), the worker
+- ties its life to the launcher's: the kernel SIGKILLs it when the launcher dies (Linux parent-death signal),
+  and a watchdog thread does the same where that is unavailable or the launcher died before it was set;
+- on global rank 0, hosts this attempt's store on the address the launcher chose (never every interface).
+An exception is written, with its traceback, to the error file the elastic agent hands each worker, so the
+launcher can say which rank failed and why; a meshkit input error (a bad setting) is one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import runpy
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from meshkit.errors import MeshkitError
+from meshkit.launching.stores import host_worker_store
+
+LAUNCHER_PID_ENV = "MESHKIT_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+WATCHDOG_S = 1.0
+
+
+def die_with_launcher(launcher_pid: int) -> None:
+    """SIGKILL this process as soon as the launcher is gone."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != launcher_pid:  # it died before the signal was set up
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        while os.getppid() == launcher_pid:
+            threading.Event().wait(WATCHDOG_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="meshkit-launcher-watchdog", daemon=True).start()
+
+
+def run_user_program(run: Callable[[], Any]) -> None:
+    """Run it. A MeshkitError (bad input) is recorded for the launcher, which prints it as its one line; no
+    rank prints a traceback for it."""
+    try:
+        record(run)()
+    except MeshkitError:
+        raise SystemExit(2) from None
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv == ["-m"]:
+        raise SystemExit("usage: python -m meshkit.launching.worker [-m] PROGRAM [ARGS...]")
+    if LAUNCHER_PID_ENV in os.environ:
+        die_with_launcher(int(os.environ[LAUNCHER_PID_ENV]))
+    store = host_worker_store(os.environ)  # noqa: F841 - serves the other workers for as long as this runs
+    if argv[0] == "-m":
+        module, args = argv[1], argv[2:]
+        sys.argv = [module, *args]
+        run_user_program(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+    else:
+        script, args = argv[0], argv[1:]
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        run_user_program(lambda: runpy.run_path(script, run_name="__main__"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
