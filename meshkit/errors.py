@@ -22,7 +22,11 @@ def brief(value: Any, limit: int = MAX_SHOWN) -> str:
 
 
 def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
-    """The first line of a message, bounded; what the command line prints for a user error."""
+    """The first line of a message, bounded; what the command line prints for a user error. A long line
+    loses its middle: the start says what is wrong, the end what to do."""
     lines = message.strip().splitlines()
     first = lines[0] if lines else message
-    return first if len(first) <= limit else first[: limit - 20] + f"... ({len(first)} chars)"
+    if len(first) <= limit:
+        return first
+    tail = limit // 4
+    return f"{first[: limit - tail - 5]} ... {first[-tail:]}"

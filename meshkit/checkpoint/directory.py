@@ -102,12 +102,12 @@ def latest(root: Path) -> Path | None:
         try:
             verify(directory)
         except CheckpointError as err:
-            problems.append(str(err))
+            problems.append(f"{directory.name}: {str(err).removeprefix(f'checkpoint {directory}: ')}")
             warnings.warn(f"skipping {err}; trying the previous checkpoint", CheckpointSkippedWarning, stacklevel=2)
             continue
         return directory
     if problems:
-        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise CheckpointError(
             f"none of the {len(problems)} checkpoints under {root} can be used ({shown}): repair or move them, "
             "or set checkpoint.resume=never to start over"

@@ -1,0 +1,97 @@
+"""Bad configs, flags and environment values: one line, exit code 2, no traceback, no worker started."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.cli import meshkit
+from tests.distributed import free_port
+
+BOMB = (
+    "seed: [&a [l,l,l,l,l,l,l,l,l],&b [*a,*a,*a,*a,*a,*a,*a,*a,*a],&c [*b,*b,*b,*b,*b,*b,*b,*b,*b],"
+    "&d [*c,*c,*c,*c,*c,*c,*c,*c,*c],&e [*d,*d,*d,*d,*d,*d,*d,*d,*d],&f [*e,*e,*e,*e,*e,*e,*e,*e,*e],*f]\n"
+)
+
+
+def _one_line_error(proc, *needles: str) -> str:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and len(lines[0]) < 700, proc.stderr[:2000]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (BOMB, "aliases expand the document past"),
+        ("seed: &a [*a]\n", "refers to a node that contains it"),
+        ("seed: " + "x" * 100_000 + "\n", "invalid value 'xxxx"),
+    ],
+)
+def test_hostile_config_files_give_a_short_error_quickly(tmp_path, text, needle) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    start = time.monotonic()
+    proc = meshkit("config", "show", "--config-file", str(path), timeout=60)
+    _one_line_error(proc, needle)
+    assert time.monotonic() - start < 20
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needle"),
+    [
+        (["--set", "collective_timeout_s=inf"], {}, "collective_timeout_s"),
+        (["--set", "collective_timeout_s=1e300"], {}, "collective_timeout_s"),
+        (["--rdzv-timeout", "inf"], {}, "launch.rdzv_timeout_s"),
+        (["-m", "nosuch.sub"], {}, "module 'nosuch.sub' was not found"),
+        (["--set", "tp=3"], {}, "tp=3 does not divide world size 2"),
+        (["--set", "checkpoint.resume=/no/such/ckpt"], {}, "checkpoint.resume=/no/such/ckpt: no such checkpoint"),
+        (["--nnodes", "2", "--master-addr", "no-such-host.invalid"], {}, "does not resolve"),
+        (["--nnodes", "2", "--master-addr", "192.0.2.1", "--master-port", "0"], {}, "is not an address of this host"),
+    ],
+)
+def test_bad_values_and_launch_time_errors_are_one_line_before_any_worker(tmp_path, args, env, needle) -> None:
+    marker = tmp_path / "ran"
+    script = tmp_path / "job.py"
+    script.write_text(f"open({str(marker)!r}, 'w').write('a worker ran')\n")
+    target = [] if "-m" in args else [str(script)]
+    proc = meshkit("launch", "--nproc-per-node", "2", *args, *target, env=env, timeout=60)
+    _one_line_error(proc, needle)
+    assert not marker.exists()
+
+
+def test_a_corrupt_launch_flags_variable_is_named(tmp_path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("train: {steps: 1}\n")
+    proc = meshkit("train", str(config), env={"MESHKIT_LAUNCH_FLAGS": "{bad"}, timeout=60)
+    _one_line_error(proc, "MESHKIT_LAUNCH_FLAGS='{bad' is not what `meshkit launch` writes")
+
+
+def test_the_recipe_checks_heads_against_tp_before_launching(tmp_path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("launch: {nproc_per_node: 2}\nparallel: {tp: 2}\nmodel: {dim: 48, n_heads: 3}\n")
+    _one_line_error(meshkit("train", str(config), timeout=60), "tp=2 does not divide n_heads=3")
+
+
+def test_a_meshkit_error_inside_the_workers_prints_no_traceback(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("from meshkit import Engine\nEngine(tp=3)\n")  # only the code knows: no preflight
+    proc = meshkit("launch", "--nproc-per-node", "2", str(script), timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "tp=3 does not divide world size 2" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_an_unreachable_node_0_is_one_line_without_native_traces(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("print('never runs')\n")
+    start = time.monotonic()
+    args = ["--nnodes", "2", "--node-rank", "1", "--master-port", str(free_port()), "--rdzv-timeout", "3"]
+    proc = meshkit("launch", *args, str(script), timeout=60)
+    assert time.monotonic() - start < 3 + 15
+    line = _one_line_error(proc, "could not reach node 0 at 127.0.0.1")
+    assert "frame #" not in proc.stderr and "within 3s" in line

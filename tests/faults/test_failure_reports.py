@@ -1,0 +1,106 @@
+"""Failures the launcher must report right and end fast: a SIGKILLed rank among SIGTERMed peers, restarts
+that run out, a SIGSTOPped rank, and a node that died."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+from tests.cli import ROOT, kill_tree, meshkit
+from tests.distributed import free_port
+from tests.faults.helpers import needs_proc, wait_for
+
+KILLED_RANK = """
+import os, signal, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 1:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)  # e.g. the kernel's out-of-memory killer
+dist.barrier()  # rank 0 waits here until the agent stops it with SIGTERM
+"""
+
+STOPPED_RANK = """
+import os, signal, time
+import torch
+from meshkit import Engine
+
+engine = Engine()
+model = torch.nn.Linear(4, 4)
+model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for step in range(6):
+    if step == 2 and engine.process_index == 1:
+        print(f"STOPPED AT {time.time()}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: it never reacts to SIGTERM
+    engine.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+engine.end()
+"""
+
+
+def test_the_killed_rank_is_blamed_not_the_one_the_launcher_stopped(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(KILLED_RANK)
+    proc = meshkit("launch", "--nproc-per-node", "2", "--max-restarts", "1", str(script), timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshkit launch: rank 1 (local rank 1) was killed by signal SIGKILL"), last
+    assert last.endswith("restarts used up (1 of 1)"), last
+
+
+@needs_proc
+def test_a_stopped_rank_is_killed_after_the_grace_and_the_job_ends_within_timeout_plus_10s(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(STOPPED_RANK)
+    timeout_s = 4
+    proc = meshkit(
+        "launch", "--nproc-per-node", "2", "--set", f"collective_timeout_s={timeout_s}", str(script), timeout=120
+    )
+    ended = time.time()
+    stopped_at = float(re.search(r"STOPPED AT ([\d.]+)", proc.stdout).group(1))
+    assert ended - stopped_at <= timeout_s + 10, ended - stopped_at
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "HangError" in last and "rank 1 (no heartbeat" in last, last
+
+
+def _node(node_rank: int, port: int, script) -> subprocess.Popen:
+    args = ["--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1", "--master-port", str(port)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "meshkit.cli", "launch", *args, "--max-restarts", "1", "--rdzv-timeout", "8"]
+        + [str(script)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@needs_proc
+def test_a_dead_node_is_not_counted_as_present(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import time, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        f"open({str(tmp_path / 'started')!r} + str(dist.get_rank()), 'w').close()\n"
+        "while True:\n    dist.barrier(); time.sleep(0.2)\n"
+    )
+    port = free_port()
+    node0 = _node(0, port, script)
+    time.sleep(0.5)  # node 0 hosts the rendezvous
+    node1 = _node(1, port, script)
+    try:
+        wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in (0, 1)), 90, "both nodes' workers")
+        kill_tree(node1.pid)  # node 1 is lost: its launcher and worker die at once
+        _, err = node0.communicate(timeout=90)
+    finally:
+        for node in (node0, node1):
+            if node.poll() is None:
+                kill_tree(node.pid)
+    assert node0.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert "expected 2 nodes, 1 alive (node 1 stopped responding" in last, err[-3000:]

@@ -1,0 +1,37 @@
+"""Graceful preemption: SIGTERM (to the launcher, as Kubernetes sends it, or to the workers, as SLURM may)
+makes every rank checkpoint at the same step and exit 75; the same command then resumes from there."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+
+from tests.cli import descendants, meshkit
+from tests.faults.helpers import background_meshkit, needs_proc, wait_for
+from tests.faults.recipe import summary, tiny_recipe
+
+
+@needs_proc
+@pytest.mark.parametrize("target", ["launcher", "workers"])
+def test_sigterm_checkpoints_every_rank_at_one_step_and_the_rerun_resumes(tmp_path, target) -> None:
+    config = tiny_recipe(tmp_path, every_steps=1000)  # no periodic save would happen before the signal
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with background_meshkit("train", str(config), "train.steps=100000") as launcher:
+        wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, 120, "the first training step")
+        pids = [launcher.pid] if target == "launcher" else descendants(launcher.pid)
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 75, err[-3000:]
+    found = re.search(r"preempted by SIGTERM: checkpoint (\S+) committed at step (\d+)", err)
+    assert found, err[-3000:]
+    step = int(found.group(2))
+    assert (tmp_path / "ckpt" / f"step-{step:06d}").is_dir() and step > 0
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step-{step:06d}"
+
+    resumed = meshkit("train", str(config), f"train.steps={step + 2}", timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(tmp_path)["resumed_at_step"] == step
