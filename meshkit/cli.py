@@ -97,6 +97,10 @@ NnodesOpt = Annotated[
 NodeRankOpt = Annotated[Optional[int], typer.Option("--node-rank", help="rank of this node (0 hosts)")]
 AddrOpt = Annotated[Optional[str], typer.Option("--master-addr", help="address of node 0")]
 PortOpt = Annotated[Optional[int], typer.Option("--master-port", help="rendezvous port on node 0")]
+LocalAddrOpt = Annotated[
+    Optional[str],
+    typer.Option("--local-addr", help="this node's address for its stores (default: the route to node 0)"),
+]
 RestartsOpt = Annotated[Optional[int], typer.Option("--max-restarts", help="restarts after a failure")]
 RdzvOpt = Annotated[Optional[float], typer.Option("--rdzv-timeout", help="seconds to wait for all nodes")]
 ConfigFileOpt = Annotated[Optional[Path], typer.Option("--config-file", help="YAML config file")]
@@ -115,6 +119,7 @@ def launch_command(
     node_rank: NodeRankOpt = None,
     master_addr: AddrOpt = None,
     master_port: PortOpt = None,
+    local_addr: LocalAddrOpt = None,
     max_restarts: RestartsOpt = None,
     rdzv_timeout: RdzvOpt = None,
     config_file: ConfigFileOpt = None,
@@ -131,6 +136,7 @@ def launch_command(
             "launch.node_rank": ("--node-rank", node_rank),
             "launch.master_addr": ("--master-addr", master_addr),
             "launch.master_port": ("--master-port", master_port),
+            "launch.local_addr": ("--local-addr", local_addr),
             "launch.max_restarts": ("--max-restarts", max_restarts),
             "launch.rdzv_timeout_s": ("--rdzv-timeout", rdzv_timeout),
             "precision": ("--precision", precision),

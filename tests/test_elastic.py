@@ -35,6 +35,7 @@ def _node(node_rank: int, port: int, config: Path, run_dir: Path) -> subprocess.
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc")
 def test_losing_a_node_continues_on_fewer_ranks_from_the_last_checkpoint(tmp_path) -> None:
     config = tmp_path / "run.yaml"

@@ -29,16 +29,22 @@ def root_cause(
     failures: Mapping[int, ProcessFailure], supervisor: WorkerSupervisor | None = None
 ) -> tuple[int, ProcessFailure]:
     """(global rank, failure) of the rank that failed first."""
+    if supervisor is not None:
+        supervisor.refresh()
+    timed = supervisor is not None and any(supervisor.exit_time(f.pid) is not None for f in failures.values())
 
-    def order(item: tuple[int, ProcessFailure]) -> tuple[float, int, int]:
+    def order(item: tuple[int, ProcessFailure]) -> tuple[float, int, float, int]:
         rank, failure = item
+        stopped = int(-failure.exitcode in _AGENT_STOP)  # most likely the agent's own stop (ties only)
+        recorded = os.stat(failure.error_file).st_mtime_ns / 1e9 if _recorded(failure) else float("inf")
         seen = supervisor.exit_time(failure.pid) if supervisor is not None else None
-        if seen is not None and (supervisor is None or failure.pid not in supervisor.killed):
-            return seen, 0, rank
-        if _recorded(failure):
-            return os.stat(failure.error_file).st_mtime_ns / 1e9, 0, rank
-        stopped = -failure.exitcode in _AGENT_STOP  # most likely the agent's own stop of a healthy rank
-        return failure.timestamp + 1.0, int(stopped), rank
+        if seen is not None and failure.pid not in supervisor.killed:  # type: ignore[union-attr]
+            return seen, stopped, recorded, rank  # exits seen in one poll tie on time
+        if timed:  # the supervisor saw other exits but not this one: it ended after them
+            return float("inf"), stopped, recorded, rank
+        if recorded != float("inf"):
+            return recorded, 0, recorded, rank
+        return failure.timestamp + 1.0, stopped, recorded, rank
 
     return min(failures.items(), key=order)
 

@@ -43,9 +43,12 @@ class Addresses:
 
 
 def node_addresses(settings: LaunchSettings) -> Addresses:
-    """Loopback on one node; otherwise `local_addr`, or the address this host uses to reach node 0."""
+    """Loopback on one node; otherwise `local_addr`, else `master_addr` on node 0 (it owns that address),
+    else the address this host uses to reach node 0."""
     if settings.nnodes == 1:
         advertise = settings.local_addr or LOOPBACK
+    elif settings.node_rank == 0:
+        advertise = settings.local_addr or resolve(settings.master_addr, "--master-addr")
     else:
         advertise = settings.local_addr or route_source(settings.master_addr)
     return Addresses(WILDCARD if settings.bind_all_interfaces else advertise, advertise)

@@ -87,6 +87,7 @@ class WorkerSupervisor:
         self._condemned: set[int] = set()
         self._stopped: set[int] = set()  # every pid ever condemned: its own exit is a consequence, not a cause
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="meshkit-worker-supervisor", daemon=True)
         self.enabled = Path(f"/proc/{os.getpid()}/task").is_dir()
 
@@ -136,7 +137,16 @@ class WorkerSupervisor:
         while not self._stop.wait(POLL_S):
             self._poll()
 
+    def refresh(self) -> None:
+        """Look once more now (the agent may have reaped the last exits since the thread's last look)."""
+        if self.enabled:
+            self._poll()
+
     def _poll(self) -> None:
+        with self._lock:
+            self._poll_locked()
+
+    def _poll_locked(self) -> None:
         now = time.time()
         self._alive.update(pid for pid in child_pids(os.getpid()) if pid not in self.exits)
         for pid in sorted(self._alive):

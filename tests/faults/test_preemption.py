@@ -31,6 +31,8 @@ def test_sigterm_checkpoints_every_rank_at_one_step_and_the_rerun_resumes(tmp_pa
     step = int(found.group(2))
     assert (tmp_path / "ckpt" / f"step-{step:06d}").is_dir() and step > 0
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step-{step:06d}"
+    if target == "workers":
+        return  # resuming is the same as after the launcher's SIGTERM
 
     resumed = meshkit("train", str(config), f"train.steps={step + 2}", timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
