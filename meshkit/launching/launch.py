@@ -5,7 +5,7 @@ address; every node dials it first, quietly, so a node 0 that never comes is one
 retry. While the agent runs, the launcher watches its workers (`supervisor`: who exited first, stalled
 ranks killed after a grace, workers that die with the launcher), beats the node roster (a node that died is
 not counted as present), turns the preemption signal into a checkpoint-and-stop, and keeps torch's C++
-retry noise off the terminal (it stays in `<logging.dir>/launch-node<N>.log`). Workers run through
+retry traces off the terminal (they go to `<logging.dir>/launch-node<N>.log`). Workers run through
 `meshkit.launching.worker`, which records each rank's exception for the agent.
 """
 
@@ -122,7 +122,7 @@ class LaunchPlan:
             ENV_STORE_BIND: "" if addresses.bind == WILDCARD else addresses.bind,
             LAUNCHER_PID_ENV: str(os.getpid()),
             # torch's agent turns these signals into a stop of every worker; the preemption signal is
-            # handled by the launcher itself (`_preemption_handler`), so it is left out.
+            # handled by the launcher itself (`_PreemptionHandler`), so it is left out.
             "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(s for s in _TORCH_HANDLED_SIGNALS if s != self.preempt_signal),
         }
         if addresses.bind == LOOPBACK and "GLOO_SOCKET_IFNAME" not in os.environ and _has_interface("lo"):

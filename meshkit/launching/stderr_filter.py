@@ -1,9 +1,10 @@
-"""Keep torch's C++ connection-retry traces off the user's terminal, and everything in the launcher's log.
+"""Keep torch's C++ connection-retry traces off the user's terminal; they go to the launcher's log file.
 
 When a store is unreachable, torch's C++ client logs each retry with a 60-line native stack (`frame #0:
-c10::Error::Error ...`). The launcher routes its stderr (inherited by the workers) through a pipe: every
-line goes to the log file; lines from torch's c10d C++ logging and the native stacks that follow them do
-not reach the terminal. Python tracebacks and everything else pass through unchanged.
+c10::Error::Error ...`). The launcher routes its stderr (inherited by the workers) through a pipe, or a
+pseudo-terminal when stderr is a terminal: lines from torch's c10d C++ logging and the native stacks that
+follow them are written to the log file (created on the first such line) instead of the terminal. Python
+tracebacks, progress bars and everything else pass through unchanged.
 """
 
 from __future__ import annotations
@@ -37,12 +38,7 @@ def filtered_stderr(log_path: Path | None) -> Iterator[Path | None]:
     if log_path is None or not hasattr(os, "pipe"):
         yield None
         return
-    try:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = log_path.open("ab")
-    except OSError:
-        yield None
-        return
+    log = _LazyLog(log_path)
     sys.stderr.flush()
     terminal = os.dup(2)
     read_end, write_end = _channel(terminal)
@@ -83,7 +79,7 @@ def _channel(terminal: int) -> tuple[int, int]:
 _MAYBE_NOISE = (b"[", b"Exception raised", b"frame #", b"<omitting")
 
 
-def _pump(read_end: int, terminal: int, log: object) -> None:
+def _pump(read_end: int, terminal: int, log: _LazyLog) -> None:
     in_stack = False
     with os.fdopen(read_end, "rb", buffering=0) as source:
         pending = b""
@@ -93,20 +89,45 @@ def _pump(read_end: int, terminal: int, log: object) -> None:
             out = []
             for raw in lines:
                 line = raw + b"\n"
-                log.write(line)  # type: ignore[attr-defined]
                 drop, in_stack = is_noise(line, in_stack)
-                if not drop:
+                if drop:
+                    log.write(line)
+                else:
                     out.append(line)
             if pending and not any(p.startswith(pending[: len(p)]) or pending.startswith(p) for p in _MAYBE_NOISE):
-                log.write(pending)  # type: ignore[attr-defined]
                 out.append(pending)  # a partial line that cannot be noise (e.g. a progress bar's \r update)
                 pending = b""
-            log.flush()  # type: ignore[attr-defined]
+            log.flush()
             if out:
                 _write_all(terminal, b"".join(out))
         if pending:
-            log.write(pending)  # type: ignore[attr-defined]
             _write_all(terminal, pending)
+
+
+class _LazyLog:
+    """The log file, opened (for appending) only when there is something to keep."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: object = None
+
+    def write(self, data: bytes) -> None:
+        if self._file is None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("ab")
+            except OSError:
+                self._file = False  # unwritable: the noise is dropped
+        if self._file:
+            self._file.write(data)  # type: ignore[attr-defined]
+
+    def flush(self) -> None:
+        if self._file:
+            self._file.flush()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()  # type: ignore[attr-defined]
 
 
 def _read(source: object) -> bytes:

@@ -45,7 +45,8 @@ try:
         engine.save_checkpoint()
     engine.wait_for_checkpoint()
 except CheckpointError as err:
-    print(f"SAVE FAILED rank {engine.process_index}: {err}", flush=True)
+    sys.stdout.write(f"SAVE FAILED rank {engine.process_index}: {err}\\n")  # one write: ranks never interleave
+    sys.stdout.flush()
 engine.end()
 """
 
