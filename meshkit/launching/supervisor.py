@@ -33,6 +33,7 @@ from typing import Any
 from meshkit.preemption import ANNOUNCEMENT, LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE
 
 POLL_S = 0.05
+FAILED_PREFIX = "failed-"  # what `meshkit.launching.worker` writes (+ its pid) before it exits with an error
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class WorkerSupervisor:
         self._kill_at: float | None = None
         self._condemned: set[int] = set()
         self._stopped: set[int] = set()  # every pid ever condemned: its own exit is a consequence, not a cause
+        self._noted_at: dict[int, float] = {}  # workers that noted their own failure, and when it was seen
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="meshkit-worker-supervisor", daemon=True)
@@ -130,8 +132,10 @@ class WorkerSupervisor:
         return True
 
     def exit_time(self, pid: int) -> float | None:
+        """When the worker failed: when it said so itself, else when its exit was seen."""
         record = self.exits.get(pid)
-        return record.at if record is not None else None
+        times = [t for t in (self._noted_at.get(pid), record.at if record is not None else None) if t is not None]
+        return min(times) if times else None
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -149,6 +153,8 @@ class WorkerSupervisor:
     def _poll_locked(self) -> None:
         now = time.time()
         self._alive.update(pid for pid in child_pids(os.getpid()) if pid not in self.exits)
+        for pid in self._noted_failures():  # a worker about to exit with an error (it said so itself)
+            self._react(pid, 1)
         for pid in sorted(self._alive):
             exited, status = exit_status(pid)
             if not exited:
@@ -166,6 +172,17 @@ class WorkerSupervisor:
                     os.kill(pid, signal.SIGKILL)
                     self.killed.add(pid)
             self._kill_at, self._condemned = None, set()
+
+    def _noted_failures(self) -> list[int]:
+        found = []
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.state_dir):
+                if entry.name.startswith(FAILED_PREFIX) and entry.name[len(FAILED_PREFIX) :].isdigit():
+                    pid = int(entry.name[len(FAILED_PREFIX) :])
+                    if pid not in self._noted_at:
+                        self._noted_at[pid] = time.time()
+                        found.append(pid)
+        return found
 
     def _stop_agent(self) -> None:
         """Signal the launcher again: its handler raises torch's SignalException, and the agent stops every
@@ -186,6 +203,6 @@ class WorkerSupervisor:
         if status == 0 or self._kill_at is not None:
             return
         # A failure: the others of this attempt get the grace to exit after the agent's SIGTERM.
-        self._condemned = set(self._alive)
-        self._stopped |= self._condemned
+        self._condemned = self._alive - {pid}
+        self._stopped |= self._condemned | {pid}  # their exits (and this one's, if noted early) follow from it
         self._kill_at = time.monotonic() + self.stop_grace_s

@@ -24,6 +24,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from meshkit.errors import MeshkitError
 from meshkit.launching.stores import host_worker_store
+from meshkit.launching.supervisor import FAILED_PREFIX
+from meshkit.preemption import LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE
 
 LAUNCHER_PID_ENV = "MESHKIT_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -48,11 +50,27 @@ def die_with_launcher(launcher_pid: int) -> None:
 
 def run_user_program(run: Callable[[], Any]) -> None:
     """Run it. A MeshkitError (bad input) is recorded for the launcher, which prints it as its one line; no
-    rank prints a traceback for it."""
+    rank prints a traceback for it. Any failure is also noted in the launcher's state directory before the
+    process ends: the launcher learns of it even if torch's agent reaps the process before it looks."""
     try:
         record(run)()
     except MeshkitError:
+        note_failure()
         raise SystemExit(2) from None
+    except SystemExit as stop:
+        if stop.code not in (0, None, PREEMPTED_EXIT_CODE):
+            note_failure()
+        raise
+    except BaseException:
+        note_failure()
+        raise
+
+
+def note_failure() -> None:
+    state = os.environ.get(LAUNCHER_STATE_ENV)
+    if state and os.path.isdir(state):
+        with contextlib.suppress(OSError):
+            open(os.path.join(state, f"{FAILED_PREFIX}{os.getpid()}"), "w").close()
 
 
 def main(argv: list[str]) -> None:

@@ -27,7 +27,7 @@ from meshkit.checkpoint.storage import CheckpointError
 class FaultyWriter(HuggingFaceStorageWriter):
     def write_data(self, plan, planner):  # runs in the background thread of an asynchronous save
         if os.environ["FAULT"] == "slow":
-            time.sleep(0.8)  # slower than a training step: the next save arrives while this one is in flight
+            time.sleep(0.5)  # slower than a training step: the next save arrives while this one is in flight
         elif os.environ["FAULT"] == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return super().write_data(plan, planner)
@@ -112,7 +112,7 @@ def test_foreign_files_are_ignored_and_unusable_checkpoints_stop_the_run(tmp_pat
         shard = next(step_dir.glob("*.safetensors"))
         shard.write_bytes(shard.read_bytes()[:-8] + b"damaged!")
     before = {p.name: p.stat().st_mtime_ns for p in ckpt.glob("step-*/*")}
-    refused = meshkit("train", str(config), "train.steps=8", timeout=180)
+    refused = meshkit("train", str(config), "train.steps=8", "launch.nproc_per_node=1", timeout=180)
     assert refused.returncode != 0
     last = refused.stderr.strip().splitlines()[-1]
     assert "none of the 3 checkpoints under" in last and "does not match its checksum" in last, last

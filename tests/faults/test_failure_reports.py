@@ -56,10 +56,9 @@ def test_the_killed_rank_is_blamed_not_the_one_the_launcher_stopped(tmp_path) ->
 def test_a_stopped_rank_is_killed_after_the_grace_and_the_job_ends_within_timeout_plus_10s(tmp_path) -> None:
     script = tmp_path / "job.py"
     script.write_text(STOPPED_RANK)
-    timeout_s = 4
-    proc = meshkit(
-        "launch", "--nproc-per-node", "2", "--set", f"collective_timeout_s={timeout_s}", str(script), timeout=120
-    )
+    timeout_s = 3
+    args = ["--set", f"collective_timeout_s={timeout_s}", "--set", "launch.stop_grace_s=2"]
+    proc = meshkit("launch", "--nproc-per-node", "2", *args, str(script), timeout=120)
     ended = time.time()
     stopped_at = float(re.search(r"STOPPED AT ([\d.]+)", proc.stdout).group(1))
     assert ended - stopped_at <= timeout_s + 10, ended - stopped_at
