@@ -247,10 +247,10 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
     config = _agent_config(settings, run_id, f"{host}:{port}", addresses.advertise)
     preempt = signal_number(plan.preempt_signal)
     log = plan.log_dir / f"launch-node{settings.node_rank}.log" if plan.log_dir is not None else None
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:  # unwound in reverse: the stderr filter goes last, the store after it
+        stack.enter_context(filtered_stderr(log))
         supervisor = stack.enter_context(WorkerSupervisor(settings.stop_grace_s, preempt))
         roster = stack.enter_context(NodeRoster(host, port, run_id, settings.node_rank, settings.nnodes))
-        stack.enter_context(filtered_stderr(log))
         stack.enter_context(_environment({**plan.worker_env(addresses), **supervisor.worker_env()}))
         stack.enter_context(_signal_handler(preempt, _PreemptionHandler(supervisor, settings.shutdown_grace_s)))
         try:
@@ -276,8 +276,7 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
                 flush=True,
             )
             return 1
-        finally:
-            del store
+    del store  # after the roster's last beat: the server goes with the job
     return 0
 
 

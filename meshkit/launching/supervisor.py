@@ -79,7 +79,8 @@ class WorkerSupervisor:
         self.exits: dict[int, WorkerExit] = {}
         self.killed: set[int] = set()  # pids this supervisor SIGKILLed after the grace
         self.signalled = threading.Event()  # the preemption signal arrived: the workers are stopping
-        self._stop_signal: int | None = None
+        self._stop_signal: int | None = preempt_signal
+        self._announcement: dict[str, Any] | None = None
         self._stop_deadline: float | None = None
         self._agent_stopped = False
         self.state_dir = Path(tempfile.mkdtemp(prefix="meshkit-launch-"))
@@ -112,7 +113,7 @@ class WorkerSupervisor:
     def preemption_announced(self) -> dict[str, Any] | None:
         """What the workers wrote once their preemption checkpoint was committed (step, checkpoint)."""
         if not self.state_dir.is_dir():
-            return getattr(self, "_announcement", None)
+            return self._announcement
         try:
             return json.loads((self.state_dir / ANNOUNCEMENT).read_text())
         except (OSError, ValueError):
@@ -162,10 +163,12 @@ class WorkerSupervisor:
             self._alive.discard(pid)
             self.exits[pid] = WorkerExit(pid, now, status)
             self._react(pid, status)
-        if self.signalled.is_set() and not self._agent_stopped:
-            over = self._stop_deadline is not None and time.monotonic() >= self._stop_deadline
-            if over or (self.state_dir / ANNOUNCEMENT).exists():
-                self._stop_agent()
+        if not self._agent_stopped and (self.state_dir / ANNOUNCEMENT).exists():
+            self.signalled.set()  # also when only the workers got the signal: stop before any restart
+            self._stop_agent()
+        deadline = self._stop_deadline
+        if self.signalled.is_set() and not self._agent_stopped and deadline and time.monotonic() >= deadline:
+            self._stop_agent()
         if self._kill_at is not None and time.monotonic() >= self._kill_at:
             for pid in self._condemned & self._alive:
                 with contextlib.suppress(ProcessLookupError):
