@@ -145,5 +145,4 @@ def test_max_restarts_restarts_failed_workers(tmp_path) -> None:
     proc = meshkit("launch", "--nproc-per-node", "2", "--max-restarts", "1", str(script), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "DONE rank 0 attempt 1" in proc.stdout and "DONE rank 1 attempt 1" in proc.stdout
-    failed = meshkit("launch", "--nproc-per-node", "2", "--max-restarts", "0", str(script), timeout=120)
-    assert failed.returncode != 0 and "first attempt fails" in failed.stderr
+    # Restarts that run out: tests/faults/test_failure_reports.py

@@ -96,7 +96,7 @@ def test_an_asynchronous_save_on_a_full_disk_names_the_cause(tmp_path) -> None:
 
 def test_foreign_files_are_ignored_and_unusable_checkpoints_stop_the_run(tmp_path) -> None:
     config = tiny_recipe(tmp_path, every_steps=2)
-    first = meshkit("train", str(config), timeout=180)
+    first = meshkit("train", str(config), "launch.nproc_per_node=1", timeout=180)  # resumed at world 2 below
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = tmp_path / "ckpt"
     for step_dir in ckpt.glob("step-*"):  # what NFS and editors leave behind
