@@ -17,6 +17,7 @@ import importlib.util
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,8 +199,8 @@ class _PreemptionHandler:
 
 @contextlib.contextmanager
 def _signal_handler(signum: int | None, handler: Any) -> Iterator[None]:
-    if signum is None:
-        yield
+    if signum is None or threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only: launched from another thread, torch's handling applies
         return
     previous = signal.signal(signum, handler)
     try:
