@@ -54,3 +54,10 @@ def kill_tree(pid: int) -> None:
     for target in [pid, *descendants(pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(target, signal.SIGKILL)
+
+
+def kill_all(*procs: subprocess.Popen) -> None:
+    """`kill_tree` every process of `procs` still running (the clean-up of a multi-node test)."""
+    for proc in procs:
+        if proc.poll() is None:
+            kill_tree(proc.pid)

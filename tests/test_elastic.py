@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cli import ROOT, kill_tree, meshkit
+from tests.cli import ROOT, kill_all, kill_tree, meshkit
 from tests.distributed import free_port
 
 STEPS = 30
@@ -61,9 +61,7 @@ def test_losing_a_node_continues_on_fewer_ranks_from_the_last_checkpoint(tmp_pat
         kill_tree(node1.pid)  # node 1 is lost: its agent and worker die at once
         out, err = node0.communicate(timeout=180)
     finally:
-        for node in (node0, node1):
-            if node.poll() is None:
-                kill_tree(node.pid)
+        kill_all(node0, node1)
     assert node0.returncode == 0, err[-3000:]
     summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == STEPS

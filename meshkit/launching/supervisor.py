@@ -40,7 +40,6 @@ FAILED_PREFIX = "failed-"  # what `meshkit.launching.worker` writes (+ its pid) 
 class WorkerExit:
     pid: int
     at: float  # wall-clock time the exit was seen (within POLL_S)
-    status: int | None  # exit code, or -signal; None when it was reaped before it could be read
 
 
 def child_pids(pid: int) -> list[int]:
@@ -78,8 +77,7 @@ class WorkerSupervisor:
         self.preempt_signal = preempt_signal
         self.exits: dict[int, WorkerExit] = {}
         self.killed: set[int] = set()  # pids this supervisor SIGKILLed after the grace
-        self.signalled = threading.Event()  # the preemption signal arrived: the workers are stopping
-        self._stop_signal: int | None = preempt_signal
+        self._signalled = threading.Event()  # the preemption signal arrived: the workers are stopping
         self._announcement: dict[str, Any] | None = None
         self._stop_deadline: float | None = None
         self._agent_stopped = False
@@ -122,10 +120,9 @@ class WorkerSupervisor:
     def begin_shutdown(self, signum: int, grace_s: float) -> bool:
         """The launcher got the preemption signal. The first time: pass it on to the workers and return True
         (the agent goes on watching them); afterwards False: the agent must stop now."""
-        if self.signalled.is_set():
+        if self._signalled.is_set():
             return False
-        self.signalled.set()
-        self._stop_signal = signum
+        self._signalled.set()
         self._stop_deadline = time.monotonic() + grace_s
         for pid in sorted(self._alive):
             with contextlib.suppress(ProcessLookupError):
@@ -161,13 +158,13 @@ class WorkerSupervisor:
             if not exited:
                 continue
             self._alive.discard(pid)
-            self.exits[pid] = WorkerExit(pid, now, status)
+            self.exits[pid] = WorkerExit(pid, now)
             self._react(pid, status)
         if not self._agent_stopped and (self.state_dir / ANNOUNCEMENT).exists():
-            self.signalled.set()  # also when only the workers got the signal: stop before any restart
+            self._signalled.set()  # also when only the workers got the signal: stop before any restart
             self._stop_agent()
         deadline = self._stop_deadline
-        if self.signalled.is_set() and not self._agent_stopped and deadline and time.monotonic() >= deadline:
+        if self._signalled.is_set() and not self._agent_stopped and deadline and time.monotonic() >= deadline:
             self._stop_agent()
         if self._kill_at is not None and time.monotonic() >= self._kill_at:
             for pid in self._condemned & self._alive:
@@ -191,12 +188,12 @@ class WorkerSupervisor:
         """Signal the launcher again: its handler raises torch's SignalException, and the agent stops every
         worker (they have checkpointed, or had their grace) instead of restarting them."""
         self._agent_stopped = True
-        os.kill(os.getpid(), self._stop_signal or signal.SIGTERM)
+        os.kill(os.getpid(), self.preempt_signal or signal.SIGTERM)
 
     def _react(self, pid: int, status: int | None) -> None:
         if status is None or pid in self._stopped:
             return  # unknown (reaped first), or one this supervisor or the agent was already stopping
-        if self.signalled.is_set():
+        if self._signalled.is_set():
             if status != 0 and not self._agent_stopped:
                 self._stop_agent()
             return

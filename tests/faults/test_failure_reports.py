@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from tests.cli import ROOT, kill_tree, meshkit
+from tests.cli import ROOT, kill_all, kill_tree, meshkit
 from tests.distributed import free_port
 from tests.faults.helpers import needs_proc, wait_for
 
@@ -97,9 +97,7 @@ def test_a_dead_node_is_not_counted_as_present(tmp_path) -> None:
         kill_tree(node1.pid)  # node 1 is lost: its launcher and worker die at once
         _, err = node0.communicate(timeout=90)
     finally:
-        for node in (node0, node1):
-            if node.poll() is None:
-                kill_tree(node.pid)
+        kill_all(node0, node1)
     assert node0.returncode != 0
     last = err.strip().splitlines()[-1]
     assert "expected 2 nodes, 1 alive (node 1 stopped responding" in last, err[-3000:]
