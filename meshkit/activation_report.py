@@ -25,8 +25,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
 from meshkit.errors import MeshkitError
+from meshkit.models.blocks import block_name, block_units, find_blocks
 from meshkit.parallel.activation import CheckpointedBlock
-from meshkit.parallel.blocks import find_blocks
 from meshkit.parallel.compose import unwrap
 
 OUTSIDE = "outside_blocks"
@@ -106,10 +106,8 @@ class ActivationReport:
             path, blocks = find_blocks(unwrap(model), self.blocks_path)
         except MeshkitError:
             return  # no repeated blocks: everything counts as outside blocks
-        for index, block in enumerate(blocks):
-            if getattr(block, "is_placeholder", False):
-                continue
-            name = f"{path}.{index}"
+        for index, block in block_units(blocks):
+            name = block_name(path, index)
             self.blocks[name] = BlockActivations()
             self._handles.append(block.register_forward_pre_hook(self._enter_block(name)))
             self._handles.append(block.register_forward_hook(self._leave_block))

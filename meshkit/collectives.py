@@ -10,14 +10,14 @@ import torch.distributed as dist
 from meshkit.tree import map_tensors
 
 
-def _group_size(group: dist.ProcessGroup | None) -> int:
+def group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate `tensor` from every rank of `group` along dim 0, in rank order (0-d tensors become 1-d)."""
     tensor = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    size = _group_size(group)
+    size = group_size(group)
     if size == 1:
         return tensor.clone()
     parts = [torch.empty_like(tensor) for _ in range(size)]
@@ -32,7 +32,7 @@ def gather(data: Any, group: dist.ProcessGroup | None) -> Any:
 
 def gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """A picklable object from every rank of `group`, as a list in rank order (for non-tensor metrics)."""
-    size = _group_size(group)
+    size = group_size(group)
     if size == 1:
         return [obj]
     out: list[Any] = [None] * size
@@ -53,7 +53,7 @@ def reduce(data: Any, group: dist.ProcessGroup | None, op: str = "mean") -> Any:
     """All-reduce every tensor of a nested structure with `op` ('mean' or 'sum'); returns new tensors."""
     if op not in ("mean", "sum"):
         raise ValueError(f"reduce op must be 'mean' or 'sum', got {op!r}")
-    size = _group_size(group)
+    size = group_size(group)
 
     def reduce_one(tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone()

@@ -262,6 +262,21 @@ class CheckpointConfig(Section):
     )
 
 
+class StructureConfig(Section):
+    """What meshkit cannot infer about a model (it recognises transformers models, the reference GPT, and any
+    model whose blocks sit in a ModuleList or Sequential)."""
+
+    first_stage: list[str] | None = Field(
+        None, description="modules only the first pipeline stage holds, e.g. [embed]; the model skips them when None"
+    )
+    last_stage: list[str] | None = Field(
+        None, description="modules only the last pipeline stage holds, e.g. [norm, head]; skipped when None"
+    )
+    position_argument: str | None = Field(
+        None, description="forward argument that takes token positions (context parallel passes global ones)"
+    )
+
+
 class TrainConfig(Section):
     """The built-in recipe (`meshkit train`): data, optimiser and loop length."""
 
@@ -294,6 +309,7 @@ class RunConfig(Section):
     blocks: str | None = Field(
         None, description="dotted path of the repeated-block list; null = the longest ModuleList of one class"
     )
+    structure: StructureConfig = StructureConfig()
     activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig()
     activation_offload: bool = Field(
         False, description="keep saved activations in (pinned) CPU memory between forward and backward"

@@ -23,19 +23,26 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as tensor_parallel_loss
 from torch.utils.data import DataLoader
 
-from meshkit import collectives
 from meshkit.accumulation import GradientState, PreparedOptimizer, PreparedScheduler
-from meshkit.activation_report import ActivationReport
 from meshkit.checkpoint.engine_mixin import CheckpointingMixin
-from meshkit.checkpoint.model_export import save_model_weights
 from meshkit.config import RunConfig
 from meshkit.data.loader import ShardedLoader, shard_dataloader
-from meshkit.errors import MeshkitError
+from meshkit.engine_weights import EngineError, WeightsMixin
 from meshkit.gradients import GradientSync
 from meshkit.hang_doctor import HangDoctor, watched
 from meshkit.launching.affinity import apply_affinity
-from meshkit.loss import LossFn, compute_loss
-from meshkit.memory import memory_report
+from meshkit.loss import (
+    IGNORE_INDEX,
+    CausalLMLoss,
+    LossFn,
+    compute_loss,
+    global_token_mean,
+    is_causal_lm_batch,
+    logits_of,
+    pipeline_pair,
+    split_causal_lm_batch,
+    token_loss_sum,
+)
 from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
 from meshkit.parallel.activation import CheckpointedBlock
 from meshkit.parallel.compose import parallelize, unwrap
@@ -43,9 +50,9 @@ from meshkit.parallel.context import shard_sequence
 from meshkit.parallel.nvme import check_offload_dir
 from meshkit.parallel.pipeline import PipelineModel
 from meshkit.parallel.pipeline_schedule import PipelineRunner
+from meshkit.parallel.pipeline_tied import TiedAcrossStages
 from meshkit.parallel.replicate import GradientAllReduce
-from meshkit.parallel.sharding import effective_zero_stage, rebind_params, shard_optimizer
-from meshkit.parallel.tensor import restore_fused_qkv
+from meshkit.parallel.sharding import effective_zero_stage, rebind_params, renamed_parameters, shard_optimizer
 from meshkit.precision import autocast_context, make_grad_scaler
 from meshkit.preemption import Preempted, PreemptionWatch
 from meshkit.processes import ProcessHelpers
@@ -55,15 +62,15 @@ from meshkit.tracking import check_trackers, make_trackers
 from meshkit.tree import map_tensors
 
 
-class EngineError(MeshkitError):
-    """Wrong use of the engine; the message says what to do instead."""
+class WrappedModelWarning(UserWarning):
+    """prepare() got a model inside nn.DataParallel or DDP; meshkit unwrapped it."""
 
 
 class ConfigConflictWarning(UserWarning):
     """Code and a launch flag set the same key to different values (code wins)."""
 
 
-class Engine(ProcessHelpers, CheckpointingMixin):
+class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
     """Distributed training for any layout. `Engine(config=None, **overrides)`.
 
     `config` is a RunConfig, a YAML path, the result of `meshkit.resolve.resolve()`, or None (the config
@@ -117,7 +124,8 @@ class Engine(ProcessHelpers, CheckpointingMixin):
         self._schedulers: list[PreparedScheduler] = []
         self._loaders: list[ShardedLoader] = []
         self._logits_sharded = False  # a prepared model returns vocab-sharded logits (tensor parallel)
-        self._fused_qkv: dict[int, list[str]] = {}  # id(prepared model) -> weights stored interleaved
+        self._fused_qkv: dict[int, dict[str, int]] = {}  # id(prepared model) -> interleaved weights and their dim
+        self._tied_aliases: dict[int, dict[str, str]] = {}  # id(prepared model) -> tied name -> stored name
         self._checkpointed: list[CheckpointedBlock] = []  # blocks under activation checkpointing/offload
         self._gradients = GradientSync(
             self.gradient_state,
@@ -199,17 +207,34 @@ class Engine(ProcessHelpers, CheckpointingMixin):
         return obj
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        originals = dict(model.named_parameters())
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            warnings.warn(
+                f"prepare() got a model wrapped in {type(model).__name__}: meshkit unwraps it and applies the "
+                "run's own layout (pass the bare module to silence this)",
+                WrappedModelWarning,
+                stacklevel=3,
+            )
+            model = model.module
+        originals = list(model.named_parameters(remove_duplicate=False))  # tied weights: every name
         done = parallelize(model, self.mesh, self.config, self.zero_stage)
-        now = dict(unwrap(done.model).named_parameters())
-        self._renamed_params.update({id(p): now.get(n) for n, p in originals.items() if now.get(n) is not p})
+        now = dict(unwrap(done.model).named_parameters(remove_duplicate=False))
+        self._renamed_params.update(renamed_parameters(originals, now))
         self._logits_sharded |= done.logits_sharded
         self._fused_qkv[id(done.model)] = done.fused_qkv
+        self._tied_aliases[id(done.model)] = done.structure.aliases() if done.structure else {}
         self._checkpointed.extend(done.checkpointed)
+        if done.partial_over_tp:
+            partial = [now[name] for name in done.partial_over_tp if name in now]
+            self._gradients.model_reducers.append(GradientAllReduce(partial, self.mesh.group("tp"), average=False))
         if done.needs_gradient_reduce:
             self._gradients.model_reducers.append(GradientAllReduce(list(now.values()), self.mesh.grad_group))
         if isinstance(done.model, PipelineModel):
-            self._pipeline = PipelineRunner(done.model, self.mesh, self.config.pipeline, self.loss_fn)
+            loss_fn = self.loss_fn
+            if loss_fn is None and done.structure is not None and done.structure.causal_lm:
+                loss_fn = CausalLMLoss()  # HF batches with labels: the token-mean next-token loss
+            self._pipeline = PipelineRunner(done.model, self.mesh, self.config.pipeline, loss_fn)
+            if done.structure is not None and done.structure.tied:
+                self._gradients.model_reducers.append(TiedAcrossStages(done.model, done.structure, self.mesh))
         return self._remember(self._models, done.model)
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
@@ -271,15 +296,23 @@ class Engine(ProcessHelpers, CheckpointingMixin):
         """Forward, backward and (on syncing micro-steps) clip, optimizer and scheduler step; returns the loss."""
         model = self._only("model", self._models)
         optimizer = self._only("optimizer", self._optimizers)
+        causal = self.loss_fn is None and is_causal_lm_batch(batch)
+        if causal:  # labels shifted before any sequence split; the loss is the mean over the step's tokens
+            batch = split_causal_lm_batch(batch)
         if self.mesh.size("cp") > 1:
             batch = self.shard_sequence(batch)
         with self.accumulate():
             if self._pipeline is not None:
-                if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-                    raise EngineError("under pipeline parallel each batch must be an (inputs, targets) pair")
                 with self.loss_parallel():
-                    loss = self._pipeline.step(*batch)
+                    loss = self._pipeline.step(*pipeline_pair(batch, causal), self.mesh.grad_group)
                 self._gradients.reduce_after_schedule()
+            elif causal:
+                inputs, targets = batch
+                with self.loss_parallel():
+                    total = token_loss_sum(logits_of(model(**inputs)), targets)
+                count = (targets != IGNORE_INDEX).sum()
+                self.backward(total / count.clamp(min=1), num_items=count)
+                loss = global_token_mean(total, count, self.mesh.grad_group)
             else:
                 with self.loss_parallel():
                     loss = compute_loss(model, batch, self.loss_fn)
@@ -292,56 +325,6 @@ class Engine(ProcessHelpers, CheckpointingMixin):
             optimizer.zero_grad()
         loss = loss.detach()
         return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
-
-    @staticmethod
-    def _only(kind: str, registry: list[Any]) -> Any:
-        if len(registry) != 1:
-            raise EngineError(f"train_step() needs exactly one prepared {kind}, found {len(registry)}")
-        return registry[0]
-
-    # ------------------------------------------------------------------ weights
-    def unwrap_model(self, model: nn.Module | None = None) -> nn.Module:
-        return unwrap(model if model is not None else self._only("model", self._models))
-
-    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """The complete, unsharded state dict of a prepared model (same keys as the user's module).
-
-        Collective under ZeRO-3: every rank must call it (each shard is all-gathered).
-        """
-        prepared = model if model is not None else self._only("model", self._models)
-        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in unwrap(prepared).state_dict().items()}
-        for name in self._fused_qkv.get(id(prepared), []):
-            if name in full:
-                full[name] = restore_fused_qkv(full[name], self.mesh.size("tp"))
-        if self.mesh.size("pp") > 1:  # each stage holds other parameters: collect all of them
-            for part in collectives.gather_object(full, self.mesh.group("pp")):
-                full.update(part)
-        return full
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds now for `params`, `grads` and `optimizer` state, and its `rss`/`peak_rss`."""
-        return memory_report(self._models, [opt.optimizer for opt in self._optimizers])
-
-    def activation_report(self) -> ActivationReport:
-        """Measure the activations kept for backward by the step(s) run inside `with` (bytes on this rank):
-
-            with engine.activation_report() as report:
-                engine.train_step(batch)
-            report.as_dict()  # saved_bytes, recompute_peak_bytes, peak_bytes, per-block figures
-
-        Under torch.compile the total is what the compiled graph saves, with no per-block split (eager has one).
-        """
-        return ActivationReport(self._models, self._checkpointed, self.config.blocks)
-
-    def save_model(
-        self, out_dir: str | os.PathLike[str], model: nn.Module | None = None, max_shard_size: int | str = "2GB"
-    ) -> Path:
-        """Write the full weights as safetensors shards plus `model.safetensors.index.json` (Hugging Face
-        layout), from any layout. Collective: every rank calls it; the main process writes, one shard at a time.
-        """
-        prepared = model if model is not None else self._only("model", self._models)
-        fused = self._fused_qkv.get(id(prepared), [])
-        return save_model_weights(prepared, self.mesh, fused, out_dir, max_shard_size)
 
     # ------------------------------------------------------------------ end
     def end(self, *, wait_for_peers: bool = True) -> None:

@@ -222,7 +222,10 @@ class NoBlocks(nn.Module):
 
 def test_a_model_without_repeated_blocks_says_how_to_name_them() -> None:
     engine = Engine(activation_checkpointing={"mode": "full"})
-    with engine, pytest.raises(MeshkitError, match=r"no nn.ModuleList of repeated blocks.*config key `blocks`"):
+    with (
+        engine,
+        pytest.raises(MeshkitError, match=r"no nn.ModuleList or nn.Sequential of repeated blocks.*config key `blocks`"),
+    ):
         engine.prepare(NoBlocks())
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from meshkit.models.blocks import BlockError, find_blocks
 from meshkit.models.gpt import GPT, GPTConfig, apply_rope, rope_tables
-from meshkit.parallel.blocks import BlockError, find_blocks
 from tests.training import TINY, tiny_gpt
 
 
@@ -70,7 +70,7 @@ def test_find_blocks() -> None:
     name, blocks = find_blocks(model)
     assert name == "layers" and len(blocks) == TINY.n_layers
     assert find_blocks(model, "layers")[1] is blocks
-    with pytest.raises(BlockError, match="no nn.ModuleList of repeated blocks"):
+    with pytest.raises(BlockError, match="no nn.ModuleList or nn.Sequential of repeated blocks"):
         find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     with pytest.raises(BlockError, match="has no submodule 'trunk'"):
         find_blocks(tiny_gpt(), "trunk")

@@ -30,7 +30,7 @@ from meshkit.accumulation import PreparedOptimizer
 from meshkit.mesh import ParallelMesh
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.nvme import NVMeOptimizer
-from meshkit.parallel.tensor import interleave_fused_qkv, restore_fused_qkv
+from meshkit.parallel.tensor_auto import interleave_fused_qkv, restore_fused_qkv
 from meshkit.parallel.zero import FlatShard, ZeroOptimizer
 
 StoredShapes = dict[str, tuple[torch.Size, torch.dtype]]
@@ -61,33 +61,41 @@ class Parameters:
     """One prepared model's parameters by name, and the names stored interleaved for tensor parallel."""
 
     names: dict[int, str]  # id(parameter) -> name
-    fused: set[str]
+    fused: dict[str, int]  # interleaved parameter -> the dim q, k and v are stacked on
     tp: int
 
     def to_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return restore_fused_qkv(_full(tensor), self.tp) if name in self.fused else tensor
+        return restore_fused_qkv(_full(tensor), self.tp, self.fused[name]) if name in self.fused else tensor
 
     def from_canonical(self, name: str, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return _like(interleave_fused_qkv(full, self.tp) if name in self.fused else full, like)
+        return _like(interleave_fused_qkv(full, self.tp, self.fused[name]) if name in self.fused else full, like)
 
 
 class TrainingState:
     """Maps the prepared models and optimizers of an engine to checkpoint tensors and back."""
 
     def __init__(
-        self, models: list[nn.Module], optimizers: list[Any], fused: dict[int, list[str]], mesh: ParallelMesh
+        self,
+        models: list[nn.Module],
+        optimizers: list[Any],
+        fused: dict[int, dict[str, int]],
+        mesh: ParallelMesh,
+        aliases: dict[int, dict[str, str]] | None = None,
     ) -> None:
         self.models = models
+        # Tied weights are stored once, under their group's first name; the other names (and, under a
+        # pipeline, the other stage's copy) read it back from there.
+        self.aliases = aliases or {}
         self.optimizers = optimizers
         self.mesh = mesh
         tp = mesh.size("tp")
         self.parameters: dict[int, str] = {}
-        self.fused: set[str] = set()
+        self.fused: dict[str, int] = {}
         for index, model in enumerate(models):
             prefix = _prefix("model", index)
             for name, param in unwrap(model).named_parameters():
-                self.parameters[id(param)] = f"{prefix}.{name}"
-            self.fused |= {f"{prefix}.{name}" for name in fused.get(id(model), [])}
+                self.parameters[id(param)] = f"{prefix}.{self._stored_name(model, name)}"
+            self.fused.update({f"{prefix}.{name}": dim for name, dim in fused.get(id(model), {}).items()})
         self.names = Parameters(self.parameters, self.fused, tp)
 
     # ------------------------------------------------------------------ helpers
@@ -102,14 +110,20 @@ class TrainingState:
                     stack.enter_context(paged.paged_in())
             yield
 
-    def _model_tensors(self) -> dict[str, torch.Tensor]:
+    def _stored_name(self, model: nn.Module, name: str) -> str:
+        return self.aliases.get(id(model), {}).get(name, name)
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The models' state dicts under their stored names, each tied tensor once."""
         out: dict[str, torch.Tensor] = {}
         for index, model in enumerate(self.models):
             prefix = _prefix("model", index)
             for name, tensor in unwrap(model).state_dict().items():
-                key = f"{prefix}.{name}"
-                out[key] = self.names.to_canonical(key, tensor)
+                out.setdefault(f"{prefix}.{self._stored_name(model, name)}", tensor)
         return out
+
+    def _model_tensors(self) -> dict[str, torch.Tensor]:
+        return {key: self.names.to_canonical(key, tensor) for key, tensor in self._model_state().items()}
 
     def _flat_key(self, index: int, group: int, state: str) -> str:
         # Under tensor parallel each tp rank's flat buffer holds its own shards: one key per tp coordinate.
@@ -182,17 +196,14 @@ class TrainingState:
                     group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
 
     def _load_model(self, stored: StoredShapes, read: Reader) -> None:
-        live: dict[str, torch.Tensor] = {}
-        for index, model in enumerate(self.models):
-            prefix = _prefix("model", index)
-            live.update({f"{prefix}.{name}": tensor for name, tensor in unwrap(model).state_dict().items()})
+        live = self._model_state()
         everywhere = set(live)
         if self.mesh.size("pp") > 1:  # each stage holds some layers: the model is the union over stages
             everywhere = set().union(*collectives.gather_object(sorted(live), self.mesh.group("pp")))
         check_keys(live, stored, everywhere)
         targets = {k: torch.empty(stored[k][0], dtype=v.dtype) if k in self.fused else v for k, v in live.items()}
         read(targets)  # in place: the state dict's tensors share the parameters' storage
-        for key in self.fused & set(live):
+        for key in self.fused.keys() & set(live):
             with torch.no_grad():
                 _local(live[key]).copy_(_local(self.names.from_canonical(key, targets[key], live[key])))
 

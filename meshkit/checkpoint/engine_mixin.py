@@ -25,7 +25,7 @@ class CheckpointingMixin:
         return Checkpointer(self.process_index, self._describe_for_checkpoint, self._training_state)  # type: ignore[attr-defined]
 
     def _training_state(self) -> TrainingState:
-        return TrainingState(self._models, self._optimizers, self._fused_qkv, self.mesh)  # type: ignore[attr-defined]
+        return TrainingState(self._models, self._optimizers, self._fused_qkv, self.mesh, self._tied_aliases)  # type: ignore[attr-defined]
 
     @property
     def step(self) -> int:

@@ -21,7 +21,7 @@ from meshkit.checkpoint.storage import CheckpointError, load_tensors, stored_sha
 from meshkit.export import ShardStream, TensorInfo, parse_size, plan_shards, storage_identity
 from meshkit.mesh import ParallelMesh
 from meshkit.parallel.compose import unwrap
-from meshkit.parallel.tensor import restore_fused_qkv
+from meshkit.parallel.tensor_auto import restore_fused_qkv
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -43,7 +43,11 @@ def _local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_model_weights(
-    model: nn.Module, mesh: ParallelMesh, fused: list[str], out_dir: str | os.PathLike[str], max_shard_size: int | str
+    model: nn.Module,
+    mesh: ParallelMesh,
+    fused: dict[str, int],
+    out_dir: str | os.PathLike[str],
+    max_shard_size: int | str,
 ) -> Path:
     """Collective: every rank calls it; rank 0 writes `out_dir`. Returns the index path."""
     local = _local_tensors(model)
@@ -70,7 +74,7 @@ def save_model_weights(
                 tensor = local[info.name]
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
                 if info.name in fused:
-                    full = restore_fused_qkv(full, mesh.size("tp"))
+                    full = restore_fused_qkv(full, mesh.size("tp"), fused[info.name])
                 if rank == leads[stage] and rank != 0:
                     dist.send(full.to("cpu").contiguous(), dst=0)
             elif rank == 0:

@@ -27,7 +27,7 @@ from torch import nn
 
 from meshkit.config import ActivationCheckpointConfig
 from meshkit.errors import MeshkitError
-from meshkit.parallel.blocks import find_blocks
+from meshkit.models.blocks import block_name, block_units, find_blocks
 
 
 class ActivationError(MeshkitError):
@@ -195,11 +195,11 @@ def apply_activation_checkpointing(
             stacklevel=3,
         )
     wrapped = []
-    for index, block in enumerate(blocks):
-        if getattr(block, "is_placeholder", False):  # a pipeline stage's stand-in for another stage's block
-            continue
+    for index, block in block_units(blocks):  # placeholders and parameter-free children are left alone
         mode = cfg.mode if index % cfg.every == 0 else "none"
         if mode == "none" and not offload:
             continue
-        wrapped.append(CheckpointedBlock(block, f"{path}.{index}", mode, offload, pin_memory=device.type != "cpu"))
+        wrapped.append(
+            CheckpointedBlock(block, block_name(path, index), mode, offload, pin_memory=device.type != "cpu")
+        )
     return wrapped

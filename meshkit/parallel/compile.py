@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from meshkit.config import CompileConfig
-from meshkit.parallel.blocks import find_blocks
+from meshkit.models.blocks import block_units, find_blocks
 
 
 def compile_options(cfg: CompileConfig) -> dict[str, Any]:
@@ -28,7 +28,7 @@ def apply_compile(model: nn.Module, cfg: CompileConfig, blocks: str | None = Non
     options = compile_options(cfg)
     if cfg.regional:
         _, block_list = find_blocks(model, blocks)
-        for block in block_list:
+        for _, block in block_units(block_list):
             block.compile(**options)
     else:
         model.compile(**options)

@@ -14,6 +14,7 @@ from torch import nn
 
 from meshkit.config import RunConfig
 from meshkit.mesh import ParallelMesh
+from meshkit.models.structure import ModelStructure, describe
 from meshkit.parallel.activation import CheckpointedBlock, apply_activation_checkpointing
 from meshkit.parallel.compile import apply_compile
 from meshkit.parallel.context import apply_context_parallel
@@ -30,8 +31,10 @@ class Parallelized:
     """A prepared model and what the engine must know about how it was split."""
 
     model: nn.Module
-    fused_qkv: list[str] = field(default_factory=list)  # weights stored interleaved for tensor parallel
+    structure: ModelStructure | None = None  # what the model is made of (from the model-structure layer)
+    fused_qkv: dict[str, int] = field(default_factory=dict)  # interleaved q/k/v weights -> their stacking dim
     logits_sharded: bool = False  # the model returns vocab-sharded logits: compute the loss under loss_parallel
+    partial_over_tp: list[str] = field(default_factory=list)  # gradients summed over tp after backward
     needs_gradient_reduce: bool = False  # data parallel that no wrapper reduces (DTensor parameters)
     checkpointed: list[CheckpointedBlock] = field(default_factory=list)  # blocks with checkpointing/offload
 
@@ -43,24 +46,32 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
     model as it is: their sharding lives in the optimizer (`meshkit.parallel.zero`). Under pipeline parallel
     the model is first cut into this rank's stages, and each goes through the same chain.
     """
+    structure = describe(model, config.blocks, config.structure)
     pp = mesh.size("pp")
     if pp == 1:
-        return _parallelize_one(model, mesh, config, zero_stage)
+        return _parallelize_one(model, mesh, config, zero_stage, structure)
     chunks = chunks_per_rank(config.pipeline)
     stage_list = stage_ids(mesh.coordinate("pp"), pp, chunks, config.pipeline.schedule)
-    stage_modules = split_model(model, stage_list, pp * chunks, config.blocks)
-    parts = [_parallelize_one(m, mesh, config, zero_stage, in_pipeline=True) for m in stage_modules]
+    stage_modules = split_model(model, stage_list, pp * chunks, structure)
+    parts = [_parallelize_one(m, mesh, config, zero_stage, structure, in_pipeline=True) for m in stage_modules]
     return Parallelized(
         PipelineModel([part.model for part in parts], stage_list, pp * chunks),
-        fused_qkv=[name for part in parts for name in part.fused_qkv],
+        structure=structure,
+        fused_qkv={name: dim for part in parts for name, dim in part.fused_qkv.items()},
         logits_sharded=any(part.logits_sharded for part in parts),
+        partial_over_tp=[name for part in parts for name in part.partial_over_tp],
         needs_gradient_reduce=any(part.needs_gradient_reduce for part in parts),
         checkpointed=[block for part in parts for block in part.checkpointed],
     )
 
 
 def _parallelize_one(
-    model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_stage: int, in_pipeline: bool = False
+    model: nn.Module,
+    mesh: ParallelMesh,
+    config: RunConfig,
+    zero_stage: int,
+    structure: ModelStructure,
+    in_pipeline: bool = False,
 ) -> Parallelized:
     sharding = config.sharding
     on_meta = has_meta_tensors(model)
@@ -68,19 +79,20 @@ def _parallelize_one(
         model = model.to(mesh.device)
         if sharding.init_from is not None:
             load_safetensors(model, sharding.init_from)
-    result = Parallelized(model)
+    result = Parallelized(model, structure)
     tp = mesh.size("tp")
     if tp > 1:
-        split = apply_tensor_parallel(model, mesh.device_mesh["tp"], config.tensor_parallel)
+        split = apply_tensor_parallel(model, mesh.device_mesh["tp"], config.tensor_parallel, structure)
         result.fused_qkv, result.logits_sharded = split.fused_qkv, split.logits_sharded
+        result.partial_over_tp = split.partial_over_tp
     if mesh.size("cp") > 1:
-        apply_context_parallel(model, mesh.group("cp"), config.blocks)
+        apply_context_parallel(model, mesh.group("cp"), structure)
     result.checkpointed = apply_activation_checkpointing(
-        model, config.activation_checkpointing, config.activation_offload, mesh.device, config.blocks
+        model, config.activation_checkpointing, config.activation_offload, mesh.device, structure.blocks
     )
-    model = apply_compile(model, config.compile, config.blocks)
+    model = apply_compile(model, config.compile, structure.blocks)
     if zero_stage == 3:
-        model = apply_fsdp(model, mesh, sharding, config.precision, config.blocks)
+        model = apply_fsdp(model, mesh, sharding, config.precision, structure.blocks)
     if on_meta:
         materialize(model, mesh.device, sharding.init_from)
     if zero_stage == 0 and mesh.grad_size > 1:

@@ -16,7 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from meshkit.errors import MeshkitError
-from meshkit.parallel.blocks import find_blocks
+from meshkit.models.blocks import find_blocks
+from meshkit.models.hf_adapter import is_transformers_model
+from meshkit.models.structure import ModelStructure
+from meshkit.parallel.context_hf import use_ring_attention
 from meshkit.parallel.ring_attention import chunk_ids, ring_attention
 
 
@@ -58,27 +61,51 @@ class _RingAttend:
         return ring_attention(q, k, v, self.group, causal=True)
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, blocks_path: str | None = None) -> None:
-    """Swap every block's attention for ring attention and feed the model its true token positions.
-
-    The model must route attention through an `attend(q, k, v)` method on its attention modules (the
-    reference GPT does) and accept `positions=` in forward.
-    """
-    _, blocks = find_blocks(model, blocks_path)
-    attends = [m for block in blocks for m in block.modules() if callable(getattr(m, "attend", None))]
-    if not attends:
+def _refuse(model: nn.Module, structure: ModelStructure) -> None:
+    if "cp" in structure.notes:
+        raise ContextParallelError(f"context parallel cannot split this model: {structure.notes['cp']}")
+    if structure.position_argument is None:
         raise ContextParallelError(
-            f"{type(model).__name__} has no attention module with an attend(q, k, v) method: context parallel "
-            "swaps that method for ring attention"
+            f"context parallel must pass each token's position in the whole sequence, and "
+            f"{type(model).__name__}.forward takes none that meshkit knows: name it in structure.position_argument"
         )
-    for module in attends:
-        module.attend = _RingAttend(group)
+
+
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, structure: ModelStructure) -> None:
+    """Compute every attention with ring attention and feed the model its tokens' true positions.
+
+    transformers models get ring attention through their attention-function registry (the model's own
+    attention code calls it); other models route attention through an `attend(q, k, v)` method (the
+    reference GPT does). Positions go in under the argument the model's forward reads; without one, refuse.
+    """
+    _refuse(model, structure)
+    if is_transformers_model(model):
+        use_ring_attention(model, group, [facts.path for facts in structure.attention])
+    else:
+        _, blocks = find_blocks(model, structure.blocks)
+        attends = [m for block in blocks for m in block.modules() if callable(getattr(m, "attend", None))]
+        if not attends:
+            raise ContextParallelError(
+                f"{type(model).__name__} has no attention module with an attend(q, k, v) method: context "
+                "parallel swaps that method for ring attention"
+            )
+        for module in attends:
+            module.attend = _RingAttend(group)
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     forward: Callable[..., Any] = model.forward
+    argument = structure.position_argument
 
-    def forward_with_positions(tokens: torch.Tensor, positions: torch.Tensor | None = None, **kwargs: Any) -> Any:
-        if positions is None:
+    def forward_with_positions(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("labels") is not None:
+            raise ContextParallelError(
+                "under context parallel the model sees sequence chunks and cannot shift labels itself: call "
+                "engine.train_step(batch) (it shifts them before the split), or pass loss_fn= to prepare()"
+            )
+        if kwargs.get(argument) is None:
+            tokens = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
             positions = local_positions(tokens.shape[1], cp, rank, tokens.device)
-        return forward(tokens, positions=positions, **kwargs)
+            # transformers models take position_ids [batch, seq] (a batch of 1 broadcasts); others [seq]
+            kwargs[argument] = positions[None] if argument == "position_ids" else positions
+        return forward(*args, **kwargs)
 
     model.forward = forward_with_positions  # type: ignore[method-assign]

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from meshkit.config import ShardingConfig
 from meshkit.mesh import ParallelMesh
-from meshkit.parallel.blocks import find_blocks
+from meshkit.models.blocks import block_units, find_blocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,7 +57,7 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard each block, then the root. Returns the same module object (FSDP2 works in place)."""
     _, block_list = find_blocks(model, blocks)
-    blocks = [block for block in block_list if not getattr(block, "is_placeholder", False)]
+    blocks = [block for _, block in block_units(block_list)]
     options = {"mesh": fsdp_mesh(mesh), "mp_policy": mixed_precision_policy(cfg, precision)}
     policy = offload_policy(cfg, mesh.device)
     if policy is not None:

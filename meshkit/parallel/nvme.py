@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshkit.errors import MeshkitError
-from meshkit.parallel.blocks import BlockError, find_blocks
+from meshkit.models.blocks import BlockError, find_blocks
 
 
 class OffloadDirError(MeshkitError):

@@ -2,9 +2,10 @@
 
 The blocks are cut into `pp × stages_per_rank` contiguous stages balanced by parameter count, counting the
 embedding with the first stage and the final norm and head with the last. A stage is the whole model with the
-other stages' blocks replaced by a parameter-free `SkippedBlock` and the first/last-stage modules set to None,
-so parameter names (and so checkpoints and exports) are the same as without a pipeline. The model names those
-modules in `pipeline_first` / `pipeline_last` and skips them when None (the reference GPT does).
+other stages' blocks replaced by a parameter-free `SkippedBlock`, so parameter names (and so checkpoints and
+exports) are the same as without a pipeline. How the first- and last-stage modules are left out depends on
+the model (the model-structure layer says which): the reference GPT and user overrides skip modules set to
+None; an `nn.Sequential` is its own block list; a transformers model gets stand-ins (`pipeline_hf.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from torch import nn
 
 from meshkit.config import PipelineConfig
 from meshkit.errors import MeshkitError
-from meshkit.parallel.blocks import find_blocks
+from meshkit.models.blocks import find_blocks
+from meshkit.models.structure import ModelStructure
+from meshkit.parallel.pipeline_hf import make_transformers_stage
 
 SCHEDULE_CLASSES = {
     "gpipe": "ScheduleGPipe",
@@ -121,32 +124,39 @@ def _parameter_count(module: nn.Module | None) -> int:
     return sum(p.numel() for p in module.parameters()) if module is not None else 0
 
 
-def split_model(
-    model: nn.Module, stage_list: list[int], stages: int, blocks_path: str | None = None
-) -> list[nn.Module]:
+def _set_submodule(model: nn.Module, name: str, module: nn.Module | None) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def split_model(model: nn.Module, stage_list: list[int], stages: int, structure: ModelStructure) -> list[nn.Module]:
     """This rank's stage modules (the model itself for a single stage, copies for several)."""
-    first_names = getattr(model, "pipeline_first", None)
-    last_names = getattr(model, "pipeline_last", None)
-    if first_names is None or last_names is None:
+    if structure.stage_style is None:
         raise PipelineError(
-            f"{type(model).__name__} does not name its first- and last-stage modules: give it pipeline_first / "
-            "pipeline_last attributes (e.g. ('tok_embeddings',) and ('norm', 'output')) and skip them when None"
+            f"meshkit cannot tell which modules of {type(model).__name__} run before and after its blocks: name "
+            "them in structure.first_stage / structure.last_stage (the model skips them when None), or build "
+            "the model as an nn.Sequential"
         )
-    block_path, blocks = find_blocks(model, blocks_path)
-    first_extra = sum(_parameter_count(getattr(model, name)) for name in first_names)
-    last_extra = sum(_parameter_count(getattr(model, name)) for name in last_names)
+    first_names, last_names = structure.first_stage, structure.last_stage
+    _, blocks = find_blocks(model, structure.blocks)
+    first_extra = sum(_parameter_count(model.get_submodule(name)) for name in first_names)
+    last_extra = sum(_parameter_count(model.get_submodule(name)) for name in last_names)
     ranges = balanced_split([_parameter_count(b) for b in blocks], stages, first_extra, last_extra)
     modules = []
     for position, stage in enumerate(stage_list):
         chunk = model if position == len(stage_list) - 1 else copy.deepcopy(model)
-        chunk_blocks = chunk.get_submodule(block_path)
+        chunk_blocks = chunk.get_submodule(structure.blocks)
         for index in range(len(chunk_blocks)):
             if index not in ranges[stage]:
                 chunk_blocks[index] = SkippedBlock()
-        for name in first_names if stage != 0 else ():
-            setattr(chunk, name, None)
-        for name in last_names if stage != stages - 1 else ():
-            setattr(chunk, name, None)
+        first, last = stage == 0, stage == stages - 1
+        if structure.stage_style == "hf":
+            modules.append(make_transformers_stage(chunk, structure, first, last, ranges[stage].start))
+            continue
+        for name in first_names if not first else ():
+            _set_submodule(chunk, name, None)
+        for name in last_names if not last else ():
+            _set_submodule(chunk, name, None)
         modules.append(chunk)
     return modules
 

@@ -9,7 +9,9 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from meshkit import collectives
 from meshkit.config import PipelineConfig
+from meshkit.loss import IGNORE_INDEX, CausalLMLoss
 from meshkit.mesh import ParallelMesh
 from meshkit.parallel.pipeline import SINGLE_STAGE, PipelineError, PipelineModel, schedule_class, stage_ids
 
@@ -22,6 +24,7 @@ class PipelineRunner:
             raise PipelineError("pipeline parallel computes the loss on the last stage: pass loss_fn= to prepare()")
         pp = mesh.size("pp")
         self.model = model
+        self.loss_fn = loss_fn
         self.group = mesh.group("pp")
         self.microbatches = cfg.microbatches or pp
         if self.microbatches < pp:
@@ -35,8 +38,13 @@ class PipelineRunner:
         owner = next(r for r in range(pp) if model.stages - 1 in stage_ids(r, pp, len(model.stage_list), cfg.schedule))
         self.last_stage_rank = dist.get_global_rank(self.group, owner)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of every micro-batch; gradients are left in the parameters' .grad."""
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, grad_group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch; gradients are left in the parameters' .grad.
+
+        With the default causal-LM loss the returned loss is the mean over every counted token of the step
+        on every rank of `grad_group`."""
         if inputs.shape[0] % self.microbatches:
             raise PipelineError(
                 f"the local batch of {inputs.shape[0]} does not split into pipeline.microbatches={self.microbatches}"
@@ -45,8 +53,15 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.model.has_first_stage else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.model.has_last_stage else {}
+        token_mean = isinstance(self.loss_fn, CausalLMLoss)
+        if token_mean:  # micro-batch losses are token sums, scaled to the mean over the step's tokens
+            ranks = collectives.group_size(grad_group)
+            tokens = collectives.reduce((targets != IGNORE_INDEX).sum(), grad_group, op="sum")
+            self.loss_fn.scale = self.microbatches * ranks / max(float(tokens), 1.0)
         self.schedule.step(*args, **kwargs)
         local = [(x.full_tensor() if isinstance(x, DTensor) else x).detach().float() for x in losses]
         loss = torch.stack(local).mean() if local else torch.zeros((), device=inputs.device)
         dist.broadcast(loss, src=self.last_stage_rank, group=self.group)  # the step's loss on every rank
+        if token_mean:
+            loss = collectives.reduce(loss, grad_group, op="mean")
         return loss

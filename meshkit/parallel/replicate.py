@@ -20,12 +20,18 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class GradientAllReduce:
-    """Averages the gradients of `params` over `group` when asked to (see `GradientSync`)."""
+    """Averages (or sums) the gradients of `params` over `group` when asked to (see `GradientSync`)."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group: dist.ProcessGroup,
+        bucket_bytes: int = BUCKET_BYTES,
+        average: bool = True,
+    ) -> None:
         self.params = params
         self.group = group
-        self.world = dist.get_world_size(group)
+        self.world = dist.get_world_size(group) if average else 1  # average=False: the plain sum
         self.bucket_bytes = bucket_bytes
 
     def before_backward(self) -> None:

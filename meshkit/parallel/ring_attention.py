@@ -159,9 +159,17 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = True,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention of this rank's two query chunks over the whole (ring-distributed) sequence."""
+    """Attention of this rank's two query chunks over the whole (ring-distributed) sequence.
+
+    `scale` multiplies the scores (default 1/sqrt(head_dim), as in scaled dot-product attention).
+    """
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs an even local sequence (two chunks), got {q.shape[2]}")
-    return RingAttention.apply(q, k, v, group, causal, 1.0 / math.sqrt(q.shape[-1]))
+    return RingAttention.apply(q, k, v, group, causal, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))

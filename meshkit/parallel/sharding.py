@@ -49,6 +49,21 @@ def effective_zero_stage(cfg: ShardingConfig, mesh: ParallelMesh) -> int:
     return stage
 
 
+def renamed_parameters(
+    originals: list[tuple[str, nn.Parameter]], now: dict[str, nn.Parameter]
+) -> dict[int, nn.Parameter | None]:
+    """id(original parameter) -> the parameter now under one of its names (None: on another pipeline stage).
+
+    A tied parameter has several names; this stage may hold it under any one of them (the first pipeline
+    stage as the embedding, the last as the head)."""
+    by_id: dict[int, tuple[nn.Parameter, nn.Parameter | None]] = {}
+    for name, param in originals:
+        current = now.get(name)
+        if current is not None or id(param) not in by_id:
+            by_id[id(param)] = (param, current)
+    return {key: current for key, (param, current) in by_id.items() if current is not param}
+
+
 def rebind_params(optimizer: torch.optim.Optimizer, renamed: dict[int, nn.Parameter | None]) -> torch.optim.Optimizer:
     """Point the optimizer at the parameters that sharding put in place of the ones it was built with."""
     if not renamed:

@@ -5,20 +5,18 @@ so an attention block (q/k/v column, o row) or an MLP (gate/up column, down row)
 forward and one in backward. Sequence parallel turns that all-reduce into a reduce-scatter onto sequence
 shards, runs the norms on the shards, and all-gathers before the next column-parallel region.
 
-Plans come from three places: built in for the reference GPT; automatic for common module names
-(`q_proj`/`k_proj`/`v_proj`, `gate_proj`/`up_proj` column, `o_proj`/`down_proj` row, GPT-2 style `c_attn`
-(fused q/k/v), `c_fc` column and `c_proj` row); or `tensor_parallel.plan` in the config.
+The reference GPT has its plan here (vocab-parallel embedding and head, loss parallel); every other model
+gets one from its module names or `tensor_parallel.plan` (`tensor_auto.py`) and its sequence parallel from
+`sequence.py`. Head counts come from the model-structure layer, for the check before anything is split.
 """
 
 from __future__ import annotations
 
-import fnmatch
 from typing import NamedTuple
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -29,46 +27,30 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshkit.config import TensorParallelConfig
-from meshkit.errors import MeshkitError
+from meshkit.models.blocks import block_units, find_blocks
 from meshkit.models.gpt import GPT
-
-AUTO_RULES = {
-    "q_proj": "colwise",
-    "k_proj": "colwise",
-    "v_proj": "colwise",
-    "gate_proj": "colwise",
-    "up_proj": "colwise",
-    "o_proj": "rowwise",
-    "down_proj": "rowwise",
-    "c_attn": "fused_qkv",
-    "c_fc": "colwise",
-    "c_proj": "rowwise",
-    "lm_head": "replicate",
-}
-HEAD_ATTRIBUTES = ("n_heads", "n_head", "num_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")
-WIDTH_ATTRIBUTES = ("hidden_size", "n_embd", "embed_dim", "split_size")  # used to reshape local outputs
+from meshkit.models.structure import ModelStructure, describe
+from meshkit.parallel.sequence import apply_sequence_parallel
+from meshkit.parallel.tensor_auto import TensorParallelError, divide_attributes, interleave_in_place, named_plan, style
 
 
-class TensorParallelError(MeshkitError):
-    """A model or plan tensor parallel cannot split; the message says what to change."""
+def _valid_sizes(counts: list[int]) -> str:
+    return ", ".join(str(d) for d in range(1, min(counts) + 1) if all(count % d == 0 for count in counts))
 
 
-def _valid_sizes(count: int) -> str:
-    return ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)
-
-
-def check_heads(model: nn.Module, tp: int) -> None:
-    """tp must divide every head count (query and key/value heads)."""
-    counts: dict[str, int] = {}
-    if isinstance(model, GPT):
-        counts = {"n_heads": model.cfg.n_heads, "n_kv_heads": model.cfg.kv_heads}
-    for module in model.modules():
-        for attr in HEAD_ATTRIBUTES:
-            if isinstance(getattr(module, attr, None), int):
-                counts.setdefault(attr, getattr(module, attr))
-    for name, count in counts.items():
-        if count % tp:
-            raise TensorParallelError(f"tp={tp} does not divide {name}={count}: choose tp from {_valid_sizes(count)}")
+def check_heads(model: nn.Module | ModelStructure, tp: int) -> None:
+    """tp must divide every head count (query and key/value heads); refuses before anything is split."""
+    structure = model if isinstance(model, ModelStructure) else describe(model)
+    if "tp" in structure.notes:
+        raise TensorParallelError(f"tensor parallel cannot split this model: {structure.notes['tp']}")
+    counts = structure.head_counts()
+    wrong = {name: count for name, count in counts.items() if count % tp}
+    if wrong:
+        shown = ", ".join(f"{name}={count}" for name, count in counts.items())
+        raise TensorParallelError(
+            f"tp={tp} does not divide the attention's head counts ({shown}): "
+            f"choose tp from {_valid_sizes(list(counts.values()))}"
+        )
 
 
 def gpt_plan(model: GPT, cfg: TensorParallelConfig) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
@@ -108,102 +90,61 @@ def gpt_plan(model: GPT, cfg: TensorParallelConfig) -> tuple[dict[str, ParallelS
     return root, block
 
 
-def _style(kind: str) -> ParallelStyle | None:
-    return {
-        "colwise": ColwiseParallel(),
-        "fused_qkv": ColwiseParallel(),
-        "rowwise": RowwiseParallel(),
-        "sequence": SequenceParallel(),
-    }.get(kind)
-
-
-def named_plan(model: nn.Module, cfg: TensorParallelConfig) -> dict[str, str]:
-    """Module name -> style kind, from the user's patterns or the automatic naming rules."""
-    if cfg.plan is not None:  # the first pattern that matches a module name decides its style
-        plan = {}
-        for name, _ in model.named_modules():
-            kind = next((k for pattern, k in cfg.plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
-            if name and kind is not None:
-                plan[name] = kind
-        return plan
-    plan, unknown = {}, []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            kind = AUTO_RULES.get(name.rsplit(".", 1)[-1])
-            if kind is None:
-                unknown.append(name)
-            else:
-                plan[name] = kind
-    if unknown:
-        raise TensorParallelError(
-            f"the automatic tensor-parallel plan has no rule for Linear layers {unknown[:6]}: give a plan, e.g. "
-            "tensor_parallel.plan: {'*.my_proj': colwise, '*.my_out': rowwise, 'head': replicate}"
-        )
-    return plan
-
-
-def _interleave_fused_qkv(linear: nn.Linear, tp: int) -> None:
-    """Reorder [q; k; v] rows to [q0 k0 v0; q1 k1 v1; ...] so a contiguous column split gives each rank its heads.
-
-    The weights are kept in this order while sharded; `fused_qkv_names` lets the engine restore the original
-    order when it gathers the full state dict.
-    """
-    with torch.no_grad():
-        for param in (linear.weight, linear.bias):
-            if param is not None:
-                param.copy_(interleave_fused_qkv(param, tp))
-
-
-def interleave_fused_qkv(tensor: torch.Tensor, tp: int) -> torch.Tensor:
-    """[q; k; v] rows -> [q0 k0 v0; q1 k1 v1; ...], on a full weight or bias (the order kept while sharded)."""
-    rows = tensor.shape[0]
-    return tensor.view(3, tp, rows // (3 * tp), *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
-
-
-def restore_fused_qkv(tensor: torch.Tensor, tp: int) -> torch.Tensor:
-    """Inverse of the interleaving, on a full (gathered) weight or bias."""
-    rows = tensor.shape[0]
-    return tensor.view(tp, 3, rows // (3 * tp), *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
-
-
-def _divide_attributes(model: nn.Module, tp: int) -> None:
-    """Local head counts and widths for attention modules that read them in forward."""
-    for module in model.modules():
-        children = {name for name, _ in module.named_children()}
-        if not children & {"q_proj", "k_proj", "v_proj", "c_attn"}:
-            continue
-        for attr in (*HEAD_ATTRIBUTES, *WIDTH_ATTRIBUTES):
-            value = getattr(module, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value % tp == 0:
-                setattr(module, attr, value // tp)
-
-
 class TensorParallelResult(NamedTuple):
-    fused_qkv: list[str]  # names of fused q/k/v weights, stored interleaved (see restore_fused_qkv)
+    fused_qkv: dict[str, int]  # fused q/k/v parameters stored interleaved -> the dim q, k, v are stacked on
     logits_sharded: bool  # the model returns vocab-sharded DTensor logits: compute the loss under loss_parallel
+    partial_over_tp: list[str] = []  # parameters whose gradients each tp rank holds a part of (summed after backward)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, cfg: TensorParallelConfig) -> TensorParallelResult:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, cfg: TensorParallelConfig, structure: ModelStructure
+) -> TensorParallelResult:
     """Split `model` over `tp_mesh` in place."""
     tp = tp_mesh.size()
-    check_heads(model, tp)
+    check_heads(structure, tp)
     if isinstance(model, GPT) and cfg.plan is None:
         root, block = gpt_plan(model, cfg)
         parallelize_module(model, tp_mesh, root)
         for layer in model.layers:
-            parallelize_module(layer, tp_mesh, block)
+            if not getattr(layer, "is_placeholder", False):
+                parallelize_module(layer, tp_mesh, block)
         if cfg.sequence_parallel:
             model.sequence_shards = tp
-        return TensorParallelResult([], cfg.loss_parallel)
-    if cfg.sequence_parallel:
+        return TensorParallelResult({}, cfg.loss_parallel)
+    if cfg.sequence_parallel and not structure.last_stage:
         raise TensorParallelError(
-            "sequence_parallel is built in for the reference GPT only: set sequence_parallel=false for this model"
+            f"sequence parallel must gather the sequence before {type(model).__name__}'s head, which meshkit "
+            "cannot find: name its final norm and head in structure.last_stage"
         )
     kinds = named_plan(model, cfg)
-    fused = [name for name, kind in kinds.items() if kind == "fused_qkv"]
-    for name in fused:
-        _interleave_fused_qkv(model.get_submodule(name), tp)
-    styles = {name: style for name, kind in kinds.items() if (style := _style(kind)) is not None}
+    fused: dict[str, int] = {}
+    for name, kind in kinds.items():
+        if kind == "fused_qkv":
+            fused.update(interleave_in_place(model.get_submodule(name), name, tp))
+    styles = {name: found for name, kind in kinds.items() if (found := style(kind, cfg.sequence_parallel))}
     parallelize_module(model, tp_mesh, styles)
-    _divide_attributes(model, tp)
-    return TensorParallelResult([f"{name}.{param}" for name in fused for param in ("weight", "bias")], False)
+    for facts in structure.attention:
+        try:
+            divide_attributes(model.get_submodule(facts.path), tp)
+        except AttributeError:  # the block lives on another pipeline stage
+            continue
+    if cfg.sequence_parallel:
+        apply_sequence_parallel(model, structure, tp_mesh, set(styles))
+    return TensorParallelResult(fused, False, unsplit_in_split_regions(model, structure, set(styles)))
+
+
+def unsplit_in_split_regions(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[str]:
+    """Parameters left whole inside an attention or MLP whose layers are split, e.g. Qwen3's and Gemma3's
+    per-head q/k norms: each tp rank computes their gradient from its own heads only, so the parts are summed."""
+    if structure.blocks is None:
+        return []
+    _, blocks = find_blocks(model, structure.blocks)
+    names = {id(module): name for name, module in model.named_modules()}
+    partial = []
+    for _, block in block_units(blocks):
+        for child in block.children():
+            prefix = names[id(child)] + "."
+            if not any(name.startswith(prefix) for name in split_modules):
+                continue
+            partial.extend(prefix + name for name, param in child.named_parameters() if not isinstance(param, DTensor))
+    return partial

@@ -85,7 +85,9 @@ def test_a_corrupt_launch_flags_variable_is_named(tmp_path) -> None:
 def test_the_recipe_checks_heads_against_tp_before_launching(tmp_path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text("launch: {nproc_per_node: 2}\nparallel: {tp: 2}\nmodel: {dim: 48, n_heads: 3}\n")
-    _one_line_error(in_process("train", str(config)), "tp=2 does not divide n_heads=3")
+    _one_line_error(
+        in_process("train", str(config)), "tp=2 does not divide the attention's head counts (heads=3, kv_heads=3)"
+    )
 
 
 def test_a_meshkit_error_inside_the_workers_prints_no_traceback(tmp_path) -> None:

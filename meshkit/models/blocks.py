@@ -1,0 +1,75 @@
+"""Find a model's repeated blocks: the unit that compile, checkpointing, sharding and pipelines act on.
+
+The blocks live in one container, an `nn.ModuleList` or an `nn.Sequential` (the model itself may be one).
+The container chosen is the one with the most parameter-bearing children of a single class (a run of
+decoder layers, or the Linear layers of a `Sequential(Linear, ReLU, Linear, ...)` stack), the outermost on a
+tie. Parameter-free children (activations, dropout) stay in place but are not units of their own.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from torch import nn
+
+from meshkit.errors import MeshkitError
+
+CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+class BlockError(MeshkitError):
+    """No repeated blocks could be found; the message says how to name them."""
+
+
+def is_placeholder(module: nn.Module) -> bool:
+    """A pipeline stage's stand-in for a block that lives on another stage."""
+    return bool(getattr(module, "is_placeholder", False))
+
+
+def _repeats(container: nn.Module) -> int:
+    """How many parameter-bearing children of the most common class the container holds."""
+    classes = Counter(
+        type(child)
+        for child in container.children()
+        if not is_placeholder(child) and next(child.parameters(), None) is not None
+    )
+    if not classes and any(is_placeholder(child) for child in container.children()):
+        return len(container)  # a pipeline stage whose blocks all live elsewhere is still the block list
+    return max(classes.values(), default=0)
+
+
+def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Module]:
+    """(dotted path, container) of the repeated blocks, or the container at `path` ('' = the model itself)."""
+    if path is not None:
+        try:
+            found = model.get_submodule(path)
+        except AttributeError:
+            raise BlockError(f"model has no submodule '{path}': give the dotted path of its block list") from None
+        if not isinstance(found, CONTAINERS):
+            raise BlockError(f"'{path}' is a {type(found).__name__}, not an nn.ModuleList or nn.Sequential of blocks")
+        return path, found
+    candidates = [
+        (name, module, repeats)
+        for name, module in model.named_modules()
+        if isinstance(module, CONTAINERS) and (repeats := _repeats(module)) > 1
+    ]
+    if not candidates:
+        raise BlockError(
+            f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of repeated blocks: put its blocks in "
+            "one, or name the list with blocks='path.to.layers'"
+        )
+    name, module, _ = max(candidates, key=lambda item: (item[2], -item[0].count("."), -len(item[0])))
+    return name, module
+
+
+def block_name(path: str, index: int) -> str:
+    """The dotted name of block `index` of the container at `path`."""
+    return f"{path}.{index}" if path else str(index)
+
+
+def block_units(container: nn.Module) -> Iterator[tuple[int, nn.Module]]:
+    """(index, block) for the blocks that hold parameters here (not placeholders, not activations)."""
+    for index, child in enumerate(container):
+        if not is_placeholder(child) and next(child.parameters(), None) is not None:
+            yield index, child

@@ -1,0 +1,113 @@
+"""The structure of `transformers` models, recognised by their classes' shape (no import of transformers here).
+
+Decoder-only causal LMs share one layout: `model.<base prefix>` holds the embeddings, a ModuleList of decoder
+layers and a final norm; the head is the model's output embedding; head counts live in `model.config` (and on
+the attention module in some families). Whatever a family does differently is said here, once.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from meshkit.models.blocks import block_units, find_blocks
+
+if TYPE_CHECKING:
+    from meshkit.models.structure import AttentionFacts, ModelStructure
+
+ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "Wqkv", "query_key_value"}
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    """True for a `transformers` PreTrainedModel (checked by class ancestry, so transformers stays optional)."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(model).__mro__
+    )
+
+
+def _config_int(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _attention(config: Any, blocks_path: str, blocks: nn.Module) -> tuple[AttentionFacts, ...]:
+    from meshkit.models.structure import AttentionFacts
+
+    heads = _config_int(config, "num_attention_heads", "n_head")
+    kv_heads = _config_int(config, "num_key_value_heads") or heads
+    hidden = _config_int(config, "hidden_size", "n_embd")
+    head_dim = _config_int(config, "head_dim") or (hidden // heads if hidden and heads else None)
+    found = []
+    for index, block in block_units(blocks):
+        for name, module in block.named_modules():
+            if not ATTENTION_CHILDREN & {child for child, _ in module.named_children()}:
+                continue
+            own_heads = _config_int(module, "num_heads", "num_attention_heads") or heads
+            own_kv = _config_int(module, "num_key_value_heads") or kv_heads
+            own_dim = _config_int(module, "head_dim") or head_dim
+            path = ".".join(part for part in (blocks_path, str(index), name) if part)
+            found.append(AttentionFacts(path, own_heads, own_kv, own_dim))
+    return tuple(found)
+
+
+def _cannot(config: Any, family: str) -> dict[str, str]:
+    """Layouts this family cannot run, with the reason meshkit prints."""
+    notes: dict[str, str] = {}
+    if getattr(config, "attn_logit_softcapping", None):
+        notes["cp"] = f"{family} soft-caps its attention logits, which ring attention does not compute"
+    window = getattr(config, "sliding_window", None)
+    longest = _config_int(config, "max_position_embeddings", "n_positions")
+    if window and (longest is None or window < longest):
+        notes["cp"] = (
+            f"{family} uses sliding-window attention (window {window} < {longest} positions), which ring "
+            "attention does not compute"
+        )
+    if family == "phi3":
+        notes["tp"] = "phi3 splits its fused qkv_proj by head counts read from the shared model config"
+    return notes
+
+
+def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
+    from meshkit.models.structure import ModelStructure, StructureError, takes_argument, tied_parameters
+
+    version = int(str(getattr(sys.modules.get("transformers"), "__version__", "5")).split(".")[0])
+    if version < 5:
+        raise StructureError(
+            f"meshkit reads transformers 5 models; this is transformers {version}: pip install 'meshkit[hf]'"
+        )
+    config = model.config
+    family = str(getattr(config, "model_type", type(model).__name__))
+    path, blocks = find_blocks(model, blocks_override)
+    names = {id(module): name for name, module in model.named_modules()}
+    base = getattr(model, "base_model", model)
+    base_name = names.get(id(base), "")
+    first, last, after_blocks = [], [], False
+    for child in base.children():
+        name = names[id(child)]
+        if child is blocks:
+            after_blocks = True
+        elif isinstance(child, nn.Embedding) and not after_blocks:
+            first.append(name)
+        elif after_blocks and next(child.parameters(), None) is not None:
+            last.append(name)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and head is not base and id(head) in names:
+        last.append(names[id(head)])
+    causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    return ModelStructure(
+        family=family,
+        blocks=path,
+        first_stage=tuple(first),
+        last_stage=tuple(last),
+        stage_style="hf" if causal and base_name and first else None,
+        attention=_attention(config, path, blocks),
+        position_argument="position_ids" if takes_argument(model.forward, "position_ids") else None,
+        tied=tied_parameters(model),
+        causal_lm=causal,
+        notes=_cannot(config, family),
+    )

@@ -1,0 +1,87 @@
+"""A pipeline stage of a `transformers` causal LM that runs the model's own forward.
+
+The model's forward computes, before its first layer, what every layer needs: rotary tables, the causal
+mask, position ids (and, in some families, scaled or position-added embeddings). A stage keeps that forward
+and so recomputes all of it for its own layers:
+- the embeddings of a later stage are parameter-free stand-ins that return zeros of the right shape, and the
+  hidden states received from the previous stage replace the input of this stage's first layer;
+- an earlier stage runs the base model (not the LM head's forward, which may post-process logits) with the
+  final norm as an identity stand-in, and hands its last layer's output on;
+- the last stage runs the whole causal-LM forward and returns logits.
+Parameter names stay those of the whole model. A stage's input is token ids [batch, seq] on the first stage,
+hidden states [batch, seq, hidden] on the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshkit.models.structure import ModelStructure
+
+
+class StandIn(nn.Module):
+    """Takes the place of a module another stage holds. Embeddings become zeros [*ids.shape, width]."""
+
+    is_placeholder = True
+
+    def __init__(self, width: int | None = None) -> None:
+        super().__init__()
+        self.width = width
+
+    def forward(self, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.width is None:
+            return value
+        return torch.zeros(*value.shape, self.width, device=value.device)
+
+
+class _Received:
+    """The hidden states this stage received, handed to its first layer by a forward pre-hook."""
+
+    def __init__(self) -> None:
+        self.hidden: torch.Tensor | None = None
+
+    def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        hidden, self.hidden = self.hidden, None
+        if hidden is None:
+            return None
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def make_transformers_stage(
+    chunk: nn.Module, structure: ModelStructure, first: bool, last: bool, first_block: int
+) -> nn.Module:
+    """Turn `chunk` (the whole model, other stages' layers already skipped) into this stage, in place."""
+    base = chunk.base_model
+    received = _Received()
+    if not first:
+        for name in structure.first_stage:
+            width = getattr(chunk.get_submodule(name), "embedding_dim", None)
+            _replace(chunk, name, StandIn(width))
+        chunk.get_submodule(structure.blocks)[first_block].register_forward_pre_hook(received.hook, with_kwargs=True)
+    if not last:
+        for name in structure.last_stage:
+            _replace(chunk, name, StandIn())
+    forward = chunk.forward  # the causal-LM forward of this instance's class
+
+    def stage_forward(value: torch.Tensor) -> torch.Tensor:
+        if first:
+            ids = value
+        else:  # hidden states [batch, seq, hidden]: the ids only give the forward its shapes
+            received.hidden = value
+            ids = torch.zeros(value.shape[:2], dtype=torch.long, device=value.device)
+        if last:
+            return forward(input_ids=ids, use_cache=False).logits
+        return base(input_ids=ids, use_cache=False).last_hidden_state
+
+    chunk.forward = stage_forward  # type: ignore[method-assign]
+    return chunk

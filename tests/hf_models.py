@@ -1,0 +1,62 @@
+"""Tiny transformers causal LMs built offline from configs (random init), one per family."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, POSITIONS = 64, 32, 4, 2, 4, 64
+FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
+
+
+def config(family: str, **overrides: Any) -> Any:
+    """A config of `family` with 4 heads (2 key/value heads where the family has GQA) and no dropout."""
+    if family == "gpt2":
+        settings = dict(
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            n_positions=POSITIONS,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        return transformers.GPT2Config(**{**settings, **overrides})
+    classes = {
+        "llama": "LlamaConfig",
+        "qwen2": "Qwen2Config",
+        "mistral": "MistralConfig",
+        "qwen3": "Qwen3Config",
+        "gemma": "GemmaConfig",
+        "gemma2": "Gemma2Config",
+        "gemma3": "Gemma3TextConfig",
+        "phi3": "Phi3Config",
+    }
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HIDDEN // HEADS,
+        max_position_embeddings=POSITIONS,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return getattr(transformers, classes[family])(**{**settings, **overrides})
+
+
+def causal_lm(family: str, seed: int = 0, **overrides: Any) -> Any:
+    """`AutoModelForCausalLM.from_config` of the tiny config, in fp32 with a fixed seed."""
+    import torch
+
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config(family, **overrides), dtype=torch.float32)
