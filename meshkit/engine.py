@@ -234,7 +234,9 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
                 loss_fn = CausalLMLoss()  # HF batches with labels: the token-mean next-token loss
             self._pipeline = PipelineRunner(done.model, self.mesh, self.config.pipeline, loss_fn)
             if done.structure is not None and done.structure.tied:
-                self._gradients.model_reducers.append(TiedAcrossStages(done.model, done.structure, self.mesh))
+                tied = TiedAcrossStages(done.model, done.structure, self.mesh)
+                self._gradients.model_reducers.append(tied)
+                self._gradients.counted_elsewhere |= tied.counted_elsewhere
         return self._remember(self._models, done.model)
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:

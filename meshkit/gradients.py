@@ -47,6 +47,8 @@ class GradientSync:
         pp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.pp_group = pp_group
+        # ids of parameters whose gradient a clip norm counts elsewhere (a tied copy on a later pipeline stage)
+        self.counted_elsewhere: set[int] = set()
         self.loss_context = loss_context  # loss parallel: backward through vocab-sharded logits needs it
         self.state = state
         self.scaler = scaler
@@ -129,8 +131,9 @@ class GradientSync:
         zero = self.zero_optimizers
         if zero:  # gradients live in per-rank chunks: the norm needs one all-reduce
             return zero[0].clip_grad_norm_(max_norm, norm_type)
-        grads = [p.grad for model in self.models for p in model.parameters() if p.grad is not None]
-        norm = total_norm(grads, norm_type)
+        params = [p for model in self.models for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        norm = total_norm([p.grad for p in params if id(p) not in self.counted_elsewhere], norm_type)
         if self.pp_group is not None:  # every pipeline stage holds other parameters: combine their norms
             norm = norm.float()
             if norm_type == float("inf"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import run_world
-from tests.hf_layouts import GROUPS, REFUSED, reference, render_matrix, run_families
+from tests.hf_layouts import GROUPS, LAYOUTS, REFUSED, reference, render_matrix, run_families
 from tests.training import assert_close_relative, assert_state_close
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -23,8 +23,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 def test_every_layout_trains_like_one_process(group: str) -> None:
     results = run_world(run_families, 4, GROUPS[group], timeout=400)
     for family, layouts in GROUPS[group].items():
-        losses, state = reference(family)
         for layout in layouts:
+            losses, state = reference(family, LAYOUTS[layout].get("max_grad_norm"))
             for rank, by_cell in enumerate(results):
                 got = by_cell[family, layout]
                 where = f"{family} {layout} on rank {rank}"

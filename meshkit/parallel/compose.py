@@ -21,7 +21,7 @@ from meshkit.parallel.context import apply_context_parallel
 from meshkit.parallel.ddp import apply_ddp
 from meshkit.parallel.fsdp import apply_fsdp
 from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
-from meshkit.parallel.pipeline import PipelineModel, chunks_per_rank, split_model, stage_ids
+from meshkit.parallel.pipeline import PipelineError, PipelineModel, chunks_per_rank, split_model, stage_ids
 from meshkit.parallel.tensor import apply_tensor_parallel
 from meshkit.precision import autocast_forward
 
@@ -50,6 +50,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
     pp = mesh.size("pp")
     if pp == 1:
         return _parallelize_one(model, mesh, config, zero_stage, structure)
+    if config.tensor_parallel.sequence_parallel and structure.family != "gpt":
+        # A stage would hand sequence shards to the next, whose shape inference and hooks expect whole ones.
+        raise PipelineError(
+            "sequence parallel inside a pipeline is built for the reference GPT only: set "
+            "sequence_parallel=false (tensor parallel alone works with pp)"
+        )
     chunks = chunks_per_rank(config.pipeline)
     stage_list = stage_ids(mesh.coordinate("pp"), pp, chunks, config.pipeline.schedule)
     stage_modules = split_model(model, stage_list, pp * chunks, structure)

@@ -73,15 +73,15 @@ def make_transformers_stage(
             _replace(chunk, name, StandIn())
     forward = chunk.forward  # the causal-LM forward of this instance's class
 
-    def stage_forward(value: torch.Tensor) -> torch.Tensor:
+    def stage_forward(value: torch.Tensor, **kwargs: Any) -> torch.Tensor:  # kwargs: e.g. cp's position_ids
         if first:
             ids = value
         else:  # hidden states [batch, seq, hidden]: the ids only give the forward its shapes
             received.hidden = value
             ids = torch.zeros(value.shape[:2], dtype=torch.long, device=value.device)
         if last:
-            return forward(input_ids=ids, use_cache=False).logits
-        return base(input_ids=ids, use_cache=False).last_hidden_state
+            return forward(input_ids=ids, use_cache=False, **kwargs).logits
+        return base(input_ids=ids, use_cache=False, **kwargs).last_hidden_state
 
     chunk.forward = stage_forward  # type: ignore[method-assign]
     return chunk

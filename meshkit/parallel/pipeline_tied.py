@@ -29,6 +29,11 @@ class TiedAcrossStages:
         self.group = mesh.group("pp")
         mine = dict(model.named_parameters(remove_duplicate=False))
         self.copies: list[list[nn.Parameter]] = []
+        # copies held under a name other than their group's first: a clip norm must count them only once
+        self.counted_elsewhere = {
+            id(p) for names in structure.tied for n in names[1:] if (p := mine.get(n)) is not None
+        }
+        self.counted_elsewhere -= {id(p) for names in structure.tied if (p := mine.get(names[0])) is not None}
         local_shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         for index, names in enumerate(structure.tied):
             params = list({id(p): p for name in names if (p := mine.get(name)) is not None}.values())
