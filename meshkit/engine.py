@@ -126,6 +126,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         self._logits_sharded = False  # a prepared model returns vocab-sharded logits (tensor parallel)
         self._fused_qkv: dict[int, dict[str, int]] = {}  # id(prepared model) -> interleaved weights and their dim
         self._tied_aliases: dict[int, dict[str, str]] = {}  # id(prepared model) -> tied name -> stored name
+        self._causal_lm = False  # the prepared model is a causal LM (next-token logits)
         self._checkpointed: list[CheckpointedBlock] = []  # blocks under activation checkpointing/offload
         self._gradients = GradientSync(
             self.gradient_state,
@@ -222,6 +223,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         self._logits_sharded |= done.logits_sharded
         self._fused_qkv[id(done.model)] = done.fused_qkv
         self._tied_aliases[id(done.model)] = done.structure.aliases() if done.structure else {}
+        self._causal_lm = done.structure is not None and done.structure.causal_lm  # HF batches get the LM loss
         self._checkpointed.extend(done.checkpointed)
         if done.partial_over_tp:
             partial = [now[name] for name in done.partial_over_tp if name in now]
@@ -298,7 +300,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         """Forward, backward and (on syncing micro-steps) clip, optimizer and scheduler step; returns the loss."""
         model = self._only("model", self._models)
         optimizer = self._only("optimizer", self._optimizers)
-        causal = self.loss_fn is None and is_causal_lm_batch(batch)
+        causal = self.loss_fn is None and self._causal_lm and is_causal_lm_batch(batch)
         if causal:  # labels shifted before any sequence split; the loss is the mean over the step's tokens
             batch = split_causal_lm_batch(batch)
         if self.mesh.size("cp") > 1:

@@ -15,7 +15,7 @@ from meshkit.models.structure import StructureError, describe
 from meshkit.parallel.pipeline import PipelineError, split_model
 from meshkit.parallel.tensor import check_heads
 from meshkit.parallel.tensor_auto import TensorParallelError
-from tests.hf_models import FAMILIES, causal_lm
+from tests.hf_models import FAMILIES, causal_lm, config, transformers
 from tests.training import tiny_gpt
 
 TIED = {"gpt2", "gemma", "gemma2", "gemma3"}  # tie_word_embeddings by default in these families
@@ -120,3 +120,15 @@ def test_a_data_parallel_wrapped_model_is_unwrapped_with_a_warning() -> None:
         prepared = engine.prepare(nn.DataParallel(inner))
     assert not isinstance(prepared, nn.DataParallel)
     assert {id(p) for p in prepared.parameters()} == {id(p) for p in inner.parameters()}
+
+
+def test_a_classifier_batch_with_labels_keeps_the_models_own_loss() -> None:
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(config("llama", num_labels=3))
+    assert not describe(model).causal_lm
+    batch = {"input_ids": torch.randint(3, 60, (2, 8)), "labels": torch.tensor([0, 2])}
+    with Engine() as engine:
+        model, _ = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        expected = model(**batch).loss.detach()
+        loss = engine.train_step(batch)  # not the causal-LM loss: the labels are classes, not next tokens
+    assert torch.allclose(loss, expected)

@@ -102,7 +102,9 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, structure
                 "engine.train_step(batch) (it shifts them before the split), or pass loss_fn= to prepare()"
             )
         if kwargs.get(argument) is None:
-            tokens = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+            tokens = args[0] if args else kwargs.get("input_ids")
+            if tokens is None:  # the first tensor argument gives the local sequence length
+                tokens = next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
             positions = local_positions(tokens.shape[1], cp, rank, tokens.device)
             # transformers models take position_ids [batch, seq] (a batch of 1 broadcasts); others [seq]
             kwargs[argument] = positions[None] if argument == "position_ids" else positions
