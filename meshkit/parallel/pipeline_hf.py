@@ -52,11 +52,6 @@ class _Received:
         return args, {**kwargs, "hidden_states": hidden}
 
 
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
 def make_transformers_stage(
     chunk: nn.Module, structure: ModelStructure, first: bool, last: bool, first_block: int
 ) -> nn.Module:
@@ -66,11 +61,11 @@ def make_transformers_stage(
     if not first:
         for name in structure.first_stage:
             width = getattr(chunk.get_submodule(name), "embedding_dim", None)
-            _replace(chunk, name, StandIn(width))
+            chunk.set_submodule(name, StandIn(width))
         chunk.get_submodule(structure.blocks)[first_block].register_forward_pre_hook(received.hook, with_kwargs=True)
     if not last:
         for name in structure.last_stage:
-            _replace(chunk, name, StandIn())
+            chunk.set_submodule(name, StandIn())
     forward = chunk.forward  # the causal-LM forward of this instance's class
 
     def stage_forward(value: torch.Tensor, **kwargs: Any) -> torch.Tensor:  # kwargs: e.g. cp's position_ids

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-from meshkit.models.blocks import block_units, find_blocks
+from meshkit.models.blocks import block_units, find_blocks, is_placeholder
 from meshkit.models.structure import ModelStructure
 
 
@@ -49,14 +49,12 @@ def apply_sequence_parallel(
     _, blocks = find_blocks(model, structure.blocks)
     gather = _relayout_hook(mesh, Shard(1), Replicate())
     units = list(block_units(blocks))
-    names = {id(module): name for name, module in model.named_modules()}
     for _, block in units:
         for child in block.children():
-            prefix = names[id(child)] + "."
             if is_norm(child):
                 parallelize_module(child, mesh, SequenceParallel(use_local_output=True))
-            elif any(name.startswith(prefix) for name in split_modules):
-                child.register_forward_pre_hook(gather, with_kwargs=True)
+    for _, region in split_regions(model, structure, split_modules):
+        region.register_forward_pre_hook(gather, with_kwargs=True)
     holds_first = all(_present(model, name) for name in structure.first_stage)
     if units and holds_first:  # hidden states arrive whole from the model's own forward: keep this rank's share
         units[0][1].register_forward_pre_hook(_relayout_hook(mesh, Replicate(), Shard(1)), with_kwargs=True)
@@ -67,10 +65,25 @@ def apply_sequence_parallel(
             module.register_forward_pre_hook(gather, with_kwargs=True)
 
 
+def split_regions(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each block child holding column/row-split layers: the attentions and MLPs."""
+    if structure.blocks is None:
+        return []
+    _, blocks = find_blocks(model, structure.blocks)
+    names = {id(module): name for name, module in model.named_modules()}
+    regions = []
+    for _, block in block_units(blocks):
+        for child in block.children():
+            prefix = names[id(child)] + "."
+            if any(name.startswith(prefix) for name in split_modules):
+                regions.append((names[id(child)], child))
+    return regions
+
+
 def _present(model: nn.Module, name: str) -> nn.Module | None:
     """The module at `name`, or None when this pipeline stage holds a stand-in instead."""
     try:
         module = model.get_submodule(name)
     except AttributeError:
         return None
-    return None if getattr(module, "is_placeholder", False) else module
+    return None if is_placeholder(module) else module

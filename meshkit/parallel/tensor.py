@@ -27,10 +27,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshkit.config import TensorParallelConfig
-from meshkit.models.blocks import block_units, find_blocks
 from meshkit.models.gpt import GPT
 from meshkit.models.structure import ModelStructure, describe
-from meshkit.parallel.sequence import apply_sequence_parallel
+from meshkit.parallel.sequence import apply_sequence_parallel, split_regions
 from meshkit.parallel.tensor_auto import TensorParallelError, divide_attributes, interleave_in_place, named_plan, style
 
 
@@ -136,15 +135,9 @@ def apply_tensor_parallel(
 def unsplit_in_split_regions(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[str]:
     """Parameters left whole inside an attention or MLP whose layers are split, e.g. Qwen3's and Gemma3's
     per-head q/k norms: each tp rank computes their gradient from its own heads only, so the parts are summed."""
-    if structure.blocks is None:
-        return []
-    _, blocks = find_blocks(model, structure.blocks)
-    names = {id(module): name for name, module in model.named_modules()}
-    partial = []
-    for _, block in block_units(blocks):
-        for child in block.children():
-            prefix = names[id(child)] + "."
-            if not any(name.startswith(prefix) for name in split_modules):
-                continue
-            partial.extend(prefix + name for name, param in child.named_parameters() if not isinstance(param, DTensor))
-    return partial
+    return [
+        f"{name}.{param_name}"
+        for name, region in split_regions(model, structure, split_modules)
+        for param_name, param in region.named_parameters()
+        if not isinstance(param, DTensor)
+    ]
