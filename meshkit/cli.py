@@ -20,7 +20,7 @@ from meshkit.config import LaunchSettings
 from meshkit.errors import MeshkitError, one_line
 from meshkit.estimate_cli import estimate_command
 from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
-from meshkit.launching.preflight import check_job, check_recipe
+from meshkit.launching.preflight import check_job, check_layout, check_recipe, check_resume_path
 from meshkit.mesh import ProcessInfo
 from meshkit.plan_cli import plan_command
 from meshkit.resolve import ResolvedConfig, default_config_path, parse_assignments, resolve
@@ -171,6 +171,30 @@ def train(
     check_recipe(resolved.config)
     target = LaunchTarget("meshkit.recipes.train", (str(config), *assignments), module=True)
     raise typer.Exit(launch(target, LaunchPlan.from_config(resolved.config)))
+
+
+@app.command(context_settings=PASS_THROUGH)
+@user_errors
+def finetune(
+    config: Annotated[Path, typer.Argument(help="YAML config (Axolotl keys + meshkit keys)")],
+    overrides: Annotated[
+        Optional[list[str]], typer.Argument(help="key=value overrides, e.g. learning_rate=1e-4 zero_stage=3")
+    ] = None,
+) -> None:
+    """Fine-tune a transformers causal LM on JSONL, full or LoRA: `meshkit finetune examples/finetune/lora.yaml`."""
+    from meshkit.recipes.finetune import finetune as run_recipe
+    from meshkit.recipes.finetune_config import resolve_finetune
+
+    assignments = overrides or []
+    job = resolve_finetune(config, assignments)
+    settings = job.resolved.config.launch
+    if ProcessInfo.from_env().launched or settings.nproc_per_node * settings.nnodes == 1:
+        run_recipe(job)
+        return
+    check_layout(job.resolved.config)
+    check_resume_path(job.resolved.config)
+    target = LaunchTarget("meshkit.recipes.finetune", (str(config), *assignments), module=True)
+    raise typer.Exit(launch(target, LaunchPlan.from_config(job.resolved.config)))
 
 
 @config_app.callback(invoke_without_command=True)

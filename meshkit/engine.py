@@ -44,6 +44,7 @@ from meshkit.loss import (
     token_loss_sum,
 )
 from meshkit.mesh import ParallelDims, ParallelMesh, ProcessInfo, select_device, start_process_group
+from meshkit.models.adapters import LoraMerge, lora_merges
 from meshkit.parallel.activation import CheckpointedBlock
 from meshkit.parallel.compose import parallelize, unwrap
 from meshkit.parallel.context import shard_sequence
@@ -126,6 +127,8 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         self._logits_sharded = False  # a prepared model returns vocab-sharded logits (tensor parallel)
         self._fused_qkv: dict[int, dict[str, int]] = {}  # id(prepared model) -> interleaved weights and their dim
         self._tied_aliases: dict[int, dict[str, str]] = {}  # id(prepared model) -> tied name -> stored name
+        self._adapter_merges: dict[int, dict[str, LoraMerge]] = {}  # id(prepared model) -> LoRA layers to fold
+        self._user_modules: dict[int, nn.Module] = {}  # id(prepared model) -> the module the user passed
         self._causal_lm = False  # the prepared model is a causal LM (next-token logits)
         self._checkpointed: list[CheckpointedBlock] = []  # blocks under activation checkpointing/offload
         self._gradients = GradientSync(
@@ -217,11 +220,14 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
             )
             model = model.module
         originals = list(model.named_parameters(remove_duplicate=False))  # tied weights: every name
+        merges = lora_merges(model)  # before a pipeline split: the whole model's adapter layers
         done = parallelize(model, self.mesh, self.config, self.zero_stage)
         now = dict(unwrap(done.model).named_parameters(remove_duplicate=False))
         self._renamed_params.update(renamed_parameters(originals, now))
         self._logits_sharded |= done.logits_sharded
         self._fused_qkv[id(done.model)] = done.fused_qkv
+        self._adapter_merges[id(done.model)] = merges
+        self._user_modules[id(done.model)] = model
         self._tied_aliases[id(done.model)] = done.structure.aliases() if done.structure else {}
         self._causal_lm = done.structure is not None and done.structure.causal_lm  # HF batches get the LM loss
         self._checkpointed.extend(done.checkpointed)
@@ -329,6 +335,25 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
             optimizer.zero_grad()
         loss = loss.detach()
         return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
+
+    @torch.no_grad()
+    def eval_token_loss(self, batch: Any) -> tuple[float, int]:
+        """(summed next-token loss, tokens counted) of an HF-style causal-LM batch (`input_ids`, `labels`),
+        summed over every data-parallel rank; no gradients. Every rank calls it (each with its own batch) in
+        every layout, pipelines included; divide the sums of several batches for the mean loss."""
+        model = self._only("model", self._models)
+        inputs, targets = split_causal_lm_batch(batch)
+        if self.mesh.size("cp") > 1:
+            inputs, targets = self.shard_sequence((inputs, targets))
+        with self.loss_parallel():
+            if self._pipeline is not None:
+                total = self._pipeline.evaluate(*pipeline_pair((inputs, targets), True))
+            else:
+                total = token_loss_sum(logits_of(model(**inputs)), targets)
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+        count = (targets != IGNORE_INDEX).sum()
+        summed = self.reduce(torch.stack((total.float(), count.float())), "sum")
+        return float(summed[0]), int(summed[1])
 
     # ------------------------------------------------------------------ end
     def end(self, *, wait_for_peers: bool = True) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ from meshkit import collectives
 from meshkit.activation_report import ActivationReport
 from meshkit.checkpoint.model_export import save_model_weights
 from meshkit.errors import MeshkitError
+from meshkit.export import write_atomically
 from meshkit.memory import memory_report
+from meshkit.models import hf_adapter
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.tensor_auto import restore_fused_qkv
 
@@ -29,6 +32,8 @@ class WeightsMixin:
     _models: list[nn.Module]
     _optimizers: list[Any]
     _fused_qkv: dict[int, dict[str, int]]
+    _adapter_merges: dict[int, dict[str, Any]]
+    _user_modules: dict[int, nn.Module]
     _checkpointed: list[Any]
     mesh: Any
     config: Any
@@ -44,13 +49,17 @@ class WeightsMixin:
     def unwrap_model(self, model: nn.Module | None = None) -> nn.Module:
         return unwrap(model if model is not None else self._only("model", self._models))
 
-    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """The complete, unsharded state dict of a prepared model (same keys as the user's module).
+    def full_state_dict(
+        self, model: nn.Module | None = None, keys: Callable[[str], bool] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The complete, unsharded state dict of a prepared model (same keys as the user's module); with `keys`,
+        only the entries it accepts (e.g. adapter weights), so nothing else is gathered.
 
         Collective under ZeRO-3: every rank must call it (each shard is all-gathered).
         """
         prepared = model if model is not None else self._only("model", self._models)
-        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in unwrap(prepared).state_dict().items()}
+        local = {k: v for k, v in unwrap(prepared).state_dict().items() if keys is None or keys(k)}
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in local.items()}
         for name, dim in self._fused_qkv.get(id(prepared), {}).items():
             if name in full:
                 full[name] = restore_fused_qkv(full[name], self.mesh.size("tp"), dim)
@@ -75,11 +84,23 @@ class WeightsMixin:
         return ActivationReport(self._models, self._checkpointed, self.config.blocks)
 
     def save_model(
-        self, out_dir: str | os.PathLike[str], model: nn.Module | None = None, max_shard_size: int | str = "2GB"
+        self,
+        out_dir: str | os.PathLike[str],
+        model: nn.Module | None = None,
+        max_shard_size: int | str = "2GB",
+        merge_adapters: bool = True,
     ) -> Path:
         """Write the full weights as safetensors shards plus `model.safetensors.index.json` (Hugging Face
-        layout), from any layout. Collective: every rank calls it; the main process writes, one shard at a time.
+        layout), from any layout; for a transformers model also `config.json` and `generation_config.json`,
+        so that `from_pretrained(out_dir)` loads it. LoRA adapters are merged into their base weights unless
+        `merge_adapters=False`. Collective: every rank calls it; the main process writes, one shard at a time.
         """
         prepared = model if model is not None else self._only("model", self._models)
         fused = self._fused_qkv.get(id(prepared), {})
-        return save_model_weights(prepared, self.mesh, fused, out_dir, max_shard_size)
+        merges = self._adapter_merges.get(id(prepared), {}) if merge_adapters else {}
+        index = save_model_weights(prepared, self.mesh, fused, out_dir, max_shard_size, merges)
+        user_module = self._user_modules.get(id(prepared))
+        if self.mesh.info.rank == 0 and user_module is not None:
+            for name, text in hf_adapter.config_files(user_module).items():
+                write_atomically(Path(out_dir) / name, text=text)
+        return index

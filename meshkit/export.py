@@ -78,7 +78,7 @@ def plan_shards(tensors: list[TensorInfo], max_shard_bytes: int) -> list[list[Te
     return shards
 
 
-def _write_atomically(path: Path, tensors: dict[str, torch.Tensor] | None = None, text: str | None = None) -> None:
+def write_atomically(path: Path, tensors: dict[str, torch.Tensor] | None = None, text: str | None = None) -> None:
     tmp = path.with_name(path.name + ".tmp")
     if tensors is not None:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -118,7 +118,7 @@ class ShardStream:
 
     def _flush(self) -> None:
         file_name = self.names[self._shard]
-        _write_atomically(self.out / file_name, tensors=self._pending)
+        write_atomically(self.out / file_name, tensors=self._pending)
         self.weight_map.update(dict.fromkeys(self._pending, file_name))
         self._pending = {}
         self._shard += 1
@@ -131,7 +131,7 @@ class ShardStream:
                 raise ValueError(f"export: {len(self.plan) - self._shard} shard(s) were never completed")
         total = sum(info.nbytes for shard in self.plan for info in shard)
         index = {"metadata": {"total_size": total}, "weight_map": self.weight_map}
-        _write_atomically(self.out / INDEX_NAME, text=json.dumps(index, indent=2, sort_keys=True))
+        write_atomically(self.out / INDEX_NAME, text=json.dumps(index, indent=2, sort_keys=True))
         for stale in self.out.glob("model*.safetensors"):
             if stale.name not in self.names:
                 stale.unlink()  # a shard of an earlier export with a different shard count

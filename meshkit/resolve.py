@@ -262,11 +262,15 @@ def resolve(
     flag_labels: Mapping[str, str] | None = None,
     env: Mapping[str, str] | None = None,
     file: str | os.PathLike[str] | None = None,
+    file_values: Mapping[str, Any] | None = None,
+    file_labels: Mapping[str, str] | None = None,
 ) -> ResolvedConfig:
     """Merge the sources into a validated `RunConfig` (see the module docstring for the order).
 
     `file` defaults to `$MESHKIT_CONFIG_FILE`, then `~/.config/meshkit/config.yaml` when it exists. `flags`
     default to those the launcher passed to this worker. `code` may nest sections or use leaf names.
+    `file_values` replaces reading `file` (a recipe that translated its own file format), each key labelled
+    by `file_labels` (default: the file).
     """
     env = os.environ if env is None else env
     if flags is None:
@@ -285,7 +289,10 @@ def resolve(
     path = file if file is not None else env.get(ENV_CONFIG_FILE)
     if path is None and default_config_path(env).is_file():
         path = default_config_path(env)
-    if path is not None:
+    if file_values is not None:
+        labels = file_labels or {}
+        apply(flatten(file_values, f"file {path}"), lambda k: labels.get(k, f"file {path}"))
+    elif path is not None:
         apply(flatten(read_config_file(path), f"file {path}"), lambda _k: f"file {path}")
     env_vals, env_labels = env_values(env)
     apply(env_vals, env_labels.__getitem__)

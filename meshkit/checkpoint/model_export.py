@@ -20,6 +20,7 @@ from meshkit.checkpoint.directory import resolve_resume
 from meshkit.checkpoint.storage import CheckpointError, load_tensors, stored_shapes
 from meshkit.export import ShardStream, TensorInfo, parse_size, plan_shards, storage_identity
 from meshkit.mesh import ParallelMesh
+from meshkit.models.adapters import LoraMerge, is_adapter_parameter, merged_weight
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.tensor_auto import restore_fused_qkv
 
@@ -42,16 +43,31 @@ def _local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _exported_names(local: dict[str, torch.Tensor], merges: dict[str, LoraMerge]) -> dict[str, str]:
+    """Exported name -> local name: adapter weights are folded into their base weight, which takes its base name."""
+    if not merges:
+        return {name: name for name in local}
+    by_base = {merge.base: name for name, merge in merges.items()}
+    return {by_base.get(name, name): name for name in local if not is_adapter_parameter(name)}
+
+
 def save_model_weights(
     model: nn.Module,
     mesh: ParallelMesh,
     fused: dict[str, int],
     out_dir: str | os.PathLike[str],
     max_shard_size: int | str,
+    merges: dict[str, LoraMerge] | None = None,
 ) -> Path:
-    """Collective: every rank calls it; rank 0 writes `out_dir`. Returns the index path."""
+    """Collective: every rank calls it; rank 0 writes `out_dir`. Returns the index path.
+
+    With `merges` (LoRA layers), each adapted weight is written merged (base + scaling · B @ A) under the base
+    model's name, and the adapter weights themselves are left out: the result loads into the base model class.
+    """
     local = _local_tensors(model)
-    mine = [(name, tuple(t.shape), str(t.dtype)) for name, t in local.items()]
+    merges = merges or {}
+    exported = _exported_names(local, merges)
+    mine = [(out, tuple(local[name].shape), str(local[name].dtype)) for out, name in exported.items()]
     pp = mesh.size("pp")
     stages = collectives.gather_object(mine, mesh.group("pp")) if pp > 1 else [mine]
     stage_of_rank = collectives.gather_object(mesh.coordinate("pp"), None) if pp > 1 else [0]
@@ -66,22 +82,28 @@ def save_model_weights(
     plan = plan_shards(infos, parse_size(max_shard_size))
     rank, my_stage = (dist.get_rank() if dist.is_initialized() else 0), mesh.coordinate("pp")
     stream = ShardStream(out_dir, plan) if rank == 0 else None
+
+    def full(name: str) -> torch.Tensor:  # collective over the tensor's mesh when it is sharded
+        tensor = local[name]
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        return restore_fused_qkv(whole, mesh.size("tp"), fused[name]) if name in fused else whole
+
     for shard in plan:
         for info in shard:
             stage = owner[info.name]
-            full = None
+            tensor = None
             if stage == my_stage:
-                tensor = local[info.name]
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-                if info.name in fused:
-                    full = restore_fused_qkv(full, mesh.size("tp"), fused[info.name])
+                tensor = full(exported[info.name])
+                merge = merges.get(info.name)
+                if merge is not None:
+                    tensor = merged_weight(tensor, full(merge.a), full(merge.b), merge)
                 if rank == leads[stage] and rank != 0:
-                    dist.send(full.to("cpu").contiguous(), dst=0)
+                    dist.send(tensor.to("cpu").contiguous(), dst=0)
             elif rank == 0:
-                full = torch.empty(info.shape, dtype=info.dtype)
-                dist.recv(full, src=leads[stage])
-            if stream is not None and full is not None:
-                stream.add(info.name, full)
+                tensor = torch.empty(info.shape, dtype=info.dtype)
+                dist.recv(tensor, src=leads[stage])
+            if stream is not None and tensor is not None:
+                stream.add(info.name, tensor)
     index = stream.close() if stream is not None else Path(out_dir) / "model.safetensors.index.json"
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

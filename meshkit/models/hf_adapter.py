@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from meshkit.models.adapters import has_adapters
 from meshkit.models.blocks import block_units, find_blocks
 
 if TYPE_CHECKING:
@@ -25,6 +26,29 @@ def is_transformers_model(model: nn.Module) -> bool:
     return any(
         cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(model).__mro__
     )
+
+
+def module_initializer(model: nn.Module) -> Any:
+    """A transformers model's own per-module initialisation (`_init_weights`, which also recomputes rotary
+    tables), as `init(name, module)`; None for any other model."""
+    if not is_transformers_model(model) or not hasattr(model, "_init_weights"):
+        return None
+
+    def init(_name: str, module: nn.Module) -> None:
+        model._init_weights(module)
+
+    return init
+
+
+def config_files(model: nn.Module) -> dict[str, str]:
+    """`config.json` (and `generation_config.json`) of a transformers model, as text; {} for other models."""
+    if not is_transformers_model(model):
+        return {}
+    files = {"config.json": model.config.to_json_string()}
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        files["generation_config.json"] = generation.to_json_string()
+    return files
 
 
 def _config_int(config: Any, *names: str) -> int | None:
@@ -72,6 +96,12 @@ def _cannot(config: Any, family: str) -> dict[str, str]:
     return notes
 
 
+def _adapter_notes(model: nn.Module) -> dict[str, str]:
+    if not has_adapters(model):
+        return {}
+    return {"tp": "its LoRA adapter layers are not split by tensor parallel; use zero_stage, pp or cp instead"}
+
+
 def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
     from meshkit.models.structure import ModelStructure, StructureError, takes_argument, tied_parameters
 
@@ -109,5 +139,5 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
         position_argument="position_ids" if takes_argument(model.forward, "position_ids") else None,
         tied=tied_parameters(model),
         causal_lm=causal,
-        notes=_cannot(config, family),
+        notes=_cannot(config, family) | _adapter_notes(model),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshkit.errors import MeshkitError
+from meshkit.models import hf_adapter
+from meshkit.models.adapters import adapter_submodules, base_checkpoint_name, is_adapter_parameter, reset_adapter
 
 
 class MaterializeError(MeshkitError):
@@ -55,10 +58,24 @@ def _full_size(module: nn.Module) -> Iterator[None]:
         module._parameters.update(sharded)
 
 
+@contextlib.contextmanager
+def _adapters_full_size(module: nn.Module) -> Iterator[bool]:
+    """Full-size adapter weights of a LoRA layer (yields False, and does nothing, for any other module)."""
+    parts = adapter_submodules(module)
+    with contextlib.ExitStack() as stack:
+        for part in parts:
+            stack.enter_context(_full_size(part))
+        yield bool(parts)
+
+
 def module_initializer(model: nn.Module) -> Callable[[str, nn.Module], None]:
-    """The model's `init_module(name, module)`, else a call of each module's own `reset_parameters`."""
+    """The model's `init_module(name, module)`, a transformers model's own initialisation, else a call of each
+    module's own `reset_parameters`."""
     if hasattr(model, "init_module"):
         return model.init_module
+    from_family = hf_adapter.module_initializer(model)
+    if from_family is not None:
+        return from_family
     lacking = [
         name or type(model).__name__
         for name, module in model.named_modules()
@@ -84,6 +101,18 @@ def initialize(model: nn.Module) -> None:
     for name, module in model.named_modules():
         with _full_size(module):
             init(name, module)
+    for name, module in model.named_modules():  # after their children's generic init: adapters start as a no-op
+        _reset_adapters(name, module)
+
+
+def _reset_adapters(name: str, module: nn.Module) -> None:
+    """A LoRA layer's initial adapter weights, drawn from a generator seeded by the run seed and the layer's
+    name: the same values whichever ranks or pipeline stages initialise which layers."""
+    with _adapters_full_size(module) as is_lora_layer:
+        if is_lora_layer:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((torch.initial_seed() + zlib.crc32(name.encode())) % 2**63)
+                reset_adapter(module)
 
 
 def safetensors_files(source: Path) -> dict[str, Path]:
@@ -98,38 +127,47 @@ def safetensors_files(source: Path) -> dict[str, Path]:
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, source: Path) -> None:
-    """Stream tensors from safetensors into the (sharded) model, one full tensor in memory at a time."""
+def load_safetensors(model: nn.Module, source: Path, stage_only: bool = False) -> None:
+    """Stream tensors from safetensors into the (sharded) model, one full tensor in memory at a time.
+
+    Adapter weights (LoRA) are not in a base checkpoint: they get their own initialisation; a wrapped layer's
+    weight is read under its base name. Buffers outside the state dict (e.g. rotary tables) are recomputed.
+    `stage_only`: the model is one pipeline stage, so the file holds other stages' tensors too.
+    """
     files = safetensors_files(source)
     targets = model.state_dict(keep_vars=True)  # parameters and persistent buffers, as the model holds them
-    missing, unexpected = sorted(set(targets) - set(files)), sorted(set(files) - set(targets))
+    stored_as = {name: base_checkpoint_name(name) for name in targets if not is_adapter_parameter(name)}
+    missing = sorted(name for name, stored in stored_as.items() if stored not in files)
+    unexpected = [] if stage_only else sorted(set(files) - set(stored_as.values()))
     if missing or unexpected:
         raise MaterializeError(
             f"'{source}' does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     by_file: dict[Path, list[str]] = {}
-    for name in targets:
-        by_file.setdefault(files[name], []).append(name)
+    for name, stored in stored_as.items():
+        by_file.setdefault(files[stored], []).append(name)
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as handle:
             for name in names:
-                full, target = handle.get_tensor(name), targets[name]
+                full, target = handle.get_tensor(stored_as[name]), targets[name]
                 if tuple(full.shape) != tuple(target.shape):
                     raise MaterializeError(
                         f"'{name}' has shape {tuple(full.shape)} in {file.name}; the model has {tuple(target.shape)}"
                     )
                 device = (target.to_local() if isinstance(target, DTensor) else target).device
                 _set_local(target, full.to(device=device, dtype=target.dtype))
-    init = module_initializer(model) if hasattr(model, "init_module") else None
-    for name, module in model.named_modules():  # buffers outside the state dict (e.g. RoPE tables)
-        if init and module._non_persistent_buffers_set and not any(True for _ in module.parameters(recurse=False)):
+    init = hf_adapter.module_initializer(model) or getattr(model, "init_module", None)
+    for name, module in model.named_modules():
+        _reset_adapters(name, module)
+        owns_parameters = any(True for _ in module.parameters(recurse=False))
+        if init and module._non_persistent_buffers_set and not owns_parameters:  # e.g. RoPE tables
             init(name, module)
 
 
-def materialize(model: nn.Module, device: torch.device, source: Path | None = None) -> None:
+def materialize(model: nn.Module, device: torch.device, source: Path | None = None, stage_only: bool = False) -> None:
     """Allocate the meta-device model's (local) tensors on `device` and fill them."""
     model.to_empty(device=device)
     if source is not None:
-        load_safetensors(model, source)
+        load_safetensors(model, source, stage_only)
     else:
         initialize(model)

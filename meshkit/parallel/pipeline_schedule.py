@@ -65,3 +65,21 @@ class PipelineRunner:
         if token_mean:
             loss = collectives.reduce(loss, grad_group, op="mean")
         return loss
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only: the summed micro-batch losses (token sums for the causal-LM loss), on every rank."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.model.has_first_stage else ()
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.model.has_last_stage else {}
+        scale = getattr(self.loss_fn, "scale", None)
+        if scale is not None:
+            self.loss_fn.scale = 1.0
+        try:
+            self.schedule.eval(*args, **kwargs)
+        finally:
+            if scale is not None:
+                self.loss_fn.scale = scale
+        local = [(x.full_tensor() if isinstance(x, DTensor) else x).detach().float() for x in losses]
+        total = torch.stack(local).sum() if local else torch.zeros((), device=inputs.device)
+        dist.broadcast(total, src=self.last_stage_rank, group=self.group)
+        return total

@@ -80,8 +80,10 @@ def print_summary(summary: dict[str, Any], run_dir: Path, plot: Path | None) -> 
     table.add_row("loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}")
     table.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}")
     table.add_row("wall time", f"{summary['wall_s']:.1f} s")
-    table.add_row("activations kept", activations_row(summary))
-    table.add_row("params sha256", summary["params_sha256"][:16] + "...")
+    if "activations" in summary:
+        table.add_row("activations kept", activations_row(summary))
+    if "params_sha256" in summary:
+        table.add_row("params sha256", summary["params_sha256"][:16] + "...")
     table.add_row("summary", str(run_dir / "summary.json"))
     table.add_row("loss plot", str(plot) if plot else "not drawn: pip install 'meshkit[plot]'")
     Console().print(table)

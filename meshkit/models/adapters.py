@@ -1,0 +1,96 @@
+"""Adapter layers injected into a model (peft LoRA), recognised by their shape: no import of peft here.
+
+peft wraps each targeted layer in place: the original weight moves to `<layer>.base_layer.weight` and the
+adapter adds `<layer>.lora_A.<adapter>.weight` / `<layer>.lora_B.<adapter>.weight` with a `scaling` per
+adapter. What meshkit needs to know about that is said here, once: which parameters a base checkpoint does
+not hold (and their initialisation), where a wrapped weight sits in the base checkpoint, and how to fold an
+adapter into its base weight for a merged export (W + scaling · B @ A).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_ADAPTER_PARAMETER = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
+_BASE_LAYER = ".base_layer."
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """A parameter an adapter added (no base checkpoint holds it)."""
+    return _ADAPTER_PARAMETER.search(f".{name}") is not None
+
+
+def base_checkpoint_name(name: str) -> str:
+    """Where a (possibly adapter-wrapped) parameter sits in the base model's checkpoint."""
+    return name.replace(_BASE_LAYER, ".")
+
+
+def _lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and hasattr(module, "base_layer"):
+            yield name, module
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return next(_lora_layers(model), None) is not None
+
+
+def adapter_submodules(module: nn.Module) -> list[nn.Module]:
+    """The modules holding a LoRA layer's adapter weights (empty when `module` is not a LoRA layer)."""
+    parts = [getattr(module, key, None) for key in ("lora_A", "lora_B")]
+    if not all(isinstance(part, nn.ModuleDict) for part in parts) or not hasattr(module, "base_layer"):
+        return []
+    return [sub for part in parts for sub in part.values()]
+
+
+@torch.no_grad()
+def reset_adapter(module: nn.Module) -> bool:
+    """Give a LoRA layer's adapters their initial values (A: Kaiming-uniform, B: zeros, so the adapted model
+    starts equal to the base model). True when `module` is such a layer."""
+    lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+    if not (isinstance(lora_a, nn.ModuleDict) and isinstance(lora_b, nn.ModuleDict) and hasattr(module, "base_layer")):
+        return False
+    for adapter in lora_a:
+        module.reset_lora_parameters(adapter, True)  # peft's own initialisation of that adapter
+    return True
+
+
+@dataclass(frozen=True)
+class LoraMerge:
+    """How one merged weight is made: base + scaling · (B @ A), transposed for fan-in-fan-out layers."""
+
+    base: str  # parameter name of the wrapped base weight
+    a: str
+    b: str
+    scaling: float
+    transpose: bool  # GPT-2 style Conv1D weights are stored [in, out]
+
+
+def lora_merges(model: nn.Module, adapter: str = "default") -> dict[str, LoraMerge]:
+    """Merged weight name (as the base model names it) -> how to compute it, for every LoRA-wrapped Linear."""
+    merges = {}
+    for name, module in _lora_layers(model):
+        if adapter not in module.lora_A:
+            continue
+        prefix = f"{name}." if name else ""
+        merges[f"{prefix}weight"] = LoraMerge(
+            base=f"{prefix}base_layer.weight",
+            a=f"{prefix}lora_A.{adapter}.weight",
+            b=f"{prefix}lora_B.{adapter}.weight",
+            scaling=float(module.scaling[adapter]),
+            transpose=bool(getattr(module, "fan_in_fan_out", False)),
+        )
+    return merges
+
+
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, merge: LoraMerge) -> torch.Tensor:
+    """The base weight with the adapter folded in, in the base weight's dtype."""
+    delta = (b.float() @ a.float()) * merge.scaling  # [out, r] @ [r, in] -> [out, in]
+    if merge.transpose:
+        delta = delta.T
+    return (base.float() + delta).to(base.dtype)

@@ -1,0 +1,143 @@
+"""The base model directory of a fine-tune: its tokenizer, the model built on the meta device (weights stream
+in later, one tensor at a time, into this rank's shards only), its weight files, and the outputs that must
+carry its files (tokenizer, generation sample)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshkit.errors import MeshkitError
+
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
+
+
+class BaseModelError(MeshkitError):
+    """A base model directory that cannot be used; the message names the file that is missing or wrong."""
+
+
+def weights_file(directory: Path) -> Path:
+    """The safetensors index (sharded) or single file of a `save_pretrained` directory."""
+    for name in WEIGHT_FILES:
+        if (directory / name).is_file():
+            return directory / name
+    if not directory.is_dir():
+        raise BaseModelError(f"base_model '{directory}' is not a directory: give a save_pretrained directory")
+    if any(directory.glob("*.bin")):
+        raise BaseModelError(
+            f"base_model '{directory}' has only pickle (.bin) weights: convert them to safetensors "
+            "(save_pretrained with safe_serialization) first"
+        )
+    raise BaseModelError(f"base_model '{directory}' has no model.safetensors or model.safetensors.index.json")
+
+
+def load_tokenizer(settings: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    directory = Path(settings.tokenizer_config or settings.base_model)
+    kind = settings.tokenizer_type
+    try:
+        if kind in (None, "AutoTokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        else:
+            import transformers
+
+            tokenizer_class = getattr(transformers, kind, None)
+            if tokenizer_class is None:
+                raise BaseModelError(f"tokenizer_type '{kind}' is not a transformers tokenizer class")
+            tokenizer = tokenizer_class.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as err:
+        if isinstance(err, MeshkitError):
+            raise
+        raise BaseModelError(f"cannot load the tokenizer from '{directory}': {str(err).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise BaseModelError(f"the tokenizer in '{directory}' has neither a pad nor an eos token: add one")
+        tokenizer.pad_token = tokenizer.eos_token  # padding never counts: its labels are -100
+    return tokenizer
+
+
+def build_meta_model(settings: Any) -> nn.Module:
+    """The base model's architecture on the meta device (no memory); `use_cache` off for training, so that
+    packed rows keep attention inside each sample."""
+    import transformers
+    from transformers import AutoConfig
+
+    directory = Path(settings.base_model_config or settings.base_model)
+    weights_file(Path(settings.base_model))
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise BaseModelError(f"cannot read config.json in '{directory}': {str(err).splitlines()[0]}") from None
+    kind = settings.model_type
+    model_class = getattr(transformers, kind, None)
+    if model_class is None or not hasattr(model_class, "from_config"):
+        raise BaseModelError(f"model_type '{kind}' is not a transformers model class (e.g. AutoModelForCausalLM)")
+    with torch.device("meta"):
+        model = model_class.from_config(config)
+    model.config.use_cache = False
+    if not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+        raise BaseModelError(f"meshkit finetune trains causal LMs; '{directory}' builds {type(model).__name__}")
+    return model
+
+
+def copy_files_for_loading(settings: Any, tokenizer: Any, out_dir: Path) -> None:
+    """Tokenizer files into an export directory (each file replaced atomically)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".tokenizer-") as staging:
+        tokenizer.save_pretrained(staging)
+        for file in Path(staging).iterdir():
+            os.replace(file, out_dir / file.name)
+
+
+def prompt_ids(input_ids: tuple[int, ...], labels: tuple[int, ...], ignore_index: int) -> list[int]:
+    """The tokens before the first trained token (for a completion, whose every token trains: its first half)."""
+    first = next((i for i, label in enumerate(labels) if i > 0 and label != ignore_index), len(labels))
+    return list(input_ids[: first if first > 1 else max(1, len(input_ids) // 2)])
+
+
+def generate_samples(
+    model_dir: Path, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int
+) -> list[dict[str, str]]:
+    """Greedy answers of the exported model to a few tokenized prompts (one process, CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    model.eval()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            generated = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        out.append(
+            {
+                "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
+                "answer": tokenizer.decode(generated[0, len(prompt) :], skip_special_tokens=True),
+            }
+        )
+    return out
+
+
+def replace_directory(staging: Path, final: Path) -> None:
+    """Put a completely written `staging` directory in the place of `final` (an earlier export is removed
+    only once the new one is in place)."""
+    old = final.with_name(f".{final.name}-old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staging, final)
+    if old.exists():
+        shutil.rmtree(old)

@@ -1,0 +1,82 @@
+"""LoRA for the fine-tuning recipe, through peft: wrap the base model, and write the adapter in peft's format.
+
+The engine trains the transformers model inside the peft wrapper (`get_base_model()`: the same modules, with
+LoRA layers injected), so every layout sees an ordinary transformers model. The adapter is written from the
+gathered adapter weights alone — never the sharded state peft's own `save_pretrained` cannot read — as
+`adapter_model.safetensors` + `adapter_config.json`, loadable by `PeftModel.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from meshkit.errors import MeshkitError
+from meshkit.export import write_atomically
+from meshkit.models.adapters import is_adapter_parameter
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class LoraSetupError(MeshkitError):
+    """LoRA settings that cannot be applied to the model."""
+
+
+def apply_lora(model: nn.Module, settings: Any) -> Any:
+    """The peft model around `model` (LoRA layers injected in place; base weights frozen)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise LoraSetupError("adapter: lora needs peft: pip install 'meshkit[hf]'") from None
+    if settings.lora_target_linear:
+        targets: Any = "all-linear"
+    elif settings.lora_target_modules:
+        targets = list(settings.lora_target_modules)
+    else:
+        raise LoraSetupError(
+            "adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]) or lora_target_linear: true"
+        )
+    config = LoraConfig(
+        r=settings.lora_r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=str(settings.base_model),
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:  # e.g. a target module name the model does not have
+        raise LoraSetupError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
+
+
+def save_adapter(engine: Any, peft_model: Any, out_dir: Path) -> Path | None:
+    """Collective: gathers the adapter weights; the main process writes them in peft's format to `out_dir`."""
+    from peft import get_peft_model_state_dict
+
+    adapter = engine.full_state_dict(keys=is_adapter_parameter)
+    if not engine.is_main_process:
+        return None
+    prefixed = {f"base_model.model.{name}": tensor.detach().cpu().contiguous() for name, tensor in adapter.items()}
+    weights = get_peft_model_state_dict(peft_model, state_dict=prefixed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomically(out_dir / ADAPTER_WEIGHTS, tensors={k: v.contiguous() for k, v in weights.items()})
+    config = peft_model.peft_config["default"].to_dict()
+    write_atomically(out_dir / ADAPTER_CONFIG, text=json.dumps(_jsonable(config), indent=2, sort_keys=True))
+    return out_dir
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, set):
+        return [_jsonable(v) for v in sorted(value, key=str)]
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)  # enums (task type) and paths
