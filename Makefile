@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: install demo test test-quick lint bench clean
+.PHONY: install demo finetune-demo test test-quick lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,12 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/meshkit train examples/demo.yaml
+
+examples/finetune/base/config.json: $(STAMP)
+	$(BIN)/python examples/finetune/make_base_model.py
+
+finetune-demo: examples/finetune/base/config.json
+	$(BIN)/meshkit finetune examples/finetune/lora.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -48,6 +48,7 @@ from meshkit.models.adapters import LoraMerge, lora_merges
 from meshkit.parallel.activation import CheckpointedBlock
 from meshkit.parallel.compose import parallelize, unwrap
 from meshkit.parallel.context import shard_sequence
+from meshkit.parallel.fsdp import reshard
 from meshkit.parallel.nvme import check_offload_dir
 from meshkit.parallel.pipeline import PipelineModel
 from meshkit.parallel.pipeline_schedule import PipelineRunner
@@ -350,6 +351,8 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
                 total = self._pipeline.evaluate(*pipeline_pair((inputs, targets), True))
             else:
                 total = token_loss_sum(logits_of(model(**inputs)), targets)
+        if self.zero_stage == 3:
+            reshard(model)
         total = total.full_tensor() if isinstance(total, DTensor) else total
         count = (targets != IGNORE_INDEX).sum()
         summed = self.reduce(torch.stack((total.float(), count.float())), "sum")

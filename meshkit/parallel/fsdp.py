@@ -12,7 +12,7 @@ import warnings
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from meshkit.config import ShardingConfig
 from meshkit.mesh import ParallelMesh
@@ -82,3 +82,11 @@ def set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:
             block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + forward])
         if backward:
             block.set_modules_to_backward_prefetch(blocks[max(0, index - backward) : index][::-1])
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the parameters a forward without backward (evaluation) left gathered: FSDP reshards the root and
+    the last block only after backward, and until then the model would show full, unsharded parameters."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
