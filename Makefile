@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/activation.py
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/checkpoint.py
+	$(BIN)/python bench/finetune.py --nproc 2
 	$(BIN)/meshkit bench comm --nproc-per-node 2 --out bench/results/comm-w2.json
 	$(BIN)/python bench/report.py
 

@@ -151,6 +151,19 @@ def activation(data: dict[str, Any]) -> str:
     )
 
 
+def finetune(data: dict[str, Any]) -> str:
+    median, rate = data["median_step_s"], data["tokens_per_s"]
+    rows = [[name, f"{median[name] * 1e3:.1f} ms", f"{rate[name]:,.0f}"] for name in median]
+    versus = data.get("ratio_meshkit_vs_accelerate")
+    ratios = f"meshkit / Accelerate tokens/s = {versus:.3f}; " if versus else ""
+    return (
+        f"World {data['world_size']}, {data['steps']} interleaved steps per loop, LoRA r {data['lora_r']} on every "
+        f"Linear of a Llama-style model, micro-batch {data['micro_batch']} samples (packed: rows of "
+        f"{data['sequence_len']} tokens), real (non-padding) tokens per second. {ratios}packed / padded = "
+        f"{data['ratio_packed_vs_padded']:.3f}.\n\n" + _table(["loop", "median step", "tokens/s"], rows)
+    )
+
+
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("Step time against peers, world 2", "overhead-w2.json", "python bench/overhead.py --nproc 2", overhead),
     ("Step time against peers, world 4", "overhead-w4.json", "python bench/overhead.py --nproc 4", overhead),
@@ -164,6 +177,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("Pipeline bubbles", "pipeline.json", "python bench/pipeline.py", pipeline),
     ("Checkpoint save and load", "checkpoint.json", "python bench/checkpoint.py", checkpoint),
     ("Collectives", "comm-w2.json", "meshkit bench comm --nproc-per-node 2", comm),
+    ("LoRA fine-tune throughput", "finetune-w2.json", "python bench/finetune.py --nproc 2", finetune),
 ]
 
 

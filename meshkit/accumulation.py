@@ -22,6 +22,7 @@ class GradientState:
     sync: bool = True
     end_of_dataloader: bool = False
     window_items: float = 0.0  # items (e.g. tokens) seen in this window, for item-weighted averaging
+    window_global_items: float | None = 0.0  # the window's items on every rank, when each micro-step told them
     weighted_window: bool | None = None  # does this window weight the loss by items? (fixed at first backward)
     optimizer_stepped: bool = False  # did the last optimizer step really update (False after an fp16 skip)?
     active_loader: Any = None  # the prepared loader iterated last (gather_for_metrics trims its padding)
@@ -32,6 +33,7 @@ class GradientState:
 
     def end_window(self) -> None:
         self.window_items = 0.0
+        self.window_global_items = 0.0
         self.weighted_window = None
 
 

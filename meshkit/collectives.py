@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,6 +63,22 @@ def reduce(data: Any, group: dist.ProcessGroup | None, op: str = "mean") -> Any:
         return out / size if op == "mean" else out
 
     return map_tensors(reduce_one, data)
+
+
+def start_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Callable[[], torch.Tensor]:
+    """Start summing `tensor` over `group` in the background; the returned function waits (once) and gives the
+    sum. Lets a small all-reduce run while the caller computes (e.g. a loss's token count during backward)."""
+    out = tensor.detach().clone()
+    work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True) if group_size(group) > 1 else None
+
+    def result() -> torch.Tensor:
+        nonlocal work
+        if work is not None:
+            work.wait()
+            work = None
+        return out
+
+    return result
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as tensor_parallel_loss
 from torch.utils.data import DataLoader
 
+from meshkit import collectives
 from meshkit.accumulation import GradientState, PreparedOptimizer, PreparedScheduler
 from meshkit.checkpoint.engine_mixin import CheckpointingMixin
 from meshkit.config import RunConfig
@@ -36,7 +37,6 @@ from meshkit.loss import (
     CausalLMLoss,
     LossFn,
     compute_loss,
-    global_token_mean,
     is_causal_lm_batch,
     logits_of,
     pipeline_pair,
@@ -322,8 +322,12 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
                 with self.loss_parallel():
                     total = token_loss_sum(logits_of(model(**inputs)), targets)
                 count = (targets != IGNORE_INDEX).sum()
-                self.backward(total / count.clamp(min=1), num_items=count)
-                loss = global_token_mean(total, count, self.mesh.grad_group)
+                # the step's loss sum and token count over every rank, summed while backward runs
+                summed = collectives.start_sum(
+                    torch.stack((total.detach().float(), count.float())), self.mesh.grad_group
+                )
+                self._gradients.backward(total / count.clamp(min=1), count, global_items=lambda: float(summed()[1]))
+                loss = summed()[0] / summed()[1].clamp(min=1)
             else:
                 with self.loss_parallel():
                     loss = compute_loss(model, batch, self.loss_fn)
@@ -337,6 +341,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         loss = loss.detach()
         return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
 
+    @watched("eval_token_loss")
     @torch.no_grad()
     def eval_token_loss(self, batch: Any) -> tuple[float, int]:
         """(summed next-token loss, tokens counted) of an HF-style causal-LM batch (`input_ids`, `labels`),

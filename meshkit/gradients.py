@@ -57,6 +57,15 @@ class GradientSync:
         self.models = models  # the engine's lists: prepared objects appear here as they are prepared
         self.optimizers = optimizers
         self.model_reducers: list[GradientReducer] = []  # for models no DDP/FSDP wrapper reduces
+        self._parameters: tuple[tuple[int, ...], list[nn.Parameter]] = ((), [])  # (ids of models, their params)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every prepared model's parameters, listed once per set of models (walking the modules each step
+        costs as much as a small all-reduce)."""
+        key = tuple(map(id, self.models))
+        if self._parameters[0] != key:
+            self._parameters = (key, [p for model in self.models for p in model.parameters()])
+        return self._parameters[1]
 
     @property
     def zero_optimizers(self) -> list[ZeroOptimizer]:
@@ -78,7 +87,14 @@ class GradientSync:
                     stack.enter_context(model.no_sync())
             yield
 
-    def backward(self, loss: torch.Tensor, num_items: float | torch.Tensor | None) -> None:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        num_items: float | torch.Tensor | None,
+        global_items: Callable[[], float] | None = None,
+    ) -> None:
+        """`global_items`: gives this micro-step's item count summed over the gradient group, computed by the
+        caller while backward ran (train_step); without it the window's count is all-reduced when it ends."""
         state = self.state
         weighted = num_items is not None
         if state.weighted_window is None:
@@ -97,24 +113,28 @@ class GradientSync:
             reducer.before_backward()
         with self.loss_context():
             loss.backward()
+        if weighted:
+            known = state.window_global_items is not None and global_items is not None
+            state.window_global_items = state.window_global_items + global_items() if known else None  # type: ignore[operator,misc]
         if state.sync:
             if weighted:
-                self._divide_by_items(state.window_items, loss.device)
+                self._divide_by_items(state.window_items, state.window_global_items, loss.device)
             for reducer in reducers:
                 reducer.reduce_gradients()
             state.end_window()
 
-    def _divide_by_items(self, local_items: float, device: torch.device) -> None:
-        total = collectives.reduce(torch.tensor(local_items, device=device), self.grad_group, op="sum").item()
-        if total <= 0:
+    def _divide_by_items(self, local_items: float, global_items: float | None, device: torch.device) -> None:
+        if global_items is None:
+            global_items = collectives.reduce(torch.tensor(local_items, device=device), self.grad_group, op="sum")
+            global_items = float(global_items)
+        if global_items <= 0:
             raise GradientError(
                 "backward(): num_items summed to 0 over the window; pass the count of items in the loss"
             )
-        factor = self.grad_size / total  # the gradient average divides by the group size already
-        for model in self.models:
-            for param in model.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(factor)
+        factor = self.grad_size / global_items  # the gradient average divides by the group size already
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)  # one call, not one kernel per parameter
 
     def reduce_after_schedule(self) -> None:
         """A pipeline schedule ran the backward passes itself: reduce what no wrapper reduced."""
@@ -131,7 +151,7 @@ class GradientSync:
         zero = self.zero_optimizers
         if zero:  # gradients live in per-rank chunks: the norm needs one all-reduce
             return zero[0].clip_grad_norm_(max_norm, norm_type)
-        params = [p for model in self.models for p in model.parameters() if p.grad is not None]
+        params = [p for p in self.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         norm = total_norm([p.grad for p in params if id(p) not in self.counted_elsewhere], norm_type)
         if self.pp_group is not None:  # every pipeline stage holds other parameters: combine their norms

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshkit import collectives
 from meshkit.errors import MeshkitError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -105,12 +104,6 @@ class CausalLMLoss:
 
     def __call__(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(logits_of(output), targets) * self.scale
-
-
-def global_token_mean(total: torch.Tensor, count: torch.Tensor, group: Any) -> torch.Tensor:
-    """Summed token loss over summed token count, across the ranks of `group` (what the step trained on)."""
-    summed = collectives.reduce(torch.stack((total.detach().float(), count.float())), group, op="sum")
-    return summed[0] / summed[1].clamp(min=1)
 
 
 def pipeline_pair(batch: Any, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,18 +34,21 @@ def root_cause(
         supervisor.refresh()
     timed = supervisor is not None and any(supervisor.exit_time(f.pid) is not None for f in failures.values())
 
-    def order(item: tuple[int, ProcessFailure]) -> tuple[float, int, float, int]:
+    def order(item: tuple[int, ProcessFailure]) -> tuple[float, int, int, float, int]:
         rank, failure = item
         stopped = int(-failure.exitcode in _AGENT_STOP)  # most likely the agent's own stop (ties only)
+        # In a tie, a death by a signal nobody in the job sent (SIGKILL, SIGSEGV) comes before an error, which
+        # may be its consequence (a peer's "connection closed").
+        consequence = int(not (failure.exitcode < 0 and not stopped))
         recorded = os.stat(failure.error_file).st_mtime_ns / 1e9 if _recorded(failure) else float("inf")
         seen = supervisor.exit_time(failure.pid) if supervisor is not None else None
         if seen is not None and failure.pid not in supervisor.killed:  # type: ignore[union-attr]
-            return seen, stopped, recorded, rank  # exits seen in one poll tie on time
+            return seen, stopped, consequence, recorded, rank  # exits seen in one poll tie on time
         if timed:  # the supervisor saw other exits but not this one: it ended after them
-            return float("inf"), stopped, recorded, rank
+            return float("inf"), stopped, consequence, recorded, rank
         if recorded != float("inf"):
-            return recorded, 0, recorded, rank
-        return failure.timestamp + 1.0, stopped, recorded, rank
+            return recorded, 0, 0, recorded, rank
+        return failure.timestamp + 1.0, stopped, consequence, recorded, rank
 
     return min(failures.items(), key=order)
 

@@ -6,6 +6,8 @@ Before the user's script or module runs (as `__main__`), the worker
 - on global rank 0, hosts this attempt's store on the address the launcher chose (never every interface).
 An exception is written, with its traceback, to the error file the elastic agent hands each worker, so the
 launcher can say which rank failed and why; a meshkit input error (a bad setting) is one line, exit code 2.
+A failed worker leaves without interpreter teardown: the native threads of a process group still alive can
+crash it (SIGSEGV), and the launcher would report that signal instead of the error's exit status.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import runpy
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -56,14 +59,26 @@ def run_user_program(run: Callable[[], Any]) -> None:
         record(run)()
     except MeshkitError:
         note_failure()
-        raise SystemExit(2) from None
+        exit_now(2)
     except SystemExit as stop:
         if stop.code not in (0, None, PREEMPTED_EXIT_CODE):
             note_failure()
         raise
-    except BaseException:
+    except KeyboardInterrupt:
         note_failure()
         raise
+    except BaseException:
+        note_failure()
+        traceback.print_exc()
+        exit_now(1)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code` after flushing its output, skipping interpreter teardown."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def note_failure() -> None:

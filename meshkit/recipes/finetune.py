@@ -30,11 +30,11 @@ from meshkit.loss import IGNORE_INDEX
 from meshkit.recipes.finetune_config import FinetuneJob, resolve_finetune
 from meshkit.recipes.hf_base import (
     build_meta_model,
-    copy_files_for_loading,
     generate_samples,
     load_tokenizer,
     prompt_ids,
     replace_directory,
+    write_tokenizer,
 )
 from meshkit.recipes.lora import apply_lora, save_adapter
 from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
@@ -245,7 +245,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     if val and (not evals or evals[-1]["step"] != len(losses)):
         evals.append({"step": len(losses), **evaluate(engine, model, val)})
     base.config.use_cache = True  # training turned it off; generation wants it
-    outputs = _write_outputs(engine, job, tokenizer, peft_model)
+    outputs = _write_outputs(engine, tokenizer, peft_model)
     summary = {
         "final_loss": losses[-1],
         "first_loss": losses[0],
@@ -286,19 +286,19 @@ def _endless(loader: Any) -> Any:
         yield from loader
 
 
-def _write_outputs(engine: Engine, job: FinetuneJob, tokenizer: Any, peft_model: Any) -> dict[str, str]:
+def _write_outputs(engine: Engine, tokenizer: Any, peft_model: Any) -> dict[str, str]:
     """The adapter (LoRA) at the output root; the merged model in `merged/`, swapped in once complete."""
     out = Path(engine.config.logging.dir)
     outputs: dict[str, str] = {}
     if peft_model is not None:
         save_adapter(engine, peft_model, out)
         if engine.is_main_process:
-            tokenizer.save_pretrained(out)
+            write_tokenizer(tokenizer, out)
         outputs["adapter"] = str(out)
     staging = out / ".merged-partial"
     engine.save_model(staging)
     if engine.is_main_process:
-        copy_files_for_loading(job.settings, tokenizer, staging)
+        write_tokenizer(tokenizer, staging)
         replace_directory(staging, out / "merged")
     engine.wait_for_everyone()
     outputs["merged"] = str(out / "merged")

@@ -87,7 +87,7 @@ def build_meta_model(settings: Any) -> nn.Module:
     return model
 
 
-def copy_files_for_loading(settings: Any, tokenizer: Any, out_dir: Path) -> None:
+def write_tokenizer(tokenizer: Any, out_dir: Path) -> None:
     """Tokenizer files into an export directory (each file replaced atomically)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".tokenizer-") as staging:
