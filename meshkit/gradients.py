@@ -132,9 +132,15 @@ class GradientSync:
                 "backward(): num_items summed to 0 over the window; pass the count of items in the loss"
             )
         factor = self.grad_size / global_items  # the gradient average divides by the group size already
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor)  # one call, not one kernel per parameter
+        # one call per kind of tensor, not one kernel per parameter (foreach ops take no mixed DTensor/Tensor lists)
+        kinds: dict[Any, list[torch.Tensor]] = {}
+        for param in self.parameters():
+            grad = param.grad
+            if grad is not None:
+                kind = (id(grad.device_mesh), grad.placements) if isinstance(grad, DTensor) else grad.device
+                kinds.setdefault(kind, []).append(grad)
+        for grads in kinds.values():
+            torch._foreach_mul_(grads, factor)
 
     def reduce_after_schedule(self) -> None:
         """A pipeline schedule ran the backward passes itself: reduce what no wrapper reduced."""

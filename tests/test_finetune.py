@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from meshkit.data.packing import PackedSamples, PadCollate, PaddedSamples, pack 
 from meshkit.loss import IGNORE_INDEX, split_causal_lm_batch  # noqa: E402
 from meshkit.recipes.finetune_config import resolve_finetune  # noqa: E402
 from meshkit.resolve import ConfigError  # noqa: E402
-from tests.cli import meshkit  # noqa: E402
+from tests.cli import ROOT, meshkit  # noqa: E402
 from tests.finetune_runs import make_material, write_config, write_jsonl  # noqa: E402
 
 
@@ -152,3 +154,22 @@ def test_a_packed_row_gives_the_per_sample_losses_of_the_samples_alone(material,
     got = _per_sample_losses(model, batch, bounds)
     assert len(got) == len(samples)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("example", ["lora.yaml", "full_zero3.yaml"])
+def test_the_example_configs_resolve(material, example) -> None:
+    job = resolve_finetune(ROOT / "examples" / "finetune" / example, [f"base_model={material['base']}"], env={})
+    assert job.resolved.config.launch.nproc_per_node in (2, 4) and job.notes == ()
+    assert (job.settings.adapter == "lora") == (example == "lora.yaml")
+
+
+def test_meshkit_finetune_launches_itself_on_two_ranks(tmp_path, material) -> None:
+    path = write_config(tmp_path / "ft.yaml", material, val_set_size=4, generation_samples=1, max_steps=2)
+    out = tmp_path / "launched"
+    proc = meshkit("finetune", str(path), "nproc_per_node=2", f"output_dir={out}", "adapter=lora", "lora_r=2",
+                   "lora_target_modules=[q_proj]", timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2 and len(summary["generations"]) == 1
+    assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "config.json").is_file()
+    assert "fine-tuning LlamaForCausalLM" in proc.stdout + proc.stderr
