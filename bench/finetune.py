@@ -12,6 +12,7 @@ its slowest rank. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -162,6 +163,7 @@ def report(seconds: dict[str, list[float]], tokens: dict[str, list[int]], world:
     rate = {name: sum(tokens[name]) / sum(seconds[name]) for name in seconds}
     result = {
         "benchmark": "LoRA fine-tune throughput (fp32, CPU/gloo, real tokens/s)",
+        "date": datetime.date.today().isoformat(),
         "world_size": world,
         "steps": len(seconds["meshkit"]),
         "micro_batch": MICRO_BATCH,

@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,23 @@ def _machine() -> str:
         memory = f", {kib / 2**20:.0f} GiB memory"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{cpu}, {cores} cores{memory}; Python {platform.python_version()}, torch {torch.__version__}, gloo"
+
+
+def _date(path: Path, data: dict[str, Any]) -> str:
+    """When the result was measured: its own `date`, else the commit that last changed the file (a fresh clone
+    gives every file today's mtime), else the file's mtime for a result not committed yet."""
+    if isinstance(data.get("date"), str):
+        return data["date"]
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args, "--", path.name], capture_output=True, text=True, cwd=path.parent)
+
+    changed = git("status", "--porcelain")
+    if changed.returncode == 0 and not changed.stdout.strip():
+        committed = git("log", "-1", "--format=%cs")
+        if committed.returncode == 0 and committed.stdout.strip():
+            return committed.stdout.strip()
+    return datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -193,14 +211,14 @@ def render(results: Path) -> str:
         if not path.is_file():
             parts += ["", f"## {title}", "", f"Not run yet: `{command}`."]
             continue
-        date = datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
+        data = json.loads(path.read_text())
         parts += [
             "",
             f"## {title}",
             "",
-            f"`{command}` — {date}, `bench/results/{name}`.",
+            f"`{command}` — {_date(path, data)}, `bench/results/{name}`.",
             "",
-            section(json.loads(path.read_text())),
+            section(data),
         ]
     return "\n".join(parts) + "\n"
 
