@@ -173,3 +173,24 @@ def test_meshkit_finetune_launches_itself_on_two_ranks(tmp_path, material) -> No
     assert summary["world_size"] == 2 and summary["steps"] == 2 and len(summary["generations"]) == 1
     assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "config.json").is_file()
     assert "fine-tuning LlamaForCausalLM" in proc.stdout + proc.stderr
+
+
+def test_lora_layers_are_split_piece_by_piece_and_sequence_parallel_is_refused(material) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from meshkit.config import TensorParallelConfig
+    from meshkit.parallel.tensor_auto import TensorParallelError, named_plan
+    from meshkit.parallel.tensor_lora import split_lora_layers
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(material["base"]))
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "o_proj"])).get_base_model()
+    split = split_lora_layers(model, named_plan(model, TensorParallelConfig()), sequence_parallel=False)
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    assert split.kinds[f"{q}.base_layer"] == "colwise" and split.kinds[f"{q}.lora_B.default"] == "colwise"
+    assert split.kinds[f"{o}.base_layer"] == "rowwise" and split.kinds[f"{o}.lora_A.default"] == "rowwise"
+    assert f"{q}.lora_A.default.weight" in split.partial and f"{o}.lora_B.default.weight" in split.whole
+    assert f"{q}.lora_A.default" not in split.kinds and q not in split.kinds
+    with pytest.raises(TensorParallelError, match="sequence parallel"):
+        split_lora_layers(model, named_plan(model, TensorParallelConfig()), sequence_parallel=True)

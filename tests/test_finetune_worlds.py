@@ -60,6 +60,15 @@ def test_two_ranks_equal_one_process(tmp_path, material, references, adapter, ze
     assert summary["trainable_parameters"] == reference["trainable_parameters"]
 
 
+@pytest.mark.parametrize("layout", [["tp=2"], ["pp=2"]])
+def test_lora_under_model_parallel_equals_one_process(tmp_path, material, references, layout) -> None:
+    # dp = 1: each rank sees the whole global batch of 4, as the reference did
+    summary = _run(tmp_path, material, 2, "run", [*layout, "micro_batch_size=4"], val_set_size=4, eval_steps=2,
+                   **lora_keys())  # fmt: skip
+    _close(summary["losses"], references["lora"]["losses"])
+    _close([e["eval_loss"] for e in summary["evals"]], [e["eval_loss"] for e in references["lora"]["evals"]])
+
+
 def test_resume_mid_epoch_gives_the_same_weights(tmp_path, material) -> None:
     # 32 samples, 2 ranks × 2 per batch: 8 steps per epoch; step 3 is mid-epoch, step 10 in the second epoch
     keys = {**lora_keys(), "max_steps": 10, "save_steps": 3, "save_total_limit": 5}

@@ -40,6 +40,32 @@ def has_adapters(model: nn.Module) -> bool:
     return next(_lora_layers(model), None) is not None
 
 
+@dataclass(frozen=True)
+class LoraParts:
+    """Module names (relative to the LoRA layer) of its wrapped base layer and its adapters' A and B."""
+
+    base: str
+    a: tuple[str, ...]
+    b: tuple[str, ...]
+
+
+def lora_parts(module: nn.Module) -> LoraParts | None:
+    """How a LoRA layer is made (None for any other module): for a tensor-parallel plan of its pieces."""
+    parts = [getattr(module, key, None) for key in ("lora_A", "lora_B")]
+    if not all(isinstance(part, nn.ModuleDict) for part in parts) or not hasattr(module, "base_layer"):
+        return None
+    return LoraParts("base_layer", tuple(f"lora_A.{k}" for k in parts[0]), tuple(f"lora_B.{k}" for k in parts[1]))
+
+
+def inside_lora_layer(name: str, lora_layers: set[str]) -> bool:
+    """A module that is a piece of a LoRA layer (its base layer, an adapter, its dropout)."""
+    for marker in (".base_layer", ".lora_"):
+        index = name.find(marker)
+        if index > 0 and name[:index] in lora_layers:
+            return True
+    return False
+
+
 def adapter_submodules(module: nn.Module) -> list[nn.Module]:
     """The modules holding a LoRA layer's adapter weights (empty when `module` is not a LoRA layer)."""
     parts = [getattr(module, key, None) for key in ("lora_A", "lora_B")]

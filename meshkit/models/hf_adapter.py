@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from meshkit.models.adapters import has_adapters
 from meshkit.models.blocks import block_units, find_blocks
 
 if TYPE_CHECKING:
@@ -96,12 +95,6 @@ def _cannot(config: Any, family: str) -> dict[str, str]:
     return notes
 
 
-def _adapter_notes(model: nn.Module) -> dict[str, str]:
-    if not has_adapters(model):
-        return {}
-    return {"tp": "its LoRA adapter layers are not split by tensor parallel; use zero_stage, pp or cp instead"}
-
-
 def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
     from meshkit.models.structure import ModelStructure, StructureError, takes_argument, tied_parameters
 
@@ -139,5 +132,5 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
         position_argument="position_ids" if takes_argument(model.forward, "position_ids") else None,
         tied=tied_parameters(model),
         causal_lm=causal,
-        notes=_cannot(config, family) | _adapter_notes(model),
+        notes=_cannot(config, family),
     )

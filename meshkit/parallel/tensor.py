@@ -31,6 +31,7 @@ from meshkit.models.gpt import GPT
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.parallel.sequence import apply_sequence_parallel, split_regions
 from meshkit.parallel.tensor_auto import TensorParallelError, divide_attributes, interleave_in_place, named_plan, style
+from meshkit.parallel.tensor_lora import split_lora_layers
 
 
 def _valid_sizes(counts: list[int]) -> str:
@@ -115,7 +116,8 @@ def apply_tensor_parallel(
             f"sequence parallel must gather the sequence before {type(model).__name__}'s head, which meshkit "
             "cannot find: name its final norm and head in structure.last_stage"
         )
-    kinds = named_plan(model, cfg)
+    lora = split_lora_layers(model, named_plan(model, cfg), cfg.sequence_parallel)
+    kinds = lora.kinds
     fused: dict[str, int] = {}
     for name, kind in kinds.items():
         if kind == "fused_qkv":
@@ -129,7 +131,9 @@ def apply_tensor_parallel(
             continue
     if cfg.sequence_parallel:
         apply_sequence_parallel(model, structure, tp_mesh, set(styles))
-    return TensorParallelResult(fused, False, unsplit_in_split_regions(model, structure, set(styles)))
+    in_regions = unsplit_in_split_regions(model, structure, set(styles))
+    partial = [name for name in in_regions if name not in lora.whole and name not in lora.partial] + lora.partial
+    return TensorParallelResult(fused, False, partial)
 
 
 def unsplit_in_split_regions(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[str]:

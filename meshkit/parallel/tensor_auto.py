@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from meshkit.config import TensorParallelConfig
 from meshkit.errors import MeshkitError
+from meshkit.models.adapters import inside_lora_layer, lora_parts
 
 AUTO_RULES = {
     "q_proj": "colwise",
@@ -120,8 +121,11 @@ def named_plan(model: nn.Module, cfg: TensorParallelConfig) -> dict[str, str]:
                 plan[name] = kind
         return plan
     plan, unknown = {}, []
+    lora_layers = {name for name, module in model.named_modules() if lora_parts(module) is not None}
     for name, module in model.named_modules():
-        if _is_linear(module):
+        if inside_lora_layer(name, lora_layers):
+            continue  # planned with its LoRA layer (`tensor_lora.py`)
+        if _is_linear(module) or name in lora_layers:
             kind = AUTO_RULES.get(name.rsplit(".", 1)[-1])
             if kind is None:
                 unknown.append(name)

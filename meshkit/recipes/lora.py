@@ -9,6 +9,7 @@ gathered adapter weights alone — never the sharded state peft's own `save_pret
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,9 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
         base_model_name_or_path=str(settings.base_model),
     )
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads a property transformers has deprecated: not the user's doing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, config)
     except ValueError as err:  # e.g. a target module name the model does not have
         raise LoraSetupError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
 
