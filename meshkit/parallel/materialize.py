@@ -110,7 +110,9 @@ def _reset_adapters(name: str, module: nn.Module) -> None:
     name: the same values whichever ranks or pipeline stages initialise which layers."""
     with _adapters_full_size(module) as is_lora_layer:
         if is_lora_layer:
-            with torch.random.fork_rng(devices=[]):
+            device = next(module.parameters()).device
+            accelerators = [device.index or 0] if device.type != "cpu" else []
+            with torch.random.fork_rng(devices=accelerators, device_type=device.type if accelerators else "cuda"):
                 torch.manual_seed((torch.initial_seed() + zlib.crc32(name.encode())) % 2**63)
                 reset_adapter(module)
 
@@ -156,7 +158,7 @@ def load_safetensors(model: nn.Module, source: Path, stage_only: bool = False) -
                     )
                 device = (target.to_local() if isinstance(target, DTensor) else target).device
                 _set_local(target, full.to(device=device, dtype=target.dtype))
-    init = hf_adapter.module_initializer(model) or getattr(model, "init_module", None)
+    init = getattr(model, "init_module", None) or hf_adapter.module_initializer(model)
     for name, module in model.named_modules():
         _reset_adapters(name, module)
         owns_parameters = any(True for _ in module.parameters(recurse=False))
