@@ -294,6 +294,11 @@ class RunConfig(Section):
     """Every setting of a run. Build it directly, or let `resolve()` layer the sources for you."""
 
     parallel: ParallelConfig = ParallelConfig()
+    strategy: Literal["auto", "dataparallel"] = Field(
+        "auto",
+        description="auto = the layout the parallel sizes give (DDP, ZeRO, tp, pp, cp); dataparallel = one process, "
+        "torch.nn.DataParallel over its local GPUs",
+    )
     precision: Literal["no", "bf16", "fp16"] = Field("no", description="mixed precision: no (fp32), bf16, fp16")
     grad_accum_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm in train_step")

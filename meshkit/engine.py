@@ -48,6 +48,7 @@ from meshkit.models.adapters import LoraMerge, lora_merges
 from meshkit.parallel.activation import CheckpointedBlock
 from meshkit.parallel.compose import parallelize, unwrap
 from meshkit.parallel.context import shard_sequence
+from meshkit.parallel.dataparallel import WrappedModelWarning, bare_module, check_world  # noqa: F401 - re-exported
 from meshkit.parallel.fsdp import reshard
 from meshkit.parallel.nvme import check_offload_dir
 from meshkit.parallel.pipeline import PipelineModel
@@ -62,10 +63,6 @@ from meshkit.resolve import ResolvedConfig, explicit_values, resolve
 from meshkit.seed import set_seed
 from meshkit.tracking import check_trackers, make_trackers
 from meshkit.tree import map_tensors
-
-
-class WrappedModelWarning(UserWarning):
-    """prepare() got a model inside nn.DataParallel or DDP; meshkit unwrapped it."""
 
 
 class ConfigConflictWarning(UserWarning):
@@ -106,6 +103,8 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
                     "pipeline parallel accumulates over its micro-batches: set grad_accum_steps=1 and raise "
                     "pipeline.microbatches instead"
                 )
+            if self.config.strategy == "dataparallel":
+                check_world(self.info.world_size)
             self.mesh = ParallelMesh(dims, self.info, self.device)
             self.zero_stage = effective_zero_stage(self.config.sharding, self.mesh)
             if self.config.sharding.offload == "nvme":
@@ -212,14 +211,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         return obj
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            warnings.warn(
-                f"prepare() got a model wrapped in {type(model).__name__}: meshkit unwraps it and applies the "
-                "run's own layout (pass the bare module to silence this)",
-                WrappedModelWarning,
-                stacklevel=3,
-            )
-            model = model.module
+        model = bare_module(model, self.config.strategy)
         originals = list(model.named_parameters(remove_duplicate=False))  # tied weights: every name
         merges = lora_merges(model)  # before a pipeline split: the whole model's adapter layers
         done = parallelize(model, self.mesh, self.config, self.zero_stage)
@@ -231,6 +223,8 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         self._user_modules[id(done.model)] = model
         self._tied_aliases[id(done.model)] = done.structure.aliases() if done.structure else {}
         self._causal_lm = done.structure is not None and done.structure.causal_lm  # HF batches get the LM loss
+        if done.notice:
+            self.print(done.notice)
         self._checkpointed.extend(done.checkpointed)
         if done.partial_over_tp:
             partial = [now[name] for name in done.partial_over_tp if name in now]

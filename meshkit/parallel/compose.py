@@ -18,6 +18,7 @@ from meshkit.models.structure import ModelStructure, describe
 from meshkit.parallel.activation import CheckpointedBlock, apply_activation_checkpointing
 from meshkit.parallel.compile import apply_compile
 from meshkit.parallel.context import apply_context_parallel
+from meshkit.parallel.dataparallel import apply_dataparallel
 from meshkit.parallel.ddp import apply_ddp
 from meshkit.parallel.fsdp import apply_fsdp
 from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
@@ -37,6 +38,7 @@ class Parallelized:
     partial_over_tp: list[str] = field(default_factory=list)  # gradients summed over tp after backward
     needs_gradient_reduce: bool = False  # data parallel that no wrapper reduces (DTensor parameters)
     checkpointed: list[CheckpointedBlock] = field(default_factory=list)  # blocks with checkpointing/offload
+    notice: str | None = None  # one line for the user about how the layout was applied
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_stage: int) -> Parallelized:
@@ -48,6 +50,11 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
     """
     structure = describe(model, config.blocks, config.structure)
     pp = mesh.size("pp")
+    if config.strategy == "dataparallel":  # one process: the wrapper replicates the model on every forward
+        result = _parallelize_one(model, mesh, config, zero_stage, structure, autocast=False)
+        result.model, result.notice = apply_dataparallel(result.model, mesh.device)
+        autocast_forward(result.model, config.precision, mesh.device.type)  # autocast reaches its replica threads
+        return result
     if pp == 1:
         return _parallelize_one(model, mesh, config, zero_stage, structure)
     if config.tensor_parallel.sequence_parallel and structure.family != "gpt":
@@ -78,6 +85,7 @@ def _parallelize_one(
     zero_stage: int,
     structure: ModelStructure,
     in_pipeline: bool = False,
+    autocast: bool = True,
 ) -> Parallelized:
     sharding = config.sharding
     on_meta = has_meta_tensors(model)
@@ -108,15 +116,16 @@ def _parallelize_one(
             result.needs_gradient_reduce = True
         else:
             model = apply_ddp(model, mesh, config.ddp)
-    autocast_forward(model, config.precision, mesh.device.type)
+    if autocast:
+        autocast_forward(model, config.precision, mesh.device.type)
     result.model = model
     return result
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module under the DDP and torch.compile wrappers (FSDP2 shards in place: nothing to remove)."""
+    """The user's module under the DDP, DataParallel and torch.compile wrappers (FSDP2 shards in place)."""
     while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
         elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
             model = model._orig_mod
