@@ -33,6 +33,7 @@ class WeightsMixin:
     _optimizers: list[Any]
     _fused_qkv: dict[int, dict[str, int]]
     _adapter_merges: dict[int, dict[str, Any]]
+    _tied_aliases: dict[int, dict[str, str]]
     _user_modules: dict[int, nn.Module]
     _checkpointed: list[Any]
     mesh: Any
@@ -98,7 +99,8 @@ class WeightsMixin:
         prepared = model if model is not None else self._only("model", self._models)
         fused = self._fused_qkv.get(id(prepared), {})
         merges = self._adapter_merges.get(id(prepared), {}) if merge_adapters else {}
-        index = save_model_weights(prepared, self.mesh, fused, out_dir, max_shard_size, merges)
+        aliases = self._tied_aliases.get(id(prepared), {})  # a tied weight is written once, as Hugging Face does
+        index = save_model_weights(prepared, self.mesh, fused, out_dir, max_shard_size, merges, aliases)
         user_module = self._user_modules.get(id(prepared))
         if self.mesh.info.rank == 0 and user_module is not None:
             for name, text in hf_adapter.config_files(user_module).items():

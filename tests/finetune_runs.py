@@ -99,3 +99,28 @@ def run_finetune(rank: int, config: str, assignments: list[str]) -> dict[str, An
 
 def lora_keys(**extra: Any) -> dict[str, Any]:
     return {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_linear": True, **extra}
+
+
+def make_gpt2_base(root: Path, material: dict[str, Path]) -> Path:
+    """A tiny GPT-2 (tied head, Conv1D layers, fused q/k/v) with the Llama base's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(material["base"])
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    out = root / "gpt2-base"
+    GPT2LMHeadModel(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

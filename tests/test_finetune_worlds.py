@@ -16,7 +16,7 @@ from safetensors.torch import load_file  # noqa: E402
 from meshkit.checkpoint.model_export import export_checkpoint  # noqa: E402
 from meshkit.models.adapters import base_checkpoint_name  # noqa: E402
 from tests.distributed import run_world  # noqa: E402
-from tests.finetune_runs import lora_keys, make_material, run_finetune, write_config  # noqa: E402
+from tests.finetune_runs import lora_keys, make_gpt2_base, make_material, run_finetune, write_config  # noqa: E402
 
 TIMEOUT = 180
 
@@ -136,3 +136,31 @@ def test_full_fine_tune_export_equals_the_trained_weights(tmp_path, material, la
     assert trained.keys() == exported.keys() and all(torch.equal(trained[k], exported[k]) for k in trained)
     model = AutoModelForCausalLM.from_pretrained(out / "merged")
     assert torch.equal(model.lm_head.weight.detach(), exported["lm_head.weight"])
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory, material):
+    return {**material, "base": make_gpt2_base(tmp_path_factory.mktemp("gpt2"), material)}
+
+
+def test_gpt2_lora_under_tp_and_pp_equals_one_process_and_exports_load(tmp_path, gpt2) -> None:
+    # a tied head, Conv1D layers and a fused q/k/v layer streamed in from a checkpoint
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    keys = lora_keys(lora_target_linear=False, lora_target_modules=["c_fc", "c_proj"])
+    reference = _run(tmp_path, gpt2, 1, "one", ["micro_batch_size=4"], **keys)
+    split = _run(tmp_path, gpt2, 2, "tp", ["tp=2", "micro_batch_size=4"], **keys)
+    _close(split["losses"], reference["losses"])
+    staged = _run(
+        tmp_path, gpt2, 2, "pp", ["pp=2", "micro_batch_size=4"], **{**keys, "lora_target_modules": ["c_attn"]}
+    )
+    ids = torch.randint(4, 300, (2, 16))
+    for name in ("tp", "pp"):
+        out = tmp_path / name / "out"
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(gpt2["base"]), out)
+        torch.testing.assert_close(_logits(merged, ids), _logits(adapted, ids), rtol=1e-5, atol=1e-5)
+        assert merged.lm_head.weight.data_ptr() == merged.transformer.wte.weight.data_ptr()
+        assert "lm_head.weight" not in load_file(out / "merged" / "model.safetensors")  # tied: written once
+    assert staged["losses"][-1] != staged["losses"][0]

@@ -20,7 +20,7 @@ from meshkit.checkpoint.directory import resolve_resume
 from meshkit.checkpoint.storage import CheckpointError, load_tensors, stored_shapes
 from meshkit.export import ShardStream, TensorInfo, parse_size, plan_shards, storage_identity
 from meshkit.mesh import ParallelMesh
-from meshkit.models.adapters import LoraMerge, is_adapter_parameter, merged_weight
+from meshkit.models.adapters import LoraMerge, base_checkpoint_name, is_adapter_parameter, merged_weight
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.tensor_auto import restore_fused_qkv
 
@@ -43,12 +43,12 @@ def _local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _exported_names(local: dict[str, torch.Tensor], merges: dict[str, LoraMerge]) -> dict[str, str]:
-    """Exported name -> local name: adapter weights are folded into their base weight, which takes its base name."""
+def _exported_names(local: dict[str, torch.Tensor], merges: dict[str, LoraMerge], skip: set[str]) -> dict[str, str]:
+    """Exported name -> local name: adapter weights are folded into their base weights, and a wrapped layer's
+    tensors take their base names; `skip` (tied copies on another pipeline stage) is left out."""
     if not merges:
-        return {name: name for name in local}
-    by_base = {merge.base: name for name, merge in merges.items()}
-    return {by_base.get(name, name): name for name in local if not is_adapter_parameter(name)}
+        return {name: name for name in local if name not in skip}
+    return {base_checkpoint_name(name): name for name in local if not is_adapter_parameter(name) and name not in skip}
 
 
 def save_model_weights(
@@ -58,15 +58,17 @@ def save_model_weights(
     out_dir: str | os.PathLike[str],
     max_shard_size: int | str,
     merges: dict[str, LoraMerge] | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> Path:
     """Collective: every rank calls it; rank 0 writes `out_dir`. Returns the index path.
 
     With `merges` (LoRA layers), each adapted weight is written merged (base + scaling · B @ A) under the base
-    model's name, and the adapter weights themselves are left out: the result loads into the base model class.
+    model's name (a wrapped layer's other tensors too), and the adapter weights themselves are left out: the result
+    loads into the base model class. `aliases`: tied copies, left out (their group is written once).
     """
     local = _local_tensors(model)
     merges = merges or {}
-    exported = _exported_names(local, merges)
+    exported = _exported_names(local, merges, set(aliases or {}))
     mine = [(out, tuple(local[name].shape), str(local[name].dtype)) for out, name in exported.items()]
     pp = mesh.size("pp")
     stages = collectives.gather_object(mine, mesh.group("pp")) if pp > 1 else [mine]

@@ -92,7 +92,7 @@ def _parallelize_one(
     if not on_meta:
         model = model.to(mesh.device)
         if sharding.init_from is not None:
-            load_safetensors(model, sharding.init_from, stage_only=in_pipeline)
+            load_safetensors(model, sharding.init_from, stage_only=in_pipeline, aliases=structure.aliases())
     result = Parallelized(model, structure)
     tp = mesh.size("tp")
     if tp > 1:
@@ -108,7 +108,15 @@ def _parallelize_one(
     if zero_stage == 3:
         model = apply_fsdp(model, mesh, sharding, config.precision, structure.blocks)
     if on_meta:
-        materialize(model, mesh.device, sharding.init_from, stage_only=in_pipeline)
+        materialize(
+            model,
+            mesh.device,
+            sharding.init_from,
+            stage_only=in_pipeline,
+            aliases=structure.aliases(),
+            fused=result.fused_qkv,  # split while on meta: the file's q/k/v are reordered as they stream in
+            tp=tp,
+        )
     if zero_stage == 0 and mesh.grad_size > 1:
         # DDP cannot wrap DTensor parameters, and a pipeline schedule runs several backward passes per step
         # that DDP's bucket rebuild does not expect: those gradients are averaged once after the step instead.

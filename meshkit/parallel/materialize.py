@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshkit.errors import MeshkitError
 from meshkit.models import hf_adapter
 from meshkit.models.adapters import adapter_submodules, base_checkpoint_name, is_adapter_parameter, reset_adapter
+from meshkit.parallel.tensor_auto import interleave_fused_qkv
 
 
 class MaterializeError(MeshkitError):
@@ -129,16 +130,32 @@ def safetensors_files(source: Path) -> dict[str, Path]:
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, source: Path, stage_only: bool = False) -> None:
+def load_safetensors(
+    model: nn.Module,
+    source: Path,
+    stage_only: bool = False,
+    aliases: dict[str, str] | None = None,
+    fused: dict[str, int] | None = None,
+    tp: int = 1,
+) -> None:
     """Stream tensors from safetensors into the (sharded) model, one full tensor in memory at a time.
 
     Adapter weights (LoRA) are not in a base checkpoint: they get their own initialisation; a wrapped layer's
     weight is read under its base name. Buffers outside the state dict (e.g. rotary tables) are recomputed.
-    `stage_only`: the model is one pipeline stage, so the file holds other stages' tensors too.
+    `stage_only`: the model is one pipeline stage, so the file holds other stages' tensors too. `aliases`: tied
+    parameter name -> the name it is stored under (a checkpoint holds a tied weight once, e.g. GPT-2's head as
+    its token embedding), also for a pipeline stage that holds only the alias. `fused`: q/k/v weights that tensor
+    parallel keeps interleaved (name -> stacking dim), reordered the same way as they stream in.
     """
     files = safetensors_files(source)
     targets = model.state_dict(keep_vars=True)  # parameters and persistent buffers, as the model holds them
-    stored_as = {name: base_checkpoint_name(name) for name in targets if not is_adapter_parameter(name)}
+    aliases = aliases or {}
+    stored_as = {}
+    for name in targets:
+        if not is_adapter_parameter(name):
+            stored = base_checkpoint_name(name)
+            tied = base_checkpoint_name(aliases.get(name, name))
+            stored_as[name] = stored if stored in files or tied not in files else tied
     missing = sorted(name for name, stored in stored_as.items() if stored not in files)
     unexpected = [] if stage_only else sorted(set(files) - set(stored_as.values()))
     if missing or unexpected:
@@ -156,6 +173,8 @@ def load_safetensors(model: nn.Module, source: Path, stage_only: bool = False) -
                     raise MaterializeError(
                         f"'{name}' has shape {tuple(full.shape)} in {file.name}; the model has {tuple(target.shape)}"
                     )
+                if fused and name in fused:
+                    full = interleave_fused_qkv(full, tp, fused[name])
                 device = (target.to_local() if isinstance(target, DTensor) else target).device
                 _set_local(target, full.to(device=device, dtype=target.dtype))
     init = getattr(model, "init_module", None) or hf_adapter.module_initializer(model)
@@ -166,10 +185,18 @@ def load_safetensors(model: nn.Module, source: Path, stage_only: bool = False) -
             init(name, module)
 
 
-def materialize(model: nn.Module, device: torch.device, source: Path | None = None, stage_only: bool = False) -> None:
-    """Allocate the meta-device model's (local) tensors on `device` and fill them."""
+def materialize(
+    model: nn.Module,
+    device: torch.device,
+    source: Path | None = None,
+    stage_only: bool = False,
+    aliases: dict[str, str] | None = None,
+    fused: dict[str, int] | None = None,
+    tp: int = 1,
+) -> None:
+    """Allocate the meta-device model's (local) tensors on `device` and fill them (see `load_safetensors`)."""
     model.to_empty(device=device)
     if source is not None:
-        load_safetensors(model, source, stage_only)
+        load_safetensors(model, source, stage_only, aliases, fused, tp)
     else:
         initialize(model)

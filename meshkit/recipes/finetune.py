@@ -245,7 +245,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     if val and (not evals or evals[-1]["step"] != len(losses)):
         evals.append({"step": len(losses), **evaluate(engine, model, val)})
     base.config.use_cache = True  # training turned it off; generation wants it
-    outputs = _write_outputs(engine, tokenizer, peft_model)
+    outputs = _write_outputs(engine, tokenizer, (lambda: apply_lora(build_meta_model(s), s)) if peft_model else None)
     summary = {
         "final_loss": losses[-1],
         "first_loss": losses[0],
@@ -286,12 +286,12 @@ def _endless(loader: Any) -> Any:
         yield from loader
 
 
-def _write_outputs(engine: Engine, tokenizer: Any, peft_model: Any) -> dict[str, str]:
+def _write_outputs(engine: Engine, tokenizer: Any, lora_model: Any) -> dict[str, str]:
     """The adapter (LoRA) at the output root; the merged model in `merged/`, swapped in once complete."""
     out = Path(engine.config.logging.dir)
     outputs: dict[str, str] = {}
-    if peft_model is not None:
-        save_adapter(engine, peft_model, out)
+    if lora_model is not None:
+        save_adapter(engine, lora_model, out)
         if engine.is_main_process:
             write_tokenizer(tokenizer, out)
         outputs["adapter"] = str(out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +58,18 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
         raise LoraSetupError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
 
 
-def save_adapter(engine: Any, peft_model: Any, out_dir: Path) -> Path | None:
-    """Collective: gathers the adapter weights; the main process writes them in peft's format to `out_dir`."""
+def save_adapter(engine: Any, whole_model: Callable[[], Any], out_dir: Path) -> Path | None:
+    """Collective: gathers the adapter weights; the main process writes them in peft's format to `out_dir`.
+
+    `whole_model` builds the peft model again (on the meta device): peft picks an adapter's entries by the
+    model's LoRA layers, and the trained model may hold only its own pipeline stage's.
+    """
     from peft import get_peft_model_state_dict
 
     adapter = engine.full_state_dict(keys=is_adapter_parameter)
     if not engine.is_main_process:
         return None
+    peft_model = whole_model()
     prefixed = {f"base_model.model.{name}": tensor.detach().cpu().contiguous() for name, tensor in adapter.items()}
     weights = get_peft_model_state_dict(peft_model, state_dict=prefixed)
     out_dir.mkdir(parents=True, exist_ok=True)
