@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import runpy
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -33,6 +35,7 @@ from meshkit.preemption import LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE
 LAUNCHER_PID_ENV = "MESHKIT_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
 WATCHDOG_S = 1.0
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torch's elastic agent reads each worker's error
 
 
 def die_with_launcher(launcher_pid: int) -> None:
@@ -55,22 +58,44 @@ def run_user_program(run: Callable[[], Any]) -> None:
     """Run it. A MeshkitError (bad input) is recorded for the launcher, which prints it as its one line; no
     rank prints a traceback for it. Any failure is also noted in the launcher's state directory before the
     process ends: the launcher learns of it even if torch's agent reaps the process before it looks."""
-    try:
-        record(run)()
-    except MeshkitError:
-        note_failure()
-        exit_now(2)
-    except SystemExit as stop:
-        if stop.code not in (0, None, PREEMPTED_EXIT_CODE):
+
+    def guarded() -> None:
+        try:
+            run()
+        except SystemExit as stop:
+            if stop.code not in (0, None, PREEMPTED_EXIT_CODE):
+                note_failure()
+            raise
+        except KeyboardInterrupt:
             note_failure()
-        raise
-    except KeyboardInterrupt:
-        note_failure()
-        raise
-    except BaseException:
-        note_failure()
-        traceback.print_exc()
-        exit_now(1)
+            raise
+        except BaseException as err:
+            note_failure()
+            write_error_file(err)
+            if not isinstance(err, MeshkitError):
+                traceback.print_exc()
+            exit_now(2 if isinstance(err, MeshkitError) else 1)
+
+    record(guarded)()
+
+
+def write_error_file(err: BaseException) -> None:
+    """The error in the elastic agent's error-file format, written atomically: the agent may SIGTERM this
+    process at any moment once a peer failed, and a half-written file would break the launcher's report."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": f"{type(err).__name__}: {err}",
+            "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
+        }
+    }
+    with contextlib.suppress(OSError):
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "w") as handle:
+            json.dump(data, handle)
+        os.replace(partial, path)
 
 
 def exit_now(code: int) -> NoReturn:
