@@ -38,6 +38,7 @@ from meshkit.recipes.hf_base import (
 )
 from meshkit.recipes.lora import apply_lora, save_adapter
 from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
+from meshkit.recipes.train import endless
 from meshkit.tree import to_device
 
 
@@ -216,7 +217,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     losses: list[float] = list(resumed.get("losses", [])) if resumed else []
     evals: list[dict[str, float]] = list(resumed.get("evals", [])) if resumed else []
     first_step = len(losses)
-    batches = _endless(loader)
+    batches = endless(loader)
     window = WindowLoss(engine)
     start = time.perf_counter()
     with TrainingProgress(total_steps, enabled=engine.is_main_process) as progress:
@@ -279,11 +280,6 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         _print(summary, run_dir, plot_losses(losses, run_dir / "loss.png"))
     return summary
-
-
-def _endless(loader: Any) -> Any:
-    while True:
-        yield from loader
 
 
 def _write_outputs(engine: Engine, tokenizer: Any, lora_model: Any) -> dict[str, str]:
