@@ -26,12 +26,14 @@ class GradientState:
     weighted_window: bool | None = None  # does this window weight the loss by items? (fixed at first backward)
     optimizer_stepped: bool = False  # did the last optimizer step really update (False after an fp16 skip)?
     active_loader: Any = None  # the prepared loader iterated last (gather_for_metrics trims its padding)
+    last_window_items: float = 0.0  # items the last finished window weighted its loss by (0: unweighted)
 
     def begin_micro_step(self) -> None:
         self.micro_step += 1
         self.sync = self.micro_step % self.accum_steps == 0 or self.end_of_dataloader
 
     def end_window(self) -> None:
+        self.last_window_items = self.window_items
         self.window_items = 0.0
         self.window_global_items = 0.0
         self.weighted_window = None

@@ -277,6 +277,25 @@ class StructureConfig(Section):
     )
 
 
+class ParameterServerConfig(Section):
+    """`strategy: parameter_server`: ranks 0..servers-1 hold the parameters, the other ranks are workers."""
+
+    servers: int = Field(1, ge=1, description="ranks that hold the parameters (sharded across them by size)")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync = every step waits for every worker (the weights of DDP); async = workers run ahead"
+    )
+    max_staleness: int | None = Field(
+        None, ge=0, description="async: steps a worker may run ahead of the slowest; null = unbounded (Downpour)"
+    )
+    staleness_lr: bool = Field(False, description="async: scale each gradient by 1/(1 + its staleness)")
+
+    @model_validator(mode="after")
+    def _async_only_settings(self) -> ParameterServerConfig:
+        if self.mode == "sync" and (self.max_staleness is not None or self.staleness_lr):
+            raise ValueError("max_staleness and staleness_lr apply to mode=async (sync never runs ahead)")
+        return self
+
+
 class TrainConfig(Section):
     """The built-in recipe (`meshkit train`): data, optimiser and loop length."""
 
@@ -294,11 +313,12 @@ class RunConfig(Section):
     """Every setting of a run. Build it directly, or let `resolve()` layer the sources for you."""
 
     parallel: ParallelConfig = ParallelConfig()
-    strategy: Literal["auto", "dataparallel"] = Field(
+    strategy: Literal["auto", "dataparallel", "parameter_server"] = Field(
         "auto",
         description="auto = the layout the parallel sizes give (DDP, ZeRO, tp, pp, cp); dataparallel = one process, "
-        "torch.nn.DataParallel over its local GPUs",
+        "torch.nn.DataParallel over its local GPUs; parameter_server = servers hold the weights (see ps)",
     )
+    ps: ParameterServerConfig = ParameterServerConfig()
     precision: Literal["no", "bf16", "fp16"] = Field("no", description="mixed precision: no (fp32), bf16, fp16")
     grad_accum_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm in train_step")

@@ -56,6 +56,7 @@ from meshkit.parallel.pipeline_schedule import PipelineRunner
 from meshkit.parallel.pipeline_tied import TiedAcrossStages
 from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.sharding import effective_zero_stage, rebind_params, renamed_parameters, shard_optimizer
+from meshkit.paramserver.run import EmptyLoader, ParameterServerRun
 from meshkit.precision import autocast_context, make_grad_scaler
 from meshkit.preemption import Preempted, PreemptionWatch
 from meshkit.processes import ProcessHelpers
@@ -106,6 +107,11 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
             if self.config.strategy == "dataparallel":
                 check_world(self.info.world_size)
             self.mesh = ParallelMesh(dims, self.info, self.device)
+            self._ps = (
+                ParameterServerRun(self.config, self.info.rank, self.info.world_size, self._say_once)
+                if self.config.strategy == "parameter_server"
+                else None
+            )
             self.zero_stage = effective_zero_stage(self.config.sharding, self.mesh)
             if self.config.sharding.offload == "nvme":
                 check_offload_dir(self.config.sharding.offload_dir)
@@ -131,10 +137,16 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         self._user_modules: dict[int, nn.Module] = {}  # id(prepared model) -> the module the user passed
         self._causal_lm = False  # the prepared model is a causal LM (next-token logits)
         self._checkpointed: list[CheckpointedBlock] = []  # blocks under activation checkpointing/offload
+        # where gradients, metrics and barriers go: a parameter-server worker keeps its gradients to itself
+        # (the servers average them) and shares metrics and barriers with the other workers only
+        self._grad_group = self._ps.local_group if self._ps else self.mesh.grad_group
+        self._data_group = self._ps.workers_group if self._ps else self.mesh.dp_group
+        self._metric_group = self._ps.workers_group if self._ps else self.mesh.grad_group
+        self._barrier_group = self._ps.workers_group if self._ps else None
         self._gradients = GradientSync(
             self.gradient_state,
             self.scaler,
-            self.mesh.grad_group,
+            self._grad_group,
             self._models,
             self._optimizers,
             self.loss_parallel,
@@ -153,22 +165,6 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
                 warnings.warn(conflict.message(), ConfigConflictWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ where am I
-    @property
-    def process_index(self) -> int:
-        return self.info.rank
-
-    @property
-    def num_processes(self) -> int:
-        return self.info.world_size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh.dp_size
-
     @property
     def run_dir(self) -> Path:
         return self.config.logging.dir
@@ -202,6 +198,8 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
                 raise EngineError(
                     f"prepare() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}"
                 )
+        if self._ps is not None:  # a worker pulls the servers' weights; a server serves until the workers finish
+            self._ps.start(self._optimizers, self._schedulers)
         result = [prepared[i] for i in range(len(objects))]
         return result[0] if len(result) == 1 else tuple(result)
 
@@ -244,12 +242,16 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         optimizer = rebind_params(optimizer, self._renamed_params)
+        if self._ps is not None:
+            return self._ps.prepare_optimizer(optimizer, self._models, self.gradient_state)
         sharded = shard_optimizer(
             optimizer, self._models, self.mesh, self.config.sharding, self.zero_stage, self.config.blocks
         )
         return PreparedOptimizer(sharded, self.gradient_state, self.scaler)
 
     def _prepare_loader(self, loader: DataLoader) -> ShardedLoader:
+        if self._ps is not None and self._ps.is_server:
+            return EmptyLoader(loader)  # type: ignore[return-value]
         return shard_dataloader(
             loader,
             dp_rank=self.dp_rank,
@@ -317,9 +319,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
                     total = token_loss_sum(logits_of(model(**inputs)), targets)
                 count = (targets != IGNORE_INDEX).sum()
                 # the step's loss sum and token count over every rank, summed while backward runs
-                summed = collectives.start_sum(
-                    torch.stack((total.detach().float(), count.float())), self.mesh.grad_group
-                )
+                summed = collectives.start_sum(torch.stack((total.detach().float(), count.float())), self._grad_group)
                 self._gradients.backward(total / count.clamp(min=1), count, global_items=lambda: float(summed()[1]))
                 loss = summed()[0] / summed()[1].clamp(min=1)
             else:
@@ -367,6 +367,8 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         """
         if wait_for_peers:
             self._close_checkpointer()
+            if self._ps is not None:
+                self._ps.finish()  # a worker tells the servers it is done (the servers' loop ends with the last)
         self._preemption.disarm()
         if self._doctor is not None:
             self._doctor.stop()
@@ -374,7 +376,15 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         for tracker in self._trackers:
             tracker.close()
         self._trackers = []
-        if wait_for_peers and self._owns_process_group and dist.is_initialized() and dist.get_world_size() > 1:
+        # (a parameter-server run ends when the servers have heard every worker finish; a lost worker misses a barrier)
+        ps = self._ps is not None
+        if (
+            wait_for_peers
+            and not ps
+            and self._owns_process_group
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        ):
             dist.barrier()
         self._stop_process_group()
 

@@ -22,6 +22,32 @@ class ProcessHelpers:
     """gather / gather_for_metrics / reduce, wait_for_everyone, main_process_first, print, log."""
 
     @property
+    def process_index(self) -> int:
+        return self.info.rank
+
+    @property
+    def num_processes(self) -> int:
+        return self.info.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the ranks that read different data (a parameter-server worker's index)."""
+        return (self._ps.roles.worker_index or 0) if self._ps else self.mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self._ps.roles.num_workers if self._ps else self.mesh.dp_size
+
+    @property
+    def is_worker(self) -> bool:
+        """False on a parameter server's rank (its prepare() serves until the workers finish); True otherwise."""
+        return self._ps is None or not self._ps.is_server
+
+    def _say_once(self, line: str) -> None:
+        if self.info.rank == 0:
+            print(line, flush=True)
+
+    @property
     def is_main_process(self) -> bool:
         return self.info.rank == 0  # type: ignore[attr-defined]
 
@@ -32,7 +58,7 @@ class ProcessHelpers:
     @watched("gather")
     def gather(self, data: Any) -> Any:
         """Concatenate tensors from every dp rank along dim 0 (same shapes on every rank)."""
-        return collectives.gather(data, self.mesh.dp_group)
+        return collectives.gather(data, self._data_group)  # type: ignore[attr-defined]
 
     @watched("gather_for_metrics")
     def gather_for_metrics(self, data: Any) -> Any:
@@ -46,7 +72,7 @@ class ProcessHelpers:
                 return gathered
             return map_tensors(lambda t: collectives.drop_padding(t, counts), gathered)
         # Other objects (strings, ids): each rank passes a list of per-sample items.
-        per_rank = collectives.gather_object(list(data), self.mesh.dp_group)
+        per_rank = collectives.gather_object(list(data), self._data_group)  # type: ignore[attr-defined]
         counts = counts or [len(items) for items in per_rank]
         return [item for items, valid in zip(per_rank, counts, strict=True) for item in items[:valid]]
 
@@ -54,15 +80,16 @@ class ProcessHelpers:
     def reduce(self, data: Any, op: str = "mean") -> Any:
         """All-reduce tensors over the ranks that hold different data, dp × cp ('mean' or 'sum'): the mean of
         per-rank mean losses is the batch's mean loss."""
-        return collectives.reduce(data, self.mesh.grad_group, op=op)
+        return collectives.reduce(data, self._metric_group, op=op)  # type: ignore[attr-defined]
 
     @watched("wait_for_everyone")
     def wait_for_everyone(self) -> None:
-        """Barrier over all ranks."""
+        """Barrier over all ranks (over the workers in a parameter-server run)."""
+        group = self._barrier_group  # type: ignore[attr-defined]
         if self.device.type == "cuda":
-            dist.barrier(device_ids=[self.device.index])
+            dist.barrier(group=group, device_ids=[self.device.index])
         else:
-            dist.barrier()
+            dist.barrier(group=group)
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:

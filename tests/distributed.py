@@ -45,13 +45,19 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, results
 
 
 def run_world(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, env: dict[str, str] | None = None
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    may_die: frozenset[int] = frozenset(),
 ) -> list[Any]:
     """Run `fn(rank, *args)` on `world_size` processes; returns the results in rank order.
 
     `fn` must be importable (module level) and return tensors, numbers, strings, lists or dicts of them.
     Any rank's exception fails with that rank's traceback; a world that does not finish within `timeout`
-    seconds is killed and fails with the ranks that were missing.
+    seconds is killed and fails with the ranks that were missing. Ranks in `may_die` may end without a result
+    (a fault-injection test kills them): theirs is None.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -66,6 +72,11 @@ def run_world(
     outcome: dict[int, tuple[bool, Any]] = {}
     try:
         while len(outcome) < world_size:
+            for r in may_die - set(outcome):
+                if procs[r].exitcode is not None:
+                    outcome[r] = (True, None)
+            if len(outcome) == world_size:
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(outcome))
@@ -73,7 +84,11 @@ def run_world(
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in outcome and r not in may_die
+                ]
                 if dead:
                     raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                 continue
@@ -86,4 +101,7 @@ def run_world(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    return [torch.load(io.BytesIO(outcome[rank][1]), weights_only=True) for rank in range(world_size)]
+    return [
+        None if outcome[rank][1] is None else torch.load(io.BytesIO(outcome[rank][1]), weights_only=True)
+        for rank in range(world_size)
+    ]

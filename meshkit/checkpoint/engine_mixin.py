@@ -69,6 +69,9 @@ class CheckpointingMixin:
         return target
 
     def _save(self, partial: Path, finish: Any, asynchronous: bool, extra: dict[str, Any] | None) -> None:
+        if self._ps is not None:  # type: ignore[attr-defined]  # the servers write the weights, the workers the rest
+            self._ps.save(partial, finish, self.step, extra or {}, self._loaders)  # type: ignore[attr-defined]
+            return
         loaders = [loader.state_dict() for loader in self._loaders]  # type: ignore[attr-defined]
         self._checkpointer.save(
             partial, finish, asynchronous=asynchronous, extra=extra or {}, rank_extra={"loaders": loaders}
@@ -83,6 +86,8 @@ class CheckpointingMixin:
         path = Path(directory)
         if not path.exists():
             raise CheckpointError(f"load_state: {path} does not exist")
+        if self._ps is not None:  # type: ignore[attr-defined]
+            return self._ps.load(path, self._optimizers, self._schedulers, self._loaders)  # type: ignore[attr-defined]
         meta, rank_data = self._checkpointer.load(path)
         for scheduler, state in zip(self._schedulers, meta.get("schedulers", []), strict=False):  # type: ignore[attr-defined]
             scheduler.load_state_dict(state)
@@ -126,14 +131,18 @@ class CheckpointingMixin:
         """
         cfg = self.config.checkpoint  # type: ignore[attr-defined]
         watch = self._preemption  # type: ignore[attr-defined]
-        watch.arm()
+        ps = self._ps  # type: ignore[attr-defined]
+        if ps is not None and ps.is_server:
+            return None  # a server saves while it serves, when the workers ask
+        if ps is None:  # (the agreement is a collective over every rank, which a lost worker would miss)
+            watch.arm()
         preempted = watch.agreed()
         due = cfg.every_steps > 0 and self.step > 0 and self.step % cfg.every_steps == 0
         if not (due or force or preempted):
             return None
         root, step = self.checkpoint_root, self.step
         self._checkpointer.wait()  # the save in flight first: cleanup below must never touch its directory
-        if self.process_index == 0:  # type: ignore[attr-defined]
+        if self.process_index == 0 and ps is None:  # type: ignore[attr-defined]
             root.mkdir(parents=True, exist_ok=True)
             remove_partials(root)
         self._save(partial_dir(root, step), lambda p: commit(p, root, step, cfg.keep_last), cfg.async_save, extra)
@@ -153,6 +162,12 @@ class CheckpointingMixin:
     def resume(self) -> dict[str, Any] | None:
         """Load what `checkpoint.resume` names (auto: the newest good checkpoint); returns its `extra`, or None
         when there is nothing to resume. Corrupt checkpoints are skipped with a warning naming them."""
+        ps = self._ps  # type: ignore[attr-defined]
+        if ps is not None:
+            if ps.is_server:
+                return None  # it served already: the workers' resume restored the servers' shards
+            found = ps.resume_choice(self.config.checkpoint.resume, self.checkpoint_root)  # type: ignore[attr-defined]
+            return self._resume_from(found)
         choice = None
         if self.process_index == 0:  # type: ignore[attr-defined]
             try:
@@ -163,6 +178,9 @@ class CheckpointingMixin:
         kind, value = collectives.broadcast_object(choice, src=0)
         if kind == "error":
             raise CheckpointError(value)
+        return self._resume_from(value)
+
+    def _resume_from(self, value: str | None) -> dict[str, Any] | None:
         if value is None:
             return None
         extra = self.load_state(value)

@@ -117,7 +117,7 @@ def _parallelize_one(
             fused=result.fused_qkv,  # split while on meta: the file's q/k/v are reordered as they stream in
             tp=tp,
         )
-    if zero_stage == 0 and mesh.grad_size > 1:
+    if zero_stage == 0 and mesh.grad_size > 1 and config.strategy != "parameter_server":  # servers average
         # DDP cannot wrap DTensor parameters, and a pipeline schedule runs several backward passes per step
         # that DDP's bucket rebuild does not expect: those gradients are averaged once after the step instead.
         if tp > 1 or in_pipeline:
