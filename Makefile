@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/finetune.py --nproc 2
+	$(BIN)/python bench/ps.py
 	$(BIN)/meshkit bench comm --nproc-per-node 2 --out bench/results/comm-w2.json
 	$(BIN)/python bench/report.py
 

@@ -182,6 +182,31 @@ def finetune(data: dict[str, Any]) -> str:
     )
 
 
+def parameter_server(data: dict[str, Any]) -> str:
+    parts = [
+        f"World {data['world']}: DDP trains on 4 ranks, the parameter-server runs on 1 server + 3 workers; same MLP, "
+        f"same data, {data['seconds']:g} s each; ratios against DDP in the same run. Time to target: when the first "
+        "trainer's held-out loss first drops below the level every run reached (90 % of the way down). Staleness in "
+        "steps of all workers, as the servers applied them."
+    ]
+    for table in data["scenarios"].values():
+        rows = [
+            [
+                row["run"],
+                str(row["trainers"]),
+                f"{row['samples_per_s']:,.0f}",
+                f"{row['throughput_vs_ddp']:.3f}",
+                "-" if row["time_to_target_s"] is None else f"{row['time_to_target_s']:.2f} s",
+                "-" if row["time_vs_ddp"] is None else f"{row['time_vs_ddp']:.3f}",
+                "-" if row["staleness_max"] is None else f"max {row['staleness_max']}, mean {row['staleness_mean']}",
+            ]
+            for row in table["rows"]
+        ]
+        header = ["run", "trainers", "samples/s", "vs DDP", "to target", "vs DDP", "staleness"]
+        parts += [f"**{table['title'].capitalize()}** (target loss {table['target_loss']}):", _table(header, rows)]
+    return "\n\n".join(parts)
+
+
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("Step time against peers, world 2", "overhead-w2.json", "python bench/overhead.py --nproc 2", overhead),
     ("Step time against peers, world 4", "overhead-w4.json", "python bench/overhead.py --nproc 4", overhead),
@@ -196,6 +221,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("Checkpoint save and load", "checkpoint.json", "python bench/checkpoint.py", checkpoint),
     ("Collectives", "comm-w2.json", "meshkit bench comm --nproc-per-node 2", comm),
     ("LoRA fine-tune throughput", "finetune-w2.json", "python bench/finetune.py --nproc 2", finetune),
+    ("Parameter server against DDP with slow ranks", "ps-w4.json", "python bench/ps.py", parameter_server),
 ]
 
 

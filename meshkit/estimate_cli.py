@@ -68,6 +68,9 @@ def estimate_command(
         str, typer.Option("--activation-checkpointing", help="none, selective or full")
     ] = "none",
     offload: Annotated[str, typer.Option("--offload", help="none, cpu or nvme")] = "none",
+    ps_servers: Annotated[
+        int, typer.Option("--ps-servers", help="parameter server: this many servers, --dp workers (0 = off)")
+    ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Memory per device (GB = 10^9 bytes): params, grads, optimizer, activations, buffers, with formulas."""
@@ -79,8 +82,14 @@ def estimate_command(
     ):
         if value not in choices:
             raise EstimateError(f"{name} {value}: choose {', '.join(choices)}")
+    shape = model_shape(model, params, layers, hidden, heads, vocab)
+    if ps_servers:
+        _parameter_server(
+            shape, ps_servers, dp, seq_len, micro_batch, precision, optimizer, activation_checkpointing, as_json
+        )
+        return
     estimate = estimate_memory(
-        model_shape(model, params, layers, hidden, heads, vocab),
+        shape,
         seq_len=seq_len,
         micro_batch=micro_batch,
         precision=precision,  # type: ignore[arg-type]
@@ -102,3 +111,49 @@ def estimate_command(
     for row in as_table_rows(estimate):
         table.add_row(*row)
     Console().print(table)
+
+
+def _parameter_server(
+    shape: ModelShape,
+    servers: int,
+    workers: int,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    optimizer: str,
+    recompute: str,
+    as_json: bool,
+) -> None:
+    """A server's and a worker's memory, and the traffic per step against ring all-reduce at the same world."""
+    from meshkit.estimate_ps import server_memory, traffic, worker_memory
+
+    server = server_memory(shape, optimizer, servers, workers)  # type: ignore[arg-type]
+    worker = worker_memory(
+        shape,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        precision=precision,
+        activation_checkpointing=recompute,  # type: ignore[arg-type]
+    )
+    moved = traffic(shape, servers, workers)
+    if as_json:
+        print(
+            json.dumps({"server": server.as_json(), "worker": worker.as_json(), "traffic": moved.as_json()}, indent=2)
+        )
+        return
+    console = Console()
+    for title, estimate in (
+        (f"memory of one parameter server ({servers} servers, {workers} workers)", server),
+        ("memory of one worker", worker),
+    ):
+        table = Table(title=title)
+        for column in ("item", "GB", "formula"):
+            table.add_column(column, justify="right" if column == "GB" else "left")
+        for row in as_table_rows(estimate):
+            table.add_row(*row)
+        console.print(table)
+    console.print(
+        f"traffic per step: {moved.per_worker_gb:.3f} GB per worker (2Ψ: gradients pushed, parameters pulled), "
+        f"{moved.per_server_gb:.3f} GB through each server (2Ψ·W/S); ring all-reduce on the same "
+        f"{servers + workers} ranks: {moved.ring_per_rank_gb:.3f} GB per rank (2Ψ(N-1)/N)"
+    )

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshkit.estimate_cli import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
+from meshkit.estimate_ps import advice
 from meshkit.plan import Cluster, PlanError, plan, to_config
 
 
@@ -31,6 +32,10 @@ def plan_command(
     global_batch: Annotated[int, typer.Option("--global-batch", help="sequences per optimizer step")] = 64,
     precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "bf16",
     top: Annotated[int, typer.Option("--top", help="layouts shown")] = 8,
+    stragglers: Annotated[
+        bool,
+        typer.Option("--stragglers", help="some ranks are slower (mixed or shared hardware): weigh a parameter server"),
+    ] = False,
     emit_config: Annotated[Optional[Path], typer.Option("--emit-config", help="write the top layout as YAML")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
@@ -57,6 +62,7 @@ def plan_command(
                 layout.reason,
             )
         Console().print(table)
+        Console().print(advice(shape, cluster, stragglers))
     if emit_config is not None:
         _emit(result.fitting, cluster, seq_len, global_batch, precision, model, emit_config)
 

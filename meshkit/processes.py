@@ -84,7 +84,9 @@ class ProcessHelpers:
 
     @watched("wait_for_everyone")
     def wait_for_everyone(self) -> None:
-        """Barrier over all ranks (over the workers in a parameter-server run)."""
+        """Barrier over all ranks (over the workers in a parameter-server run; a server returns at once)."""
+        if not self.is_worker:
+            return
         group = self._barrier_group  # type: ignore[attr-defined]
         if self.device.type == "cuda":
             dist.barrier(group=group, device_ids=[self.device.index])
