@@ -28,7 +28,9 @@ from meshkit.accumulation import GradientState, PreparedOptimizer, PreparedSched
 from meshkit.checkpoint.engine_mixin import CheckpointingMixin
 from meshkit.config import RunConfig
 from meshkit.data.loader import ShardedLoader, shard_dataloader
+from meshkit.data.uneven import node_rank, per_rank_sizes
 from meshkit.engine_weights import EngineError, WeightsMixin
+from meshkit.evaluation import EvaluationMixin
 from meshkit.gradients import GradientSync
 from meshkit.hang_doctor import HangDoctor, watched
 from meshkit.launching.affinity import apply_affinity
@@ -49,7 +51,6 @@ from meshkit.parallel.activation import CheckpointedBlock
 from meshkit.parallel.compose import parallelize, unwrap
 from meshkit.parallel.context import shard_sequence
 from meshkit.parallel.dataparallel import WrappedModelWarning, bare_module, check_world  # noqa: F401 - re-exported
-from meshkit.parallel.fsdp import reshard
 from meshkit.parallel.nvme import check_offload_dir
 from meshkit.parallel.pipeline import PipelineModel
 from meshkit.parallel.pipeline_schedule import PipelineRunner
@@ -70,7 +71,7 @@ class ConfigConflictWarning(UserWarning):
     """Code and a launch flag set the same key to different values (code wins)."""
 
 
-class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
+class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin):
     """Distributed training for any layout. `Engine(config=None, **overrides)`.
 
     `config` is a RunConfig, a YAML path, the result of `meshkit.resolve.resolve()`, or None (the config
@@ -136,6 +137,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         self._adapter_merges: dict[int, dict[str, LoraMerge]] = {}  # id(prepared model) -> LoRA layers to fold
         self._user_modules: dict[int, nn.Module] = {}  # id(prepared model) -> the module the user passed
         self._causal_lm = False  # the prepared model is a causal LM (next-token logits)
+        self._uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
         self._checkpointed: list[CheckpointedBlock] = []  # blocks under activation checkpointing/offload
         # where gradients, metrics and barriers go: a parameter-server worker keeps its gradients to itself
         # (the servers average them) and shares metrics and barriers with the other workers only
@@ -252,6 +254,13 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
     def _prepare_loader(self, loader: DataLoader) -> ShardedLoader:
         if self._ps is not None and self._ps.is_server:
             return EmptyLoader(loader)  # type: ignore[return-value]
+        sizes = None
+        if self.config.train.uneven:  # per-rank sizes: each rank's gradient counts its samples (backward)
+            node = node_rank(self.info.rank, self.info.local_world_size)
+            split = {"pp": self.mesh.size("pp"), "cp": self.mesh.size("cp")}
+            sizes = per_rank_sizes(self.config.train.micro_batch_size, self.dp_size, self._data_group, node, split)
+            mine = sizes[self.dp_rank]
+            self._uneven = (mine, mine if self._ps else sum(sizes))  # the servers weigh the workers themselves
         return shard_dataloader(
             loader,
             dp_rank=self.dp_rank,
@@ -259,6 +268,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
             seed=self.config.seed,
             device=self.device,
             state=self.gradient_state,
+            sizes=sizes,
         )
 
     # ------------------------------------------------------------------ the step
@@ -274,6 +284,10 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
         `num_items` items (e.g. tokens) and the final gradient is the mean over every item of the window on
         every dp rank — the right average when micro-batches hold different numbers of tokens.
         """
+        if num_items is None and self._uneven is not None:  # per-rank batch sizes: weigh each rank by its samples
+            mine, total = self._uneven
+            self._gradients.backward(loss, mine, global_items=lambda: float(total))
+            return
         self._gradients.backward(loss, num_items)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
@@ -334,28 +348,6 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin):
             optimizer.zero_grad()
         loss = loss.detach()
         return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
-
-    @watched("eval_token_loss")
-    @torch.no_grad()
-    def eval_token_loss(self, batch: Any) -> tuple[float, int]:
-        """(summed next-token loss, tokens counted) of an HF-style causal-LM batch (`input_ids`, `labels`),
-        summed over every data-parallel rank; no gradients. Every rank calls it (each with its own batch) in
-        every layout, pipelines included; divide the sums of several batches for the mean loss."""
-        model = self._only("model", self._models)
-        inputs, targets = split_causal_lm_batch(batch)
-        if self.mesh.size("cp") > 1:
-            inputs, targets = self.shard_sequence((inputs, targets))
-        with self.loss_parallel():
-            if self._pipeline is not None:
-                total = self._pipeline.evaluate(*pipeline_pair((inputs, targets), True))
-            else:
-                total = token_loss_sum(logits_of(model(**inputs)), targets)
-        if self.zero_stage == 3:
-            reshard(model)
-        total = total.full_tensor() if isinstance(total, DTensor) else total
-        count = (targets != IGNORE_INDEX).sum()
-        summed = self.reduce(torch.stack((total.float(), count.float())), "sum")
-        return float(summed[0]), int(summed[1])
 
     # ------------------------------------------------------------------ end
     def end(self, *, wait_for_peers: bool = True) -> None:

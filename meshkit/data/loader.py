@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from meshkit.accumulation import GradientState
 from meshkit.data.resumable import ResumableSampler
+from meshkit.data.uneven import UnevenBatchSampler
 from meshkit.errors import MeshkitError
 from meshkit.tree import to_device
 
@@ -57,16 +58,23 @@ class ShardedLoader:
         """Start the next iteration at `epoch` (the shuffle order depends on it)."""
         self.epoch = epoch
 
+    @property
+    def _position(self) -> Any:
+        """The sampler that knows the global position (a ResumableSampler, or the uneven batch sampler)."""
+        uneven = self.loader.batch_sampler
+        return uneven if isinstance(uneven, UnevenBatchSampler) else self.loader.sampler
+
     def __iter__(self) -> Iterator[Any]:
-        if hasattr(self.loader.sampler, "set_epoch"):
-            self.loader.sampler.set_epoch(self.epoch)
+        for sampler in (self.loader.sampler, self.loader.batch_sampler):
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
         try:
             last = len(self.loader) - 1
         except TypeError:  # an iterable dataset of unknown length
             last = -1
         self.gradient_state.active_loader = self
-        sampler = self.loader.sampler
-        self._epoch_start = sampler.start if isinstance(sampler, ResumableSampler) else 0
+        sampler = self._position
+        self._epoch_start = sampler.start if isinstance(sampler, (ResumableSampler, UnevenBatchSampler)) else 0
         self.batch_index = -1
         skip, self._skip_batches = self._skip_batches, 0
         self._read = skip
@@ -79,14 +87,16 @@ class ShardedLoader:
             yield to_device(batch, self.device)
         self.gradient_state.end_of_dataloader = False
         self._read = 0
-        if isinstance(sampler, ResumableSampler):
+        if isinstance(sampler, (ResumableSampler, UnevenBatchSampler)):
             sampler.start = 0
         self.epoch += 1
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, int]:
         """Where the data stands: the epoch, and how many of its samples every rank together has read."""
-        sampler = self.loader.sampler
+        sampler = self._position
+        if isinstance(sampler, UnevenBatchSampler):
+            return {"epoch": self.epoch, "samples_seen": sampler.start + self._read * sampler.global_batch}
         batch = self.loader.batch_size or 1
         if isinstance(sampler, ResumableSampler):
             seen = sampler.start + self._read * batch * sampler.num_replicas
@@ -96,8 +106,8 @@ class ShardedLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue at `state`; the next iteration yields exactly the batches not read yet."""
         self.epoch = int(state["epoch"])
-        sampler = self.loader.sampler
-        if "samples_seen" in state and isinstance(sampler, ResumableSampler):
+        sampler = self._position
+        if "samples_seen" in state and isinstance(sampler, (ResumableSampler, UnevenBatchSampler)):
             sampler.start = int(state["samples_seen"])
         elif "batches_seen" in state:
             self._skip_batches = int(state["batches_seen"])
@@ -123,9 +133,17 @@ class ShardedLoader:
 
 
 def shard_dataloader(
-    loader: DataLoader, *, dp_rank: int, dp_size: int, seed: int, device: torch.device, state: GradientState
+    loader: DataLoader,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    device: torch.device,
+    state: GradientState,
+    sizes: list[int] | None = None,
 ) -> ShardedLoader:
-    """Wrap `loader` so that each of the `dp_size` data-parallel ranks reads a disjoint part of the data."""
+    """Wrap `loader` so that each of the `dp_size` data-parallel ranks reads a disjoint part of the data;
+    with `sizes` (one per dp rank) each global batch is split unevenly (`meshkit.data.uneven`)."""
     if isinstance(loader.sampler, DistributedSampler):
         return ShardedLoader(loader, device, state)  # already sharded by the user
     if isinstance(loader.dataset, IterableDataset):
@@ -141,26 +159,33 @@ def shard_dataloader(
             "prepare(): the DataLoader uses a custom sampler or batch_sampler; pass batch_size= and shuffle= "
             "instead, or give it a torch DistributedSampler(num_replicas=engine.dp_size, rank=engine.dp_rank)"
         )
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    if sizes is not None:
+        batches = UnevenBatchSampler(len(loader.dataset), sizes, dp_rank, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
+        return ShardedLoader(_rebuilt(loader, batch_sampler=batches), device, state)
     sampler = ResumableSampler(
         loader.dataset,
         num_replicas=dp_size,
         rank=dp_rank,
-        shuffle=isinstance(loader.sampler, RandomSampler),
+        shuffle=shuffle,
         seed=seed,
         drop_last=loader.drop_last,
     )
-    sharded = DataLoader(
+    sharded = _rebuilt(loader, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
+    return ShardedLoader(sharded, device, state)
+
+
+def _rebuilt(loader: DataLoader, **sampling: Any) -> DataLoader:
+    """`loader` with other sampling arguments and all its other settings."""
+    return DataLoader(
         loader.dataset,
-        batch_size=loader.batch_size,
-        sampler=sampler,
+        **sampling,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
         persistent_workers=loader.persistent_workers,
     )
-    return ShardedLoader(sharded, device, state)

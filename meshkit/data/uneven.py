@@ -24,9 +24,16 @@ class UnevenBatchError(MeshkitError):
     """Per-rank batch sizes that do not fit the run."""
 
 
-def per_rank_sizes(setting: Any, dp_rank: int, dp_size: int, group: Any, node_rank: int | None = None) -> list[int]:
+def per_rank_sizes(setting: Any, dp_size: int, group: Any, node_rank: int, split: dict[str, int]) -> list[int]:
     """Every data-parallel rank's micro-batch size, in dp-rank order, from a list (per dp rank) or a map (per node
-    rank); each rank states its own size and they are gathered over the data-parallel group."""
+    rank); with a map each rank states its own size and they are gathered over the data-parallel group.
+    `split`: the pp and cp sizes (a rank's share of a batch must be whole samples of one stage)."""
+    others = [f"{name}={size}" for name, size in split.items() if size > 1]
+    if others:
+        raise UnevenBatchError(
+            f"per-rank micro-batch sizes split data-parallel batches and do not combine with {', '.join(others)}: "
+            "give train.micro_batch_size one size"
+        )
     if isinstance(setting, (list, tuple)):
         if len(setting) != dp_size:
             raise UnevenBatchError(
@@ -34,7 +41,7 @@ def per_rank_sizes(setting: Any, dp_rank: int, dp_size: int, group: Any, node_ra
                 f"rank (engine.dp_size), or a map of node rank to size"
             )
         return [int(size) for size in setting]
-    node = node_rank if node_rank is not None else int(os.environ.get("GROUP_RANK", "0"))
+    node = node_rank
     if node not in setting:
         raise UnevenBatchError(
             f"train.micro_batch_size maps node ranks {sorted(setting)} to sizes but not node {node}: add it"
@@ -70,3 +77,8 @@ class UnevenBatchSampler(Sampler[list[int]]):
         for step in range(len(self)):
             first = self.start + step * self.global_batch + self.offset
             yield order[first : first + mine]
+
+
+def node_rank(rank: int, local_world_size: int) -> int:
+    """This process's node: the launcher's GROUP_RANK, else its rank over the ranks per node."""
+    return int(os.environ.get("GROUP_RANK", rank // max(1, local_world_size)))

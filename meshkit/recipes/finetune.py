@@ -106,7 +106,7 @@ def eval_batches(samples: list[TokenizedSample], engine: Engine, collate: Any) -
     batches of the same size (pipelines and sharded parameters need all ranks in each forward)."""
     if not samples:
         return []
-    size, dp = engine.config.train.micro_batch_size, engine.dp_size
+    size, dp = engine.config.train.largest_micro_batch, engine.dp_size
     per_rank = -(-len(samples) // dp)
     batches = -(-per_rank // size)
     mine = samples[engine.dp_rank :: dp]
@@ -173,7 +173,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         if s.sample_packing
         else PaddedSamples(train_samples)
     )
-    per_window = cfg.train.micro_batch_size * engine.dp_size
+    per_window = cfg.train.global_micro_batch(engine.dp_size)
     if len(dataset) < per_window:
         raise FinetuneError(
             f"{len(dataset)} training {'rows' if s.sample_packing else 'samples'} are fewer than one global "
@@ -182,7 +182,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         )
     loader = DataLoader(
         dataset,
-        batch_size=cfg.train.micro_batch_size,
+        batch_size=cfg.train.largest_micro_batch,
         shuffle=True,
         drop_last=True,
         collate_fn=None if s.sample_packing else collate,

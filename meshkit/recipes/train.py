@@ -74,13 +74,13 @@ def _train(engine: Engine) -> dict[str, Any]:
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise RecipeError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     dataset = TokenWindows(ByteTokenizer().encode(load_text(cfg.train.dataset)), cfg.train.seq_len)
-    per_window = cfg.train.micro_batch_size * engine.dp_size
+    per_window = cfg.train.global_micro_batch(engine.dp_size)
     if len(dataset) < per_window:
         raise RecipeError(
             f"the text gives {len(dataset)} sequences of {cfg.train.seq_len} tokens, fewer than one global "
             f"micro-batch ({per_window}): lower train.micro_batch_size or train.seq_len, or use a longer text"
         )
-    loader = DataLoader(dataset, batch_size=cfg.train.micro_batch_size, shuffle=True, drop_last=True)
+    loader = DataLoader(dataset, batch_size=cfg.train.largest_micro_batch, shuffle=True, drop_last=True)
     model = GPT(cfg.model)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay
@@ -89,7 +89,7 @@ def _train(engine: Engine) -> dict[str, Any]:
     model, optimizer, loader, scheduler = engine.prepare(model, optimizer, loader, scheduler, loss_fn=lm_loss)
 
     n_params = sum(p.numel() for p in engine.unwrap_model().parameters())
-    tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.grad_accum_steps * engine.dp_size
+    tokens_per_step = cfg.train.global_micro_batch(engine.dp_size) * cfg.train.seq_len * cfg.grad_accum_steps
     engine.print(
         f"meshkit: training GPT ({n_params / 1e6:.2f}M params) on {engine.num_processes} rank(s), "
         f"layout {engine.mesh.dims.describe()}, precision {cfg.precision}, {tokens_per_step} tokens/step"
