@@ -48,6 +48,12 @@ class ProcessHelpers:
             print(line, flush=True)
 
     @property
+    def is_main_worker(self) -> bool:
+        """The rank that reports training (progress, trackers, summary): rank 0, or in a parameter-server run the
+        first worker (rank 0 serves)."""
+        return self.info.rank == (self._ps.roles.servers if self._ps else 0)  # type: ignore[attr-defined]
+
+    @property
     def is_main_process(self) -> bool:
         return self.info.rank == 0  # type: ignore[attr-defined]
 
@@ -128,7 +134,7 @@ class ProcessHelpers:
             print(*args, **kwargs)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Send scalar metrics to the trackers (main process only; other ranks return at once)."""
+        """Send scalar metrics to the trackers (on `is_main_worker`; other ranks return at once)."""
         if not self._trackers:
             return
         scalars = scalar_metrics(metrics)

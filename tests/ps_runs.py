@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from meshkit import Engine
+from meshkit.paramserver import ParameterServerError
 
 
 def model() -> nn.Module:
@@ -41,24 +43,19 @@ def train(
     optimizer = torch.optim.SGD(net.parameters(), lr=options.get("lr", 0.05), momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     loader = DataLoader(dataset(options.get("samples", 160)), batch_size=micro_batch, shuffle=True)
-    net, optimizer, loader, scheduler = engine.prepare(
-        net, optimizer, loader, scheduler, loss_fn=lambda out, batch: mse(out, batch)
-    )
-    if options.get("resume"):
-        engine.resume()
-    jitter = random.Random(rank)
-    losses = []
-    while engine.is_worker and engine.step < steps:
-        for batch in loader:
-            if options.get("die_at") == (engine.dp_rank, engine.step):
-                os.kill(os.getpid(), signal.SIGKILL)
-            if options.get("jitter_s"):
-                time.sleep(jitter.random() * options["jitter_s"])
-            losses.append(float(engine.train_step((batch[0], batch))))
-            if options.get("checkpoint_every"):
-                engine.save_checkpoint()
-            if engine.step >= steps:
-                break
+    if rank == 0 and options.get("server_dies_after_s"):
+        threading.Timer(options["server_dies_after_s"], os.kill, (os.getpid(), signal.SIGKILL)).start()
+    losses: list[float] = []
+    try:
+        net, optimizer, loader, scheduler = engine.prepare(
+            net, optimizer, loader, scheduler, loss_fn=lambda out, batch: mse(out, batch)
+        )
+        if options.get("resume"):
+            engine.resume()
+        _loop(engine, loader, steps, losses, rank, options)
+    except ParameterServerError as err:  # the fault tests: what a rank says when a peer is lost
+        engine.end(wait_for_peers=False)
+        return {"is_worker": engine.is_worker, "error": str(err), "losses": losses}
     report = engine._ps.report if engine._ps is not None and engine._ps.report is not None else None
     weights = {n: p.detach().clone() for n, p in net.named_parameters()}
     result = {
@@ -71,6 +68,21 @@ def train(
     }
     engine.end()
     return result
+
+
+def _loop(engine: Engine, loader: Any, steps: int, losses: list[float], rank: int, options: dict[str, Any]) -> None:
+    jitter = random.Random(rank)
+    while engine.is_worker and engine.step < steps:
+        for batch in loader:
+            if options.get("die_at") == (engine.dp_rank, engine.step):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if options.get("jitter_s"):
+                time.sleep(jitter.random() * options["jitter_s"])
+            losses.append(float(engine.train_step((batch[0], batch))))
+            if options.get("checkpoint_every"):
+                engine.save_checkpoint()
+            if engine.step >= steps:
+                break
 
 
 def logistic_data(samples: int = 240, features: int = 8) -> TensorDataset:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from meshkit.recipes.train import resolve_recipe, train
@@ -120,3 +121,23 @@ def test_recipe_settings_that_cannot_train_are_one_line(tmp_path) -> None:
     proc = meshkit("train", str(config))
     assert proc.returncode == 2
     assert "train.seq_len=64 exceeds model.max_seq_len=32" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_meshkit_train_through_a_parameter_server_equals_ddp(tmp_path) -> None:
+    """1 server + 2 workers (sync) against DDP on 2 ranks: the same weights; the first worker reports."""
+    runs = {}
+    for name, extra in (
+        ("ddp", {"launch": {"nproc_per_node": 2}}),
+        ("ps", {"launch": {"nproc_per_node": 3}, "strategy": "parameter_server"}),
+    ):
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump(extra))
+        proc = meshkit("train", str(config), *SMALL, f"logging.dir={tmp_path / name}", timeout=180)
+        assert proc.returncode == 0, proc.stderr
+        runs[name] = (json.loads((tmp_path / name / "summary.json").read_text()), proc.stdout)
+    (ddp, _), (served, said) = runs["ddp"], runs["ps"]
+    assert served["params_sha256"] == ddp["params_sha256"]
+    assert served["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)
+    assert served["layout_description"].startswith("parameter server (1 server(s), sync)")
+    assert len(served["memory"]) == 1 and served["memory"][0]["optimizer"] == 0  # the worker holds no moments
+    assert "parameter server applied" in said and "meshkit run summary" in said

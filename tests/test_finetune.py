@@ -74,6 +74,14 @@ def test_malformed_jsonl_names_file_and_line_on_the_command_line(tmp_path, mater
     assert len(lines) == 1 and f"{data}:2: not valid JSON" in lines[0], proc.stderr
 
 
+def test_a_strategy_other_than_auto_is_refused_on_the_command_line(tmp_path, material) -> None:
+    path = write_config(tmp_path / "ft.yaml", material)
+    proc = meshkit("finetune", str(path), "strategy=dataparallel")
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "not strategy=dataparallel" in lines[0], proc.stderr
+
+
 def test_a_missing_field_names_the_record(tmp_path, tokenizer) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}, {"instruction": "c"}])
     with pytest.raises(DataFormatError, match=r"d.jsonl:2: the record has no 'output' field"):

@@ -146,3 +146,25 @@ def test_a_checkpoint_resumes_into_the_same_weights(tmp_path) -> None:
     for a, b in zip(_workers(resumed), _workers(straight), strict=True):
         assert all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
         assert a["losses"] == b["losses"][4:]
+
+
+def test_a_lost_server_stops_every_worker_with_a_line_naming_it() -> None:
+    results = run_world(
+        train,
+        3,
+        {**PS, "ps": {"mode": "async"}},
+        100_000,
+        4,
+        {"server_dies_after_s": 2.0, "jitter_s": 0.01},
+        timeout=120,
+        may_die=frozenset({0}),
+    )
+    for worker in results[1:]:
+        assert "parameter server rank 0 is gone" in worker["error"] and "the job stops" in worker["error"]
+        assert worker["losses"]  # it had been training
+
+
+def test_a_lost_worker_stops_a_synchronous_run_with_a_line_naming_it() -> None:
+    results = run_world(train, 3, PS, 12, 4, {"die_at": (1, 4)}, timeout=120, may_die=frozenset({2}))
+    assert "worker rank 2 is gone" in results[0]["error"] and "ps.mode=async" in results[0]["error"]
+    assert "parameter server rank 0 is gone" in results[1]["error"]

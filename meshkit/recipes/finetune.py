@@ -65,6 +65,11 @@ def check_layout(engine: Engine, job: FinetuneJob) -> None:
     """What this recipe's data cannot do in the chosen layout, said before any work."""
     cfg, packing = engine.config, job.settings.sample_packing
     cp, pp = engine.mesh.size("cp"), engine.mesh.size("pp")
+    if cfg.strategy != "auto":  # its evaluation, exports and generations meet every rank in collectives
+        raise FinetuneError(
+            f"meshkit finetune runs the layouts of strategy=auto (DDP, ZeRO, tp, pp, cp), not strategy={cfg.strategy}: "
+            "drop strategy, or drive that strategy from your own script with meshkit.Engine"
+        )
     if packing and pp > 1:
         raise FinetuneError(
             "sample_packing passes position_ids, which a pipeline stage does not take: set pp=1 or "

@@ -87,13 +87,22 @@ def _train(engine: Engine) -> dict[str, Any]:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.train.warmup_steps, cfg.train.steps))
     model, optimizer, loader, scheduler = engine.prepare(model, optimizer, loader, scheduler, loss_fn=lm_loss)
+    if not engine.is_worker:
+        return {}  # a parameter server: its prepare() served until every worker had finished
+    # A parameter-server run reports from its first worker, without collectives over the servers; async
+    # workers never meet, so each reports its own loss.
+    served = cfg.strategy == "parameter_server"
+    shared_loss = not (served and cfg.ps.mode == "async")
 
     n_params = sum(p.numel() for p in engine.unwrap_model().parameters())
+    layout = f"parameter server ({cfg.ps.servers} server(s), {cfg.ps.mode})" if served else engine.mesh.dims.describe()
     tokens_per_step = cfg.train.global_micro_batch(engine.dp_size) * cfg.train.seq_len * cfg.grad_accum_steps
-    engine.print(
-        f"meshkit: training GPT ({n_params / 1e6:.2f}M params) on {engine.num_processes} rank(s), "
-        f"layout {engine.mesh.dims.describe()}, precision {cfg.precision}, {tokens_per_step} tokens/step"
-    )
+    if engine.is_main_worker:
+        print(
+            f"meshkit: training GPT ({n_params / 1e6:.2f}M params) on {engine.num_processes} rank(s), "
+            f"layout {layout}, precision {cfg.precision}, {tokens_per_step} tokens/step",
+            flush=True,
+        )
     resumed = engine.resume()  # checkpoint.resume: auto | PATH (restores data position, RNG, optimizer, ...)
     losses: list[float] = list(resumed.get("losses", [])) if resumed else []
     first_step = len(losses)
@@ -101,7 +110,7 @@ def _train(engine: Engine) -> dict[str, Any]:
     window_loss = torch.zeros((), device=engine.device)
     activations, measured = engine.activation_report(), False  # measures the first micro-step only
     start = time.perf_counter()
-    with TrainingProgress(cfg.train.steps, enabled=engine.is_main_process) as progress:
+    with TrainingProgress(cfg.train.steps, enabled=engine.is_main_worker) as progress:
         progress.update(first_step, losses[-1] if losses else float("nan"), 0.0)
         while len(losses) < cfg.train.steps:
             with contextlib.nullcontext() if measured else activations:
@@ -109,7 +118,8 @@ def _train(engine: Engine) -> dict[str, Any]:
             measured = True
             if not engine.sync_gradients:
                 continue
-            loss = engine.reduce(window_loss / cfg.grad_accum_steps).item()
+            mean = window_loss / cfg.grad_accum_steps
+            loss = (engine.reduce(mean) if shared_loss else mean).item()
             window_loss.zero_()
             losses.append(loss)
             step = len(losses)
@@ -122,7 +132,11 @@ def _train(engine: Engine) -> dict[str, Any]:
     engine.wait_for_checkpoint()
     wall = time.perf_counter() - start
     trained = len(losses) - first_step
-    memory = collectives.gather_object(engine.memory_report(), group=None)  # every rank's, in rank order
+
+    def every_rank(value: Any) -> list[Any]:  # in rank order (a parameter server's first worker: its own)
+        return [value] if served else collectives.gather_object(value, group=None)
+
+    memory = every_rank(engine.memory_report())
 
     summary = {
         "final_loss": losses[-1],
@@ -133,7 +147,7 @@ def _train(engine: Engine) -> dict[str, Any]:
         "wall_s": wall,
         "world_size": engine.num_processes,
         "layout": engine.mesh.dims.as_dict(),
-        "layout_description": engine.mesh.dims.describe(),
+        "layout_description": layout,
         "precision": cfg.precision,
         "grad_accum_steps": cfg.grad_accum_steps,
         "parameters": n_params,
@@ -142,9 +156,9 @@ def _train(engine: Engine) -> dict[str, Any]:
         "memory": memory,
         "activation_checkpointing": cfg.activation_checkpointing.model_dump(),
         "activation_offload": cfg.activation_offload,
-        "activations": collectives.gather_object(activations.as_dict(), group=None),  # first micro-step, per rank
+        "activations": every_rank(activations.as_dict()),  # first micro-step, per rank
     }
-    if engine.is_main_process:
+    if engine.is_main_worker:
         run_dir = Path(cfg.logging.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
