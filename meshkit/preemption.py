@@ -27,6 +27,7 @@ import torch.distributed as dist
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; the launcher exits with it too
 LAUNCHER_STATE_ENV = "MESHKIT_LAUNCHER_STATE"  # a directory `meshkit launch` watches
 ANNOUNCEMENT = "preempted.json"
+TOLERATED_PREFIX = "tolerated-"  # + pid: a worker whose loss the job survives (the launcher goes on without it)
 ANNOUNCE_PAUSE_S = 1.0  # time the launcher gets to see the announcement before the workers exit
 
 
@@ -97,6 +98,13 @@ class PreemptionWatch:
         if self._armed and threading.current_thread() is threading.main_thread():
             signal.signal(self.signum, self._previous)  # type: ignore[arg-type]
         self._armed = False
+
+
+def declare_tolerated_exit() -> None:
+    """Tell `meshkit launch` (when it started this worker) that the job goes on if this worker is lost."""
+    state_dir = os.environ.get(LAUNCHER_STATE_ENV)
+    if state_dir and Path(state_dir).is_dir():
+        (Path(state_dir) / f"{TOLERATED_PREFIX}{os.getpid()}").touch()
 
 
 def announce(state_dir: str | None, step: int, checkpoint: Path, signal_name: str) -> None:

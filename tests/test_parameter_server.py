@@ -8,6 +8,7 @@ import torch
 from meshkit.config import RunConfig
 from meshkit.paramserver.layout import make_shards, place_parameters
 from meshkit.paramserver.roles import ParameterServerError, check_parameter_server
+from tests.cli import meshkit
 from tests.distributed import run_world
 from tests.ps_runs import logistic_data, logistic_loss, train, train_logistic
 
@@ -168,3 +169,48 @@ def test_a_lost_worker_stops_a_synchronous_run_with_a_line_naming_it() -> None:
     results = run_world(train, 3, PS, 12, 4, {"die_at": (1, 4)}, timeout=120, may_die=frozenset({2}))
     assert "worker rank 2 is gone" in results[0]["error"] and "ps.mode=async" in results[0]["error"]
     assert "parameter server rank 0 is gone" in results[1]["error"]
+
+
+LOSES_A_WORKER = """
+import os, signal, sys, time
+import torch
+from torch import nn
+from meshkit import Engine
+mode = sys.argv[1]
+engine = Engine(strategy="parameter_server", ps={"mode": mode}, hang_doctor=False)
+torch.manual_seed(0)
+model = nn.Linear(4, 1)
+model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.functional.mse_loss)
+for step in range(30 if engine.is_worker else 0):
+    if engine.process_index == 3 and step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if "every" in sys.argv and step == 2:
+        raise ValueError("every worker fails")
+    time.sleep(0.02)
+    engine.train_step((torch.randn(8, 4), torch.randn(8, 1)))
+sys.stdout.write(f"DONE rank {engine.process_index} steps {engine.step}\\n")
+sys.stdout.flush()
+engine.end()
+"""
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_under_meshkit_launch_a_lost_worker_stops_a_sync_job_but_not_an_async_one(tmp_path, mode: str) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(LOSES_A_WORKER)
+    proc = meshkit("launch", "--nproc-per-node", "4", str(script), mode, timeout=120)
+    if mode == "sync":  # as under DDP: the job stops, naming the lost worker
+        assert proc.returncode != 0 and "rank 3 (local rank 3) was killed by signal SIGKILL" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    assert all(f"DONE rank {rank} steps" in proc.stdout for rank in (0, 1, 2)), proc.stdout
+    assert "DONE rank 1 steps 30" in proc.stdout and "DONE rank 3" not in proc.stdout
+    assert "worker rank 3 is gone" in proc.stdout
+    assert "rank 3 (local rank 3) was lost (killed by SIGKILL)" in proc.stderr, proc.stderr
+
+
+def test_under_meshkit_launch_an_async_job_that_loses_every_worker_fails(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(LOSES_A_WORKER)
+    proc = meshkit("launch", "--nproc-per-node", "3", str(script), "async", "every", timeout=120)
+    assert proc.returncode != 0 and "ValueError: every worker fails" in proc.stderr, proc.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import os
 import signal
@@ -46,6 +47,7 @@ from meshkit.launching.stores import (
     wait_reachable,
 )
 from meshkit.launching.supervisor import WorkerSupervisor
+from meshkit.launching.tolerant_agent import LostWorker, TolerantAgent, agent_class
 from meshkit.launching.worker import LAUNCHER_PID_ENV
 from meshkit.preemption import PREEMPTED_EXIT_CODE, signal_number
 from meshkit.resolve import ENV_CONFIG_FILE, ENV_LAUNCH_FLAGS, launch_flags_to_env
@@ -254,6 +256,8 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
         roster = stack.enter_context(NodeRoster(host, port, run_id, settings.node_rank, settings.nnodes))
         stack.enter_context(_environment({**plan.worker_env(addresses), **supervisor.worker_env()}))
         stack.enter_context(_signal_handler(preempt, _PreemptionHandler(supervisor, settings.shutdown_grace_s)))
+        lost: list[LostWorker] = []
+        stack.enter_context(agent_class(functools.partial(TolerantAgent, tolerated=supervisor.tolerated, lost=lost)))
         try:
             launch_agent(config, sys.executable, target.worker_args())
         except ChildFailedError as err:
@@ -277,6 +281,18 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
                 flush=True,
             )
             return 1
+    for worker in lost:
+        how = (
+            f"killed by {signal.Signals(-worker.exitcode).name}"
+            if worker.exitcode < 0
+            else f"exit code {worker.exitcode}"
+        )
+        print(
+            f"meshkit launch: rank {worker.rank} (local rank {worker.local_rank}) was lost ({how}); an asynchronous "
+            "parameter-server worker, so the others finished without it",
+            file=sys.stderr,
+            flush=True,
+        )
     del store  # after the roster's last beat: the server goes with the job
     return 0
 

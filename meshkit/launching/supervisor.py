@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshkit.preemption import ANNOUNCEMENT, LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE
+from meshkit.preemption import ANNOUNCEMENT, LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE, TOLERATED_PREFIX
 
 POLL_S = 0.05
 FAILED_PREFIX = "failed-"  # what `meshkit.launching.worker` writes (+ its pid) before it exits with an error
@@ -129,6 +129,10 @@ class WorkerSupervisor:
                 os.kill(pid, signum)
         return True
 
+    def tolerated(self, pid: int) -> bool:
+        """The worker declared that the job survives its loss (an asynchronous parameter-server worker)."""
+        return (self.state_dir / f"{TOLERATED_PREFIX}{pid}").exists()
+
     def exit_time(self, pid: int) -> float | None:
         """When the worker failed: when it said so itself, else when its exit was seen."""
         record = self.exits.get(pid)
@@ -200,8 +204,8 @@ class WorkerSupervisor:
         if status == PREEMPTED_EXIT_CODE and self.preempt_signal is not None:
             self.begin_shutdown(self.preempt_signal, 0.0)  # only the workers were signalled
             return
-        if status == 0 or self._kill_at is not None:
-            return
+        if status == 0 or self._kill_at is not None or self.tolerated(pid):
+            return  # (a tolerated worker's loss stops nobody: the agent goes on without it)
         # A failure: the others of this attempt get the grace to exit after the agent's SIGTERM.
         self._condemned = self._alive - {pid}
         self._stopped |= self._condemned | {pid}  # their exits (and this one's, if noted early) follow from it

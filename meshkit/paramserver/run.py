@@ -22,6 +22,7 @@ from meshkit.paramserver.client import ParameterClient
 from meshkit.paramserver.layout import make_shards
 from meshkit.paramserver.roles import ParameterServerError, check_parameter_server
 from meshkit.paramserver.server import ParameterServer, ServeReport
+from meshkit.preemption import declare_tolerated_exit
 
 
 class ServedOptimizer(PreparedOptimizer):
@@ -79,6 +80,8 @@ class ParameterServerRun:
         self.group = dist.new_group(backend="gloo")  # the servers' traffic, gloo also under NCCL
         self.workers_group = dist.new_group(ranks=self.roles.worker_ranks)  # metrics among workers
         self.local_group, _ = dist.new_subgroups(group_size=1)  # a worker's gradients are its own until pushed
+        if config.ps.mode == "async" and not self.roles.is_server:
+            declare_tolerated_exit()  # under meshkit launch, the others go on if this worker is lost
         self.client: ParameterClient | None = None
         self.report: ServeReport | None = None
         self._started = False
