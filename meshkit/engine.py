@@ -177,9 +177,15 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin):
         return self.gradient_state.sync
 
     # ------------------------------------------------------------------ prepare
-    @watched("prepare")
     def prepare(self, *objects: Any, loss_fn: LossFn | None = None) -> Any:
         """Place and wrap models, optimizers, data loaders and LR schedulers; returns them in the same order."""
+        prepared = self._prepare(objects, loss_fn)
+        if self._ps is not None:  # a worker pulls the servers' weights; a server serves until the workers finish
+            self._ps.start(self._optimizers, self._schedulers)  # (not a phase: serving may rightly take days)
+        return prepared
+
+    @watched("prepare")
+    def _prepare(self, objects: tuple[Any, ...], loss_fn: LossFn | None) -> Any:
         if loss_fn is not None:
             self.loss_fn = loss_fn
         prepared: dict[int, Any] = {}
@@ -200,8 +206,6 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin):
                 raise EngineError(
                     f"prepare() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}"
                 )
-        if self._ps is not None:  # a worker pulls the servers' weights; a server serves until the workers finish
-            self._ps.start(self._optimizers, self._schedulers)
         result = [prepared[i] for i in range(len(objects))]
         return result[0] if len(result) == 1 else tuple(result)
 

@@ -38,7 +38,7 @@ def train(
     """`steps` optimizer steps of SGD with momentum and a step LR schedule; the final weights and what the
     engine reports. options: jitter_s (sleep up to that long per step, seeded by rank), die_at (a worker
     index and step at which that worker SIGKILLs itself), checkpoint_every, resume."""
-    engine = Engine(hang_doctor=False, **overrides)
+    engine = Engine(**{"hang_doctor": False, **overrides})
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=options.get("lr", 0.05), momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
@@ -76,6 +76,8 @@ def _loop(engine: Engine, loader: Any, steps: int, losses: list[float], rank: in
         for batch in loader:
             if options.get("die_at") == (engine.dp_rank, engine.step):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if options.get("pause_at") == (engine.dp_rank, engine.step):  # e.g. a long evaluation
+                time.sleep(options["pause_s"])
             if options.get("jitter_s"):
                 time.sleep(jitter.random() * options["jitter_s"])
             losses.append(float(engine.train_step((batch[0], batch))))

@@ -214,3 +214,13 @@ def test_under_meshkit_launch_an_async_job_that_loses_every_worker_fails(tmp_pat
     script.write_text(LOSES_A_WORKER)
     proc = meshkit("launch", "--nproc-per-node", "3", str(script), "async", "every", timeout=120)
     assert proc.returncode != 0 and "ValueError: every worker fails" in proc.stderr, proc.stderr
+
+
+def test_serving_and_a_long_pause_of_one_worker_outlast_the_collective_timeout() -> None:
+    """Hang doctor on, collective timeout 2 s: the servers serve for longer than that, and an async worker
+    pausing 8 s between two steps (an evaluation) is neither diagnosed as a hang nor dropped (the doctor ends a
+    phase at timeout + 5 s; gloo closes every connection when a receive outlasts the timeout)."""
+    settings = {**PS, "ps": {"mode": "async"}, "hang_doctor": True, "collective_timeout_s": 2.0}
+    results = run_world(train, 3, settings, 8, 4, {"pause_at": (0, 2), "pause_s": 8.0, "jitter_s": 0.2}, timeout=120)
+    assert [len(r["losses"]) for r in _workers(results)] == [8, 8]
+    assert results[0]["dead"] == []

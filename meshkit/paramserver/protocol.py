@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -76,9 +77,18 @@ def send_request(request: Request, dst: int, group: dist.ProcessGroup) -> list[d
     return [w for w in works if w is not None]
 
 
-def recv_request(src: int, numel: int, dtype: torch.dtype, group: dist.ProcessGroup) -> Request:
+def recv_request(
+    src: int, numel: int, dtype: torch.dtype, group: dist.ProcessGroup, idle: timedelta | None = None
+) -> Request:
+    """The next request of worker `src`; `idle`: how long it may take to come (a worker may evaluate or save for
+    longer than the collective timeout between two steps; gloo closes every connection when a receive times out)."""
     header = torch.empty(HEADER_LEN, dtype=torch.float64)
-    dist.recv(header, src=src, tag=Tag.REQUEST, group=group)
+    work = dist.irecv(header, src=src, tag=Tag.REQUEST, group=group)
+    assert work is not None
+    if idle is None:
+        work.wait()
+    else:
+        work.wait(idle)
     kind, clock, version, items, text_len, _ = header.tolist()
     request = Request(Kind(int(kind)), int(clock), int(version), float(items))
     request.text = _recv_text(int(text_len), src, Tag.REQUEST_TEXT, group)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,8 @@ class ParameterServerRun:
         self.roles = check_parameter_server(config, world_size, rank)
         self.say = say
         # Collective over the world (every rank creates every group, at the start, while all are alive).
-        self.group = dist.new_group(backend="gloo")  # the servers' traffic, gloo also under NCCL
+        # the servers' traffic, gloo also under NCCL; a worker waits for an answer up to the collective timeout
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.collective_timeout_s))
         self.workers_group = dist.new_group(ranks=self.roles.worker_ranks)  # metrics among workers
         self.local_group, _ = dist.new_subgroups(group_size=1)  # a worker's gradients are its own until pushed
         if config.ps.mode == "async" and not self.roles.is_server:

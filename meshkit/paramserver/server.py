@@ -16,18 +16,21 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshkit.config import ParameterServerConfig
+from meshkit.config import MAX_SECONDS, ParameterServerConfig
 from meshkit.errors import MeshkitError
 from meshkit.paramserver.checkpoint import read_server_shard, write_server_shard
 from meshkit.paramserver.layout import Shard
 from meshkit.paramserver.protocol import Kind, Reply, Request, recv_request, send_reply
 from meshkit.paramserver.roles import ParameterServerError
+
+IDLE = timedelta(seconds=MAX_SECONDS)  # a worker's next request may come any time: only its death ends the wait
 
 
 @dataclass
@@ -100,7 +103,7 @@ class ParameterServer:
     def _receive(self, worker: int) -> None:
         while True:
             try:
-                request = recv_request(worker, self.shard.numel, self.shard.dtype, self.group)
+                request = recv_request(worker, self.shard.numel, self.shard.dtype, self.group, IDLE)
             except BaseException as err:  # noqa: BLE001 - the connection to this worker is gone
                 self._inbox.put((worker, err))
                 return
