@@ -83,7 +83,10 @@ class GradientSync:
             for model in self.models:
                 if hasattr(model, "set_requires_gradient_sync"):  # FSDP: reduce-scatter only when syncing
                     model.set_requires_gradient_sync(sync)
-                elif not sync and hasattr(model, "no_sync"):  # DDP
+                elif not sync and hasattr(model, "no_sync") and not getattr(model, "static_graph", False):  # DDP
+                    # (under a static graph no_sync trips an internal assert in torch's reducer, or with it
+                    # fixed silently stops reducing: pytorch#143580, #187732. Reducing every micro-step gives
+                    # the same sums, as the gradients already reduced are equal on every rank.)
                     stack.enter_context(model.no_sync())
             yield
 

@@ -124,6 +124,12 @@ def _parallelize_one(
             result.needs_gradient_reduce = True
         else:
             model = apply_ddp(model, mesh, config.ddp)
+            if config.ddp.static_graph and config.grad_accum_steps > 1:
+                result.notice = (
+                    f"meshkit: ddp.static_graph with grad_accum_steps={config.grad_accum_steps}: gradients are "
+                    "all-reduced on every micro-step (torch's no_sync fails under a static graph); the same "
+                    "gradients, with more traffic, overlapped with backward"
+                )
     if autocast:
         autocast_forward(model, config.precision, mesh.device.type)
     result.model = model
