@@ -19,6 +19,7 @@ from meshkit.commbench import OPS, parse_ops, parse_sizes
 from meshkit.config import LaunchSettings
 from meshkit.errors import MeshkitError, one_line
 from meshkit.estimate_cli import estimate_command
+from meshkit.launching.cluster import cluster_settings
 from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.launching.preflight import check_job, check_layout, check_recipe, check_resume_path
 from meshkit.mesh import ProcessInfo
@@ -143,7 +144,7 @@ def launch_command(
         },
         set_ or [],
     )
-    resolved = resolve(flags=flags, flag_labels=labels, file=config_file)
+    resolved = resolve(flags=flags, flag_labels=labels, file=config_file, cluster=cluster_settings(os.environ))
     check_job(resolved.config, dict(resolved.sources))
     plan = LaunchPlan.from_config(
         resolved.config, config_file=str(config_file) if config_file else None, flags=flags, flag_labels=labels
@@ -163,9 +164,10 @@ def train(
     from meshkit.recipes.train import train as run_recipe
 
     assignments = overrides or []
-    resolved = resolve_recipe(config, assignments)
+    launched = ProcessInfo.from_env().launched  # a worker: RANK and WORLD_SIZE are torch's ranks, not nodes
+    resolved = resolve_recipe(config, assignments, cluster=not launched)
     settings = resolved.config.launch
-    if ProcessInfo.from_env().launched or settings.nproc_per_node * settings.nnodes == 1:
+    if launched or settings.nproc_per_node * settings.nnodes == 1:
         run_recipe(resolved)
         return
     check_recipe(resolved.config)
@@ -186,9 +188,10 @@ def finetune(
     from meshkit.recipes.finetune_config import resolve_finetune
 
     assignments = overrides or []
-    job = resolve_finetune(config, assignments)
+    launched = ProcessInfo.from_env().launched
+    job = resolve_finetune(config, assignments, cluster=not launched)
     settings = job.resolved.config.launch
-    if ProcessInfo.from_env().launched or settings.nproc_per_node * settings.nnodes == 1:
+    if launched or settings.nproc_per_node * settings.nnodes == 1:
         run_recipe(job)
         return
     check_layout(job.resolved.config)
@@ -222,9 +225,9 @@ def config_show(
     config_file: ConfigFileOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Print every resolved key with its value and where the value came from."""
+    """Print every resolved key with its value and where the value came from (as a launch here would see it)."""
     flags, labels = collect_flags({}, set_ or [])
-    print_resolved(resolve(flags=flags, flag_labels=labels, file=config_file))
+    print_resolved(resolve(flags=flags, flag_labels=labels, file=config_file, cluster=cluster_settings(os.environ)))
 
 
 @app.command("export")

@@ -1,6 +1,7 @@
 """Layer the config sources into one `RunConfig`, remembering where every value came from.
 
-Precedence, lowest first: defaults < YAML file < `MESHKIT_*` environment < launch flags < code arguments.
+Precedence, lowest first: defaults < YAML file < `MESHKIT_*` environment < launch flags < code arguments (a
+launcher under SLURM or a PyTorchJob adds the scheduler's variables just below `MESHKIT_*`).
 A key may be written as its dotted path (`parallel.tp`, `compile.mode`) or, where the name is unique, as its
 leaf name (`tp`, `precision`); `compile: true` is short for `compile.enabled: true`. Environment variables
 use the same names upper-cased, with `__` for the dot: `MESHKIT_TP=2`, `MESHKIT_COMPILE__MODE=max-autotune`.
@@ -264,13 +265,15 @@ def resolve(
     file: str | os.PathLike[str] | None = None,
     file_values: Mapping[str, Any] | None = None,
     file_labels: Mapping[str, str] | None = None,
+    cluster: tuple[Mapping[str, Any], Mapping[str, str]] | None = None,
 ) -> ResolvedConfig:
     """Merge the sources into a validated `RunConfig` (see the module docstring for the order).
 
     `file` defaults to `$MESHKIT_CONFIG_FILE`, then `~/.config/meshkit/config.yaml` when it exists. `flags`
     default to those the launcher passed to this worker. `code` may nest sections or use leaf names.
     `file_values` replaces reading `file` (a recipe that translated its own file format), each key labelled
-    by `file_labels` (default: the file).
+    by `file_labels` (default: the file). `cluster`: the launch settings a scheduler's variables give
+    (`meshkit.launching.cluster`, read by the launcher only), with their labels: above the file, below `MESHKIT_*`.
     """
     env = os.environ if env is None else env
     if flags is None:
@@ -294,6 +297,8 @@ def resolve(
         apply(flatten(file_values, f"file {path}"), lambda k: labels.get(k, f"file {path}"))
     elif path is not None:
         apply(flatten(read_config_file(path), f"file {path}"), lambda _k: f"file {path}")
+    if cluster is not None:
+        apply(cluster[0], lambda k: cluster[1][k])
     env_vals, env_labels = env_values(env)
     apply(env_vals, env_labels.__getitem__)
     apply(

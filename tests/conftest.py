@@ -7,11 +7,12 @@ WORLD8_LAYOUTS = {"pp2_dp2_tp2": ("gpt4", {"pp": 2, "dp_replicate": 2, "tp": 2})
 
 @pytest.fixture(autouse=True)
 def isolated_config(tmp_path, monkeypatch):
-    """No user config file, no MESHKIT_* variables and a fresh run directory for every test."""
+    """No user config file, no MESHKIT_* or scheduler (SLURM, PyTorchJob) variables — the suite behaves the same
+    inside a cluster job — and a fresh run directory for every test."""
     import os
 
     for name in list(os.environ):
-        if name.startswith("MESHKIT_"):
+        if name.startswith(("MESHKIT_", "SLURM_", "PET_")):
             monkeypatch.delenv(name)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("MESHKIT_LOGGING__DIR", str(tmp_path / "run"))

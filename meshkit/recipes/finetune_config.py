@@ -22,6 +22,7 @@ from pydantic import Field, ValidationError, field_validator
 from meshkit.config import Section
 from meshkit.data.formats import DatasetType
 from meshkit.errors import brief
+from meshkit.launching.cluster import cluster_settings
 from meshkit.recipes.hf_base import weights_file
 from meshkit.resolve import (
     ConfigError,
@@ -261,9 +262,14 @@ def _split_arguments(assignments: list[str]) -> _Split:
 
 
 def resolve_finetune(
-    config_file: str | os.PathLike[str], assignments: list[str], env: Mapping[str, str] | None = None
+    config_file: str | os.PathLike[str],
+    assignments: list[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    cluster: bool = False,
 ) -> FinetuneJob:
-    """Read the YAML and the `key=value` arguments into a `FinetuneJob` (see the module docstring)."""
+    """Read the YAML and the `key=value` arguments into a `FinetuneJob` (see the module docstring); `cluster`:
+    this process launches, so a scheduler's variables (SLURM, PyTorchJob) count too."""
     env = os.environ if env is None else env
     path = Path(config_file)
     from_file = _split_file(path, read_config_file(path))
@@ -286,6 +292,12 @@ def resolve_finetune(
     flags.update(from_args.meshkit)
     labels.update(from_args.labels)
     resolved = resolve(
-        flags=flags, flag_labels=labels, env=env, file=path, file_values=file_values, file_labels=file_labels
+        flags=flags,
+        flag_labels=labels,
+        env=env,
+        file=path,
+        file_values=file_values,
+        file_labels=file_labels,
+        cluster=cluster_settings(env) if cluster else None,
     )
     return FinetuneJob(resolved, settings, sources, tuple(from_file.notes + from_args.notes))

@@ -25,6 +25,7 @@ from meshkit.data.text import BYTE_VOCAB_SIZE, ByteTokenizer, TokenWindows, load
 from meshkit.engine import Engine
 from meshkit.errors import MeshkitError
 from meshkit.export import state_dict_sha256
+from meshkit.launching.cluster import cluster_settings
 from meshkit.models.gpt import GPT, lm_loss
 from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
 from meshkit.resolve import ResolvedConfig, launch_flags_from_env, parse_assignments, resolve
@@ -34,13 +35,17 @@ class RecipeError(MeshkitError):
     """Recipe settings that cannot train (model too small for the tokens, too little text, ...)."""
 
 
-def resolve_recipe(config_file: str | os.PathLike[str] | None, assignments: list[str]) -> ResolvedConfig:
-    """File < environment < launch flags (the launcher's, then `key=value` arguments)."""
+def resolve_recipe(
+    config_file: str | os.PathLike[str] | None, assignments: list[str], *, cluster: bool = False
+) -> ResolvedConfig:
+    """File < environment < launch flags (the launcher's, then `key=value` arguments); `cluster`: this process
+    launches, so a scheduler's variables (SLURM, PyTorchJob) count too."""
     flags, labels = launch_flags_from_env(os.environ)
     from_args = parse_assignments(assignments)
     flags.update(from_args)
     labels.update({key: f"argument {key}" for key in from_args})
-    return resolve(flags=flags, flag_labels=labels, file=config_file)
+    scheduler = cluster_settings(os.environ) if cluster else None
+    return resolve(flags=flags, flag_labels=labels, file=config_file, cluster=scheduler)
 
 
 def warmup_cosine(warmup: int, total: int) -> Any:
