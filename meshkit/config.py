@@ -115,8 +115,9 @@ class LoggingConfig(Section):
     """Where the run writes, and which trackers receive `engine.log()`."""
 
     dir: Path = Field(Path("runs/default"), description="run directory: metrics, summary, plots")
-    trackers: tuple[Literal["jsonl", "tensorboard"], ...] = Field(
-        ("jsonl",), description="trackers fed by engine.log (jsonl always works; tensorboard needs the extra)"
+    trackers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = Field(
+        ("jsonl",),
+        description="trackers fed by engine.log (jsonl always works; tensorboard and wandb need their extra)",
     )
 
     @field_validator("trackers", mode="before")

@@ -161,7 +161,10 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin):
             if self.config.hang_doctor and self.info.world_size > 1
             else None
         )
-        self._trackers = make_trackers(self.config.logging.trackers, self.run_dir) if self.is_main_worker else []
+        settings = self.config.model_dump(mode="json")  # the resolved run config, for trackers that record it
+        self._trackers = (
+            make_trackers(self.config.logging.trackers, self.run_dir, settings) if self.is_main_worker else []
+        )
         if self.is_main_process:
             for conflict in self.resolved.conflicts:
                 warnings.warn(conflict.message(), ConfigConflictWarning, stacklevel=2)

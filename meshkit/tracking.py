@@ -1,9 +1,12 @@
-"""Trackers fed by `engine.log()` on the main process: JSON lines always, TensorBoard when installed."""
+"""Trackers fed by `engine.log()` on the reporting rank: JSON lines always; TensorBoard and Weights & Biases
+when installed (`meshkit[tensorboard]`, `meshkit[wandb]`)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import netrc
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -72,16 +75,64 @@ class TensorBoardTracker:
         self._writer.close()
 
 
-def check_trackers(names: tuple[str, ...]) -> None:
-    """Fail before training if a requested tracker's package is missing."""
-    if "tensorboard" in names and importlib.util.find_spec("tensorboard") is None:
-        raise TrackerError(
-            "tracker 'tensorboard' needs the tensorboard package: pip install 'meshkit[tensorboard]', "
-            "or set logging.trackers=jsonl"
+def wandb_credentials() -> bool:
+    """An API key in the environment, or an api.wandb.ai entry in ~/.netrc (what `wandb login` writes)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class WandbTracker:
+    """A Weights & Biases run under `<dir>/wandb`, with the resolved run config. `WANDB_MODE` decides where it
+    goes; without it, online when credentials exist, else offline (`wandb sync <dir>/wandb/offline-run-*` later)."""
+
+    def __init__(self, run_dir: Path, run_config: Mapping[str, Any]) -> None:
+        import wandb
+
+        mode = os.environ.get("WANDB_MODE") or ("online" if wandb_credentials() else "offline")
+        if mode == "offline" and "WANDB_MODE" not in os.environ:
+            later = f"`wandb sync {run_dir}/wandb/offline-run-*`"
+            print(f"meshkit: wandb runs offline (no credentials); upload it later with {later}", flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(
+            dir=str(run_dir),
+            mode=mode,  # type: ignore[arg-type]
+            project=os.environ.get("WANDB_PROJECT", "meshkit"),
+            name=os.environ.get("WANDB_NAME", run_dir.name),
+            config=dict(run_config),
         )
 
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._run.log(dict(metrics), step=step)
 
-def make_trackers(names: tuple[str, ...], run_dir: Path) -> list[Tracker]:
+    def close(self) -> None:
+        self._run.finish()
+
+
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_trackers(names: tuple[str, ...]) -> None:
+    """Fail before training if a requested tracker's package is missing."""
+    for name in names:
+        package = _PACKAGES.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise TrackerError(
+                f"tracker '{name}' needs the {package} package: pip install 'meshkit[{name}]', "
+                "or set logging.trackers=jsonl"
+            )
+
+
+def make_trackers(names: tuple[str, ...], run_dir: Path, run_config: Mapping[str, Any] | None = None) -> list[Tracker]:
+    """The trackers named, in order, once each; `run_config` (the resolved settings) goes to those that record it."""
     check_trackers(names)
-    kinds = {"jsonl": JsonlTracker, "tensorboard": TensorBoardTracker}
-    return [kinds[name](run_dir) for name in dict.fromkeys(names)]
+    made: list[Tracker] = []
+    for name in dict.fromkeys(names):
+        if name == "wandb":
+            made.append(WandbTracker(run_dir, run_config or {}))
+        else:
+            made.append({"jsonl": JsonlTracker, "tensorboard": TensorBoardTracker}[name](run_dir))
+    return made

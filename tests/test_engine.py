@@ -96,6 +96,26 @@ def test_missing_tracker_package_fails_before_training(monkeypatch) -> None:
         Engine(logging={"trackers": "jsonl,tensorboard"})
 
 
+def test_wandb_tracker_runs_offline_without_credentials_with_the_metrics_and_config(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")  # part of the dev extra, so CI runs it
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc: no credentials
+    run_dir = tmp_path / "run"
+    settings = {"dir": str(run_dir), "trackers": ["jsonl", "wandb"]}
+    with Engine(logging=settings, train={"dataset": "corpus-zq81.txt"}, hang_doctor=False) as engine:
+        engine.log({"loss": 0.731942}, step=1)
+        engine.log({"loss": 0.518206}, step=2)
+    assert "wandb runs offline (no credentials)" in capsys.readouterr().out
+    (record,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data = record.read_bytes()  # the run's record log: metrics and the resolved config, as written
+    assert b"0.731942" in data and b"0.518206" in data and b"corpus-zq81.txt" in data
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # honoured as given
+    with Engine(logging={"dir": str(tmp_path / "off"), "trackers": ["wandb"]}, hang_doctor=False) as engine:
+        engine.log({"loss": 1.0}, step=1)
+    assert not list((tmp_path / "off").glob("wandb/offline-run-*"))
+
+
 def test_tensorboard_tracker_writes_scalars(tmp_path) -> None:
     pytest.importorskip("tensorboard")  # part of the dev extra, so CI runs it
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
