@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel as tensor_parallel_l
 from torch.utils.data import DataLoader
 
 from meshkit import collectives
+from meshkit.accelerate_verbs import AccelerateVerbs
 from meshkit.accumulation import GradientState, PreparedOptimizer, PreparedScheduler
 from meshkit.checkpoint.engine_mixin import CheckpointingMixin
 from meshkit.config import RunConfig
@@ -71,7 +72,7 @@ class ConfigConflictWarning(UserWarning):
     """Code and a launch flag set the same key to different values (code wins)."""
 
 
-class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin):
+class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, AccelerateVerbs):
     """Distributed training for any layout. `Engine(config=None, **overrides)`.
 
     `config` is a RunConfig, a YAML path, the result of `meshkit.resolve.resolve()`, or None (the config
@@ -279,8 +280,9 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin):
         )
 
     # ------------------------------------------------------------------ the step
-    def accumulate(self) -> contextlib.AbstractContextManager[None]:
-        """One micro-step: gradients synchronise (and the optimizer steps) on every grad_accum_steps-th."""
+    def accumulate(self, *models: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """One micro-step: gradients synchronise (and the optimizer steps) on every grad_accum_steps-th. Models
+        may be named, as with Accelerate (`accumulate(model)`); every prepared model takes part either way."""
         return self._gradients.accumulate()
 
     @watched("backward")
@@ -366,8 +368,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin):
         """
         if wait_for_peers:
             self._close_checkpointer()
-            if self._ps is not None:
-                self._ps.finish()  # a worker tells the servers it is done (the servers' loop ends with the last)
+            self.end_training()  # trackers close; a parameter-server worker tells the servers it is done
         self._preemption.disarm()
         if self._doctor is not None:
             self._doctor.stop()

@@ -41,6 +41,8 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
 class JsonlTracker:
     """One JSON object per `log` call in `<dir>/metrics.jsonl`, flushed at once (safe to tail)."""
 
+    name = "jsonl"
+
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / "metrics.jsonl"
         self._file: TextIO | None = None  # opened at the first log: a run that logs nothing writes nothing
@@ -61,18 +63,20 @@ class JsonlTracker:
 class TensorBoardTracker:
     """Scalars for TensorBoard under `<dir>/tensorboard`."""
 
+    name = "tensorboard"
+
     def __init__(self, run_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for name, value in metrics.items():
-            self._writer.add_scalar(name, value, step)
-        self._writer.flush()
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        self.writer.close()
 
 
 def wandb_credentials() -> bool:
@@ -89,6 +93,8 @@ class WandbTracker:
     """A Weights & Biases run under `<dir>/wandb`, with the resolved run config. `WANDB_MODE` decides where it
     goes; without it, online when credentials exist, else offline (`wandb sync <dir>/wandb/offline-run-*` later)."""
 
+    name = "wandb"
+
     def __init__(self, run_dir: Path, run_config: Mapping[str, Any]) -> None:
         import wandb
 
@@ -97,7 +103,7 @@ class WandbTracker:
             later = f"`wandb sync {run_dir}/wandb/offline-run-*`"
             print(f"meshkit: wandb runs offline (no credentials); upload it later with {later}", flush=True)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(
+        self.run = wandb.init(
             dir=str(run_dir),
             mode=mode,  # type: ignore[arg-type]
             project=os.environ.get("WANDB_PROJECT", "meshkit"),
@@ -106,10 +112,10 @@ class WandbTracker:
         )
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self._run.log(dict(metrics), step=step)
+        self.run.log(dict(metrics), step=step)
 
     def close(self) -> None:
-        self._run.finish()
+        self.run.finish()
 
 
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}

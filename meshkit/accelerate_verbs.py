@@ -1,0 +1,119 @@
+"""Accelerate's verbs on `Engine` where they mean the same (a mixin of `Engine`), so a loop written against
+`accelerate.Accelerator` runs with its calls unchanged: process facts, per-process decorators,
+`split_between_processes`, `end_training`, `get_tracker`, `free_memory`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from meshkit.errors import MeshkitError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class AccelerateVerbs:
+    """Uses the engine's `info`, `config`, `_trackers`, `_ps` and prepared-object lists."""
+
+    info: Any
+    config: Any
+    _trackers: list[Any]
+    _ps: Any
+
+    # ------------------------------------------------------------------ process facts
+    @property
+    def local_process_index(self) -> int:
+        return self.info.local_rank
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.info.rank == self.info.world_size - 1
+
+    @property
+    def mixed_precision(self) -> str:
+        """'no', 'bf16' or 'fp16', as Accelerate names them."""
+        return self.config.precision
+
+    # ------------------------------------------------------------------ per-process functions
+    def _only_where(self, run_here: bool, function: F) -> F:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if run_here else None
+
+        return wrapper  # type: ignore[return-value]
+
+    def on_main_process(self, function: F) -> F:
+        """Decorator: the function runs on the main process only (elsewhere it returns None)."""
+        return self._only_where(self.info.rank == 0, function)
+
+    def on_local_main_process(self, function: F) -> F:
+        return self._only_where(self.info.local_rank == 0, function)
+
+    def on_last_process(self, function: F) -> F:
+        return self._only_where(self.is_last_process, function)
+
+    def on_process(self, function: F | None = None, process_index: int = 0) -> Any:
+        """Decorator: the function runs on process `process_index` only (`@engine.on_process(process_index=1)`)."""
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return self._only_where(self.info.rank == process_index, function)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """This process's contiguous share of a list, tuple, tensor or dict of them (the first processes get one
+        more when it does not divide); with `apply_padding` every share has the same length, the last item
+        repeated — as Accelerate does, e.g. for generation over a prompt list."""
+        yield _share(inputs, self.info.rank, self.info.world_size, apply_padding)
+
+    # ------------------------------------------------------------------ trackers and memory
+    def end_training(self) -> None:
+        """Training is over on this rank: the trackers close, and a parameter-server worker tells the servers
+        (they return from `prepare()` once every worker has). `end()` does it too."""
+        if self._ps is not None:
+            self._ps.finish()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
+
+    def get_tracker(self, name: str) -> Any:
+        """The tracker named `name` (`jsonl`, `tensorboard`, `wandb`) on the reporting rank; None elsewhere or when
+        the run does not use it. Its `.run` (wandb) or `.writer` (TensorBoard) is the library's own object."""
+        if name not in self.config.logging.trackers:
+            raise MeshkitError(f"get_tracker('{name}'): the run's trackers are {list(self.config.logging.trackers)}")
+        return next((t for t in self._trackers if getattr(t, "name", None) == name), None)
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop the engine's references to its prepared objects, collect garbage and empty the device cache;
+        returns one None per object passed (`model, optimizer = engine.free_memory(model, optimizer)`)."""
+        for registry in ("_models", "_optimizers", "_schedulers", "_loaders"):
+            getattr(self, registry, []).clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None] * len(objects)
+
+
+def _share(inputs: Any, rank: int, world: int, pad: bool) -> Any:
+    if isinstance(inputs, Mapping):
+        return {key: _share(value, rank, world, pad) for key, value in inputs.items()}
+    length = len(inputs)
+    base, extra = divmod(length, world)
+    start = rank * base + min(rank, extra)
+    part = inputs[start : start + base + (1 if rank < extra else 0)]
+    if pad and length:
+        need = math.ceil(length / world)
+        missing = need - len(part)
+        if missing > 0:
+            last = inputs[-1:]
+            if isinstance(part, torch.Tensor):
+                part = torch.cat([part, last.expand(missing, *last.shape[1:])])
+            else:
+                part = list(part) + list(last) * missing
+    return part
