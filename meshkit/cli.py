@@ -230,6 +230,32 @@ def config_show(
     print_resolved(resolve(flags=flags, flag_labels=labels, file=config_file, cluster=cluster_settings(os.environ)))
 
 
+@config_app.command("import")
+@user_errors
+def config_import(
+    source: Annotated[Path, typer.Argument(help="an Accelerate config YAML or a DeepSpeed config JSON")],
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="write here (else print the YAML)")] = None,
+    world: Annotated[
+        Optional[int], typer.Option("--world", help="ranks, to split DeepSpeed's train_batch_size per rank")
+    ] = None,
+) -> None:
+    """An Accelerate or DeepSpeed config as meshkit YAML, a comment per key naming its origin."""
+    from meshkit.importing import import_config, to_yaml
+
+    imported = import_config(source, world=world)
+    text = to_yaml(imported, source)
+    resolve(file_values=imported.values, file=source, env={})  # the result must be a valid meshkit config
+    for origin, why in imported.skipped:
+        print(f"meshkit: not imported: {origin}: {why}", file=sys.stderr)
+    if output is None:
+        print(text, end="")
+        return
+    partial = output.with_name(f".{output.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, output)
+    Console().print(f"wrote {output} ({len(imported.values)} settings, {len(imported.skipped)} not imported)")
+
+
 @app.command("export")
 @user_errors
 def export_command(
