@@ -13,6 +13,7 @@ import difflib
 import functools
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from meshkit.config import RunConfig
 from meshkit.errors import MeshkitError, brief
+from meshkit.importing import foreign_config
 from meshkit.yaml_text import load_yaml
 
 ENV_PREFIX = "MESHKIT_"
@@ -295,6 +297,13 @@ def resolve(
     if file_values is not None:
         labels = file_labels or {}
         apply(flatten(file_values, f"file {path}"), lambda k: labels.get(k, f"file {path}"))
+    elif path is not None and (foreign := foreign_config(path)) is not None:  # an Accelerate or DeepSpeed file
+        apply(foreign.values, lambda k: f"file {path} ({foreign.origins[k]})")
+        if foreign.skipped:
+            names = ", ".join(origin for origin, _ in foreign.skipped)
+            warnings.warn(
+                f"config file {path}: not imported: {names} (`meshkit config import {path}` says why)", stacklevel=2
+            )
     elif path is not None:
         apply(flatten(read_config_file(path), f"file {path}"), lambda _k: f"file {path}")
     if cluster is not None:

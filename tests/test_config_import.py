@@ -149,3 +149,18 @@ def test_the_command_writes_yaml_with_origins_that_meshkit_reads(tmp_path) -> No
     neither = _write(tmp_path, "other.yaml", {"lr": 1})
     bad = meshkit("config", "import", str(neither))
     assert bad.returncode == 2 and "neither an Accelerate config" in bad.stderr
+
+
+def test_a_config_file_of_either_kind_is_converted_on_the_fly(tmp_path) -> None:
+    source = _write(
+        tmp_path,
+        "default_config.yaml",
+        {**ACCELERATE, "num_machines": 1, "num_processes": 2, "machine_rank": 0, "dynamo_config": {}},
+    )
+    with pytest.warns(UserWarning, match=r"not imported: compute_environment, main_training_function"):
+        resolved = resolve(file=source, env={})
+    assert resolved.config.launch.nproc_per_node == 2 and resolved.config.precision == "bf16"
+    assert resolved.sources["launch.nproc_per_node"] == f"file {source} (num_processes / num_machines)"
+    ds = _write(tmp_path, "ds_config.json", {"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0})
+    resolved = resolve(file=ds, env={})
+    assert resolved.config.sharding.zero_stage == 2 and resolved.config.max_grad_norm == 1.0

@@ -18,7 +18,7 @@ from meshkit.importing.accelerate import read_accelerate
 from meshkit.importing.deepspeed import read_deepspeed
 from meshkit.importing.result import Imported, ImportingError
 
-__all__ = ["Imported", "ImportingError", "import_config", "to_yaml"]
+__all__ = ["Imported", "ImportingError", "foreign_config", "import_config", "to_yaml"]
 
 
 def _strip_comments(text: str) -> str:
@@ -69,6 +69,22 @@ def import_config(path: str | Path, world: int | None = None) -> Imported:
             "(zero_optimization, train_batch_size, ...)"
         )
     return out
+
+
+def foreign_config(path: str | Path) -> Imported | None:
+    """The file's meshkit settings when it is an Accelerate or DeepSpeed config (a `--config-file` may name one:
+    it is converted on the fly); None for a meshkit YAML."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        return None
+    if path.suffix != ".json":
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError):
+            return None  # the meshkit reader reports it
+        if not isinstance(data, dict) or not {"distributed_type", "compute_environment"} & set(data):
+            return None
+    return import_config(path)
 
 
 def _scalar(value: Any) -> str:
