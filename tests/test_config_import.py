@@ -164,3 +164,9 @@ def test_a_config_file_of_either_kind_is_converted_on_the_fly(tmp_path) -> None:
     ds = _write(tmp_path, "ds_config.json", {"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0})
     resolved = resolve(file=ds, env={})
     assert resolved.config.sharding.zero_stage == 2 and resolved.config.max_grad_norm == 1.0
+
+
+def test_a_meshkit_config_written_as_json_stays_a_meshkit_config(tmp_path) -> None:
+    path = _write(tmp_path, "run.json", {"precision": "bf16", "sharding": {"zero_stage": 1}})
+    resolved = resolve(file=path, env={})
+    assert resolved.config.sharding.zero_stage == 1 and resolved.sources["precision"] == f"file {path}"

@@ -49,6 +49,16 @@ def _read(path: Path) -> dict[str, Any]:
     return data
 
 
+def _kind(data: dict[str, Any]) -> str | None:
+    if {"distributed_type", "compute_environment"} & set(data):
+        return "accelerate"
+    if {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu"} & set(data) or any(
+        isinstance(data.get(name), dict) and "enabled" in data[name] for name in ("bf16", "fp16")
+    ):
+        return "deepspeed"
+    return None
+
+
 def import_config(path: str | Path, world: int | None = None) -> Imported:
     """The meshkit settings of an Accelerate or DeepSpeed config file."""
     path = Path(path)
@@ -59,9 +69,10 @@ def import_config(path: str | Path, world: int | None = None) -> Imported:
         ds_path = (path.parent / name) if not Path(name).is_absolute() else Path(name)
         read_deepspeed(_read(ds_path), out, prefix=f"{ds_path.name}: ", world=world or processes)
 
-    if "distributed_type" in data or "compute_environment" in data:
+    kind = _kind(data)
+    if kind == "accelerate":
         read_accelerate(data, out, deepspeed_file)
-    elif {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "bf16", "fp16"} & set(data):
+    elif kind == "deepspeed":
         read_deepspeed(data, out, world=world)
     else:
         raise ImportingError(
@@ -77,14 +88,11 @@ def foreign_config(path: str | Path) -> Imported | None:
     path = Path(path).expanduser()
     if not path.is_file():
         return None
-    if path.suffix != ".json":
-        try:
-            data = yaml.safe_load(path.read_text())
-        except (yaml.YAMLError, UnicodeDecodeError):
-            return None  # the meshkit reader reports it
-        if not isinstance(data, dict) or not {"distributed_type", "compute_environment"} & set(data):
-            return None
-    return import_config(path)
+    try:
+        data = _read(path)
+    except (ImportingError, UnicodeDecodeError):
+        return None  # the meshkit reader reports what is wrong with it
+    return import_config(path) if _kind(data) else None
 
 
 def _scalar(value: Any) -> str:
