@@ -140,4 +140,5 @@ def test_meshkit_train_through_a_parameter_server_equals_ddp(tmp_path) -> None:
     assert served["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)
     assert served["layout_description"].startswith("parameter server (1 server(s), sync)")
     assert len(served["memory"]) == 1 and served["memory"][0]["optimizer"] == 0  # the worker holds no moments
+    assert served["memory"][0]["rank"] == 1  # the first worker reports (rank 0 serves)
     assert "parameter server applied" in said and "meshkit run summary" in said

@@ -104,7 +104,7 @@ def memory_table(per_rank: list[dict[str, int]]) -> Table:
     table = Table(title="memory per rank after the last step (MB)")
     for column in ("rank", "params", "grads", "optimizer", "rss", "peak rss"):
         table.add_column(column, justify="right")
-    for rank, report in enumerate(per_rank):
+    for index, report in enumerate(per_rank):
         values = (report[k] / 1e6 for k in ("params", "grads", "optimizer", "rss", "peak_rss"))
-        table.add_row(str(rank), *(f"{v:,.1f}" for v in values))
+        table.add_row(str(report.get("rank", index)), *(f"{v:,.1f}" for v in values))
     return table

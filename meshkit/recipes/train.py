@@ -141,7 +141,7 @@ def _train(engine: Engine) -> dict[str, Any]:
     def every_rank(value: Any) -> list[Any]:  # in rank order (a parameter server's first worker: its own)
         return [value] if served else collectives.gather_object(value, group=None)
 
-    memory = every_rank(engine.memory_report())
+    memory = every_rank({**engine.memory_report(), "rank": engine.process_index})
 
     summary = {
         "final_loss": losses[-1],
