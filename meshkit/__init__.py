@@ -8,9 +8,17 @@ from meshkit.config import RunConfig
 from meshkit.seed import set_seed
 
 if TYPE_CHECKING:
+    from meshkit.accelerator import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
     from meshkit.engine import Engine
 
-__all__ = ["Engine", "RunConfig", "set_seed"]
+__all__ = [
+    "Accelerator",
+    "DistributedDataParallelKwargs",
+    "Engine",
+    "InitProcessGroupKwargs",
+    "RunConfig",
+    "set_seed",
+]
 __version__ = "0.1.0"
 
 
@@ -21,4 +29,8 @@ def __getattr__(name: str) -> Any:
         from meshkit.engine import Engine
 
         return Engine
+    if name in ("Accelerator", "DistributedDataParallelKwargs", "InitProcessGroupKwargs"):
+        from meshkit import accelerator
+
+        return getattr(accelerator, name)
     raise AttributeError(f"module 'meshkit' has no attribute {name!r}")
