@@ -78,6 +78,9 @@ class AccelerateVerbs:
         (they return from `prepare()` once every worker has). `end()` does it too."""
         if self._ps is not None:
             self._ps.finish()
+        self._close_trackers()
+
+    def _close_trackers(self) -> None:
         for tracker in self._trackers:
             tracker.close()
         self._trackers = []

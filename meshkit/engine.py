@@ -373,9 +373,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
         if self._doctor is not None:
             self._doctor.stop()
             self._doctor = None
-        for tracker in self._trackers:
-            tracker.close()
-        self._trackers = []
+        self._close_trackers()  # (already closed above, unless this is an error path)
         # (a parameter-server run ends when the servers have heard every worker finish; a lost worker misses a barrier)
         ps = self._ps is not None
         if (

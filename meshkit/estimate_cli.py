@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from meshkit.estimate import EstimateError, ModelShape, as_table_rows, estimate_memory
+from meshkit.estimate import Estimate, EstimateError, ModelShape, as_table_rows, estimate_memory
 
 # The model options `meshkit estimate` and `meshkit plan` share.
 ModelArg = Annotated[Optional[Path], typer.Argument(help="HF config.json or meshkit YAML")]
@@ -105,12 +105,18 @@ def estimate_command(
     if as_json:
         print(json.dumps(estimate.as_json(), indent=2))
         return
-    table = Table(title=f"memory per device (dp={dp} tp={tp} pp={pp} cp={cp}, ZeRO-{zero_stage}, {precision})")
+    Console().print(
+        _table(f"memory per device (dp={dp} tp={tp} pp={pp} cp={cp}, ZeRO-{zero_stage}, {precision})", estimate)
+    )
+
+
+def _table(title: str, estimate: Estimate) -> Table:
+    table = Table(title=title)
     for column in ("item", "GB", "formula"):
         table.add_column(column, justify="right" if column == "GB" else "left")
     for row in as_table_rows(estimate):
         table.add_row(*row)
-    Console().print(table)
+    return table
 
 
 def _parameter_server(
@@ -142,16 +148,8 @@ def _parameter_server(
         )
         return
     console = Console()
-    for title, estimate in (
-        (f"memory of one parameter server ({servers} servers, {workers} workers)", server),
-        ("memory of one worker", worker),
-    ):
-        table = Table(title=title)
-        for column in ("item", "GB", "formula"):
-            table.add_column(column, justify="right" if column == "GB" else "left")
-        for row in as_table_rows(estimate):
-            table.add_row(*row)
-        console.print(table)
+    console.print(_table(f"memory of one parameter server ({servers} servers, {workers} workers)", server))
+    console.print(_table("memory of one worker", worker))
     console.print(
         f"traffic per step: {moved.per_worker_gb:.3f} GB per worker (2Ψ: gradients pushed, parameters pulled), "
         f"{moved.per_server_gb:.3f} GB through each server (2Ψ·W/S); ring all-reduce on the same "
