@@ -34,6 +34,7 @@ from torch.distributed.launcher.api import LaunchConfig, launch_agent
 from meshkit.config import LaunchSettings, RunConfig
 from meshkit.errors import MeshkitError
 from meshkit.launching.failures import failure_report
+from meshkit.launching.interfaces import GLOO_INTERFACE_ENV, gloo_interface
 from meshkit.launching.roster import NodeRoster
 from meshkit.launching.stderr_filter import filtered_stderr
 from meshkit.launching.stores import (
@@ -128,8 +129,11 @@ class LaunchPlan:
             # handled by the launcher itself (`_PreemptionHandler`), so it is left out.
             "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(s for s in _TORCH_HANDLED_SIGNALS if s != self.preempt_signal),
         }
-        if addresses.bind == LOOPBACK and "GLOO_SOCKET_IFNAME" not in os.environ and _has_interface("lo"):
-            env["GLOO_SOCKET_IFNAME"] = "lo"  # one node: the workers' own connections stay on loopback too
+        # The workers' own connections use the interface of the address this node advertises (on one node:
+        # loopback), not the one gloo would pick from the hostname (`interfaces.py`).
+        interface = gloo_interface(addresses.advertise, dict(os.environ))
+        if interface is not None:
+            env[GLOO_INTERFACE_ENV] = interface
         if self.config_file:
             env[ENV_CONFIG_FILE] = str(Path(self.config_file).resolve())
         if torch.cuda.is_available():
@@ -143,15 +147,6 @@ class LaunchPlan:
             threads = self.threads_per_process or max(1, cores // self.settings.nproc_per_node)
             env["OMP_NUM_THREADS"] = str(threads)
         return env
-
-
-def _has_interface(name: str) -> bool:
-    try:
-        import socket
-
-        return any(found == name for _, found in socket.if_nameindex())
-    except (OSError, AttributeError):
-        return False
 
 
 @contextlib.contextmanager

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from meshkit.config import LaunchSettings
+from meshkit.launching.interfaces import gloo_interface, interface_holding
 from meshkit.launching.stores import StoreError, listen, node_addresses
 
 
@@ -34,3 +37,12 @@ def test_a_listening_socket_is_on_exactly_the_address_given() -> None:
             listen("127.0.0.1", sock.getsockname()[1], "--master-addr")
     finally:
         sock.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="interfaces are read with Linux ioctls")
+def test_the_workers_use_the_interface_of_the_advertised_address() -> None:
+    # gloo would otherwise take the hostname's address, which /etc/hosts often maps to 127.0.0.1
+    assert interface_holding("127.0.0.1") == "lo"
+    assert interface_holding("192.0.2.254") is None  # TEST-NET-1: held by no interface here
+    assert gloo_interface("127.0.0.1", {}) == "lo"
+    assert gloo_interface("127.0.0.1", {"GLOO_SOCKET_IFNAME": "eth9"}) is None  # the user's choice stands

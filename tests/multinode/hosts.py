@@ -1,0 +1,93 @@
+"""Two simulated hosts on this machine: two network namespaces joined by a veth pair, each with its own
+addresses, so that a job's nodes reach each other only over that link, as across machines.
+
+Needs root and iproute2 (`ip netns`). `/etc/hosts` is shared: this machine's hostname resolves to 127.0.0.1 in
+both namespaces, which is the set-up where a node that advertised its hostname would make its peers dial their
+own loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.cli import ROOT, kill_all
+
+SUBNET = "10.213.77"
+
+
+def unavailable_reason() -> str | None:
+    """Why two namespaces cannot be made here, or None."""
+    if sys.platform != "linux":
+        return f"network namespaces are Linux-only (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` command is not installed"
+    return None
+
+
+class TwoHosts:
+    """Host 0 at SUBNET.1, host 1 at SUBNET.2; `start(host, args)` runs `meshkit ARGS` on a host."""
+
+    def __init__(self, tag: str) -> None:
+        self.namespaces = (f"mk{tag}a", f"mk{tag}b")
+        self.links = (f"mk{tag}va", f"mk{tag}vb")
+        self.addresses = (f"{SUBNET}.1", f"{SUBNET}.2")
+        self.processes: list[subprocess.Popen] = []
+
+    def create(self) -> None:
+        for ns in self.namespaces:
+            _ip("netns", "add", ns)
+        _ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+        for ns, link, address in zip(self.namespaces, self.links, self.addresses, strict=True):
+            _ip("link", "set", link, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", link)
+            _ip("-n", ns, "link", "set", link, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def destroy(self) -> None:
+        kill_all(*self.processes)
+        for proc in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=10)
+        for ns in self.namespaces:  # the veth pair goes with its namespaces
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+    def start(self, host: int, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """`meshkit ARGS` inside host `host`'s namespace, in its own session (killed with its tree at the end)."""
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.namespaces[host], sys.executable, "-m", "meshkit.cli", *args],
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.processes.append(proc)
+        return proc
+
+    def unplug(self, host: int) -> None:
+        """Take host `host` off the link without a word: its peers see silence, not a closed connection."""
+        _ip("-n", self.namespaces[host], "link", "set", self.links[host], "down")
+
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise OSError(f"ip {' '.join(args)}: {result.stderr.strip()}")
+
+
+def output_of(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    """Wait for `proc` (a hang fails the test: it raises after `timeout`), then its exit code and output."""
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def read_text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
