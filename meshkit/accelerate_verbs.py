@@ -1,6 +1,7 @@
 """Accelerate's verbs on `Engine` where they mean the same (a mixin of `Engine`), so a loop written against
 `accelerate.Accelerator` runs with its calls unchanged: process facts, per-process decorators,
-`split_between_processes`, `end_training`, `get_tracker`, `free_memory`.
+`split_between_processes`, `skip_first_batches`, `init_trackers`, `end_training`, `get_tracker`, `free_memory`
+(`register_for_checkpointing` lives with the checkpoint verbs).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from meshkit.data.loader import ShardedLoader
 from meshkit.errors import MeshkitError
+from meshkit.tracking import TrackerSet, TrackerStart
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -24,7 +27,7 @@ class AccelerateVerbs:
 
     info: Any
     config: Any
-    _trackers: list[Any]
+    _trackers: TrackerSet
     _ps: Any
 
     # ------------------------------------------------------------------ process facts
@@ -72,6 +75,21 @@ class AccelerateVerbs:
         repeated — as Accelerate does, e.g. for generation over a prompt list."""
         yield _share(inputs, self.info.rank, self.info.world_size, apply_padding)
 
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """Start the next pass over a prepared loader at its batch `num_batches` of the current epoch, without
+        reading the batches before it (samplers start further in), as when resuming mid-epoch. Returns the same
+        loader; the pass after it is a full epoch again. (`load_state`/`resume` already restore the data
+        position: calling both for the same batch does not skip twice.)"""
+        if not isinstance(dataloader, ShardedLoader):
+            raise MeshkitError(
+                f"skip_first_batches takes a DataLoader returned by engine.prepare(), not a {type(dataloader).__name__}"
+                ": prepare it first"
+            )
+        if num_batches < 0:
+            raise MeshkitError(f"skip_first_batches: num_batches is {num_batches}; give a count of 0 or more")
+        dataloader.start_at_batch(num_batches)
+        return dataloader
+
     # ------------------------------------------------------------------ trackers and memory
     def end_training(self) -> None:
         """Training is over on this rank: the trackers close, and a parameter-server worker tells the servers
@@ -81,16 +99,26 @@ class AccelerateVerbs:
         self._close_trackers()
 
     def _close_trackers(self) -> None:
-        for tracker in self._trackers:
-            tracker.close()
-        self._trackers = []
+        self._trackers.close()
+
+    def init_trackers(
+        self,
+        project_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Start the run's trackers (`logging.trackers`) with a project name (the wandb project), your run
+        configuration (wandb config, TensorBoard hparams, `hparams.json` beside `metrics.jsonl`) and keyword
+        arguments per tracker (`{"wandb": {"tags": [...]}}` for `wandb.init`, `{"tensorboard": {...}}` for
+        `SummaryWriter`). Optional: without it the trackers start at the first `log()`."""
+        self._trackers.start(TrackerStart(project_name, dict(config or {}), dict(init_kwargs or {})))
 
     def get_tracker(self, name: str) -> Any:
         """The tracker named `name` (`jsonl`, `tensorboard`, `wandb`) on the reporting rank; None elsewhere or when
         the run does not use it. Its `.run` (wandb) or `.writer` (TensorBoard) is the library's own object."""
         if name not in self.config.logging.trackers:
             raise MeshkitError(f"get_tracker('{name}'): the run's trackers are {list(self.config.logging.trackers)}")
-        return next((t for t in self._trackers if getattr(t, "name", None) == name), None)
+        return next((t for t in self._trackers.running if getattr(t, "name", None) == name), None)
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop the engine's references to its prepared objects, collect garbage and empty the device cache;

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel as tensor_parallel_l
 from torch.utils.data import DataLoader
 
 from meshkit import collectives
+from meshkit.accelerate_loop_verbs import AccelerateLoopVerbs
 from meshkit.accelerate_verbs import AccelerateVerbs
 from meshkit.accumulation import GradientState, PreparedOptimizer, PreparedScheduler
 from meshkit.checkpoint.engine_mixin import CheckpointingMixin
@@ -32,7 +33,7 @@ from meshkit.data.loader import ShardedLoader, shard_dataloader
 from meshkit.data.uneven import node_rank, per_rank_sizes
 from meshkit.engine_weights import EngineError, WeightsMixin
 from meshkit.evaluation import EvaluationMixin
-from meshkit.gradients import GradientSync
+from meshkit.gradients import GradientSync, clip_arguments
 from meshkit.hang_doctor import HangDoctor, watched
 from meshkit.launching.affinity import apply_affinity
 from meshkit.loss import (
@@ -64,7 +65,7 @@ from meshkit.preemption import Preempted, PreemptionWatch
 from meshkit.processes import ProcessHelpers
 from meshkit.resolve import ResolvedConfig, explicit_values, resolve
 from meshkit.seed import set_seed
-from meshkit.tracking import check_trackers, make_trackers
+from meshkit.tracking import TrackerSet, check_trackers
 from meshkit.tree import map_tensors
 
 
@@ -72,7 +73,7 @@ class ConfigConflictWarning(UserWarning):
     """Code and a launch flag set the same key to different values (code wins)."""
 
 
-class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, AccelerateVerbs):
+class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, AccelerateVerbs, AccelerateLoopVerbs):
     """Distributed training for any layout. `Engine(config=None, **overrides)`.
 
     `config` is a RunConfig, a YAML path, the result of `meshkit.resolve.resolve()`, or None (the config
@@ -131,6 +132,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
+        self._registered: list[Any] = []  # engine.register_for_checkpointing
         self._loaders: list[ShardedLoader] = []
         self._logits_sharded = False  # a prepared model returns vocab-sharded logits (tensor parallel)
         self._fused_qkv: dict[int, dict[str, int]] = {}  # id(prepared model) -> interleaved weights and their dim
@@ -163,9 +165,7 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
             else None
         )
         settings = self.config.model_dump(mode="json")  # the resolved run config, for trackers that record it
-        self._trackers = (
-            make_trackers(self.config.logging.trackers, self.run_dir, settings) if self.is_main_worker else []
-        )
+        self._trackers = TrackerSet(self.config.logging.trackers, self.run_dir, settings, self.is_main_worker)
         if self.is_main_process:
             for conflict in self.resolved.conflicts:
                 warnings.warn(conflict.message(), ConfigConflictWarning, stacklevel=2)
@@ -299,9 +299,10 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
             return
         self._gradients.backward(loss, num_items)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip the prepared models' gradients (unscaled first under fp16); None on non-syncing micro-steps."""
-        return self._gradients.clip_grad_norm_(max_norm, norm_type)
+    def clip_grad_norm_(self, *args: Any, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip every prepared model's gradients (unscaled first under fp16); None on non-syncing micro-steps.
+        `(max_norm[, norm_type])`, or Accelerate's `(parameters, max_norm[, norm_type])`."""
+        return self._gradients.clip_grad_norm_(*clip_arguments(args, norm_type))
 
     def loss_parallel(self) -> contextlib.AbstractContextManager[Any]:
         """Where the loss is computed from vocab-sharded logits (tensor parallel): cross-entropy without ever

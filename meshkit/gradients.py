@@ -178,6 +178,16 @@ class GradientSync:
         return norm
 
 
+def clip_arguments(args: tuple[Any, ...], norm_type: float) -> tuple[float, float]:
+    """(max_norm, norm_type) from `clip_grad_norm_(max_norm[, norm_type])` or Accelerate's
+    `clip_grad_norm_(parameters, max_norm[, norm_type])` (the parameters are every prepared model's either way)."""
+    if args and not isinstance(args[0], (int, float)):
+        args = args[1:]
+    if not 1 <= len(args) <= 2 or not all(isinstance(a, (int, float)) for a in args):
+        raise TypeError("clip_grad_norm_ takes (max_norm[, norm_type]) or (parameters, max_norm[, norm_type])")
+    return float(args[0]), float(args[1]) if len(args) == 2 else norm_type
+
+
 def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """The norm over every gradient. DTensor gradients (sharded by FSDP, split by TP) reduce their parts; plain
     ones (e.g. norms left whole under tensor parallel) are the same on every rank. The two kinds cannot share

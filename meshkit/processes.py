@@ -135,8 +135,9 @@ class ProcessHelpers:
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Send scalar metrics to the trackers (on `is_main_worker`; other ranks return at once)."""
-        if not self._trackers:
+        trackers = self._trackers.running
+        if not trackers:
             return
         scalars = scalar_metrics(metrics)
-        for tracker in self._trackers:
+        for tracker in trackers:
             tracker.log(scalars, step)

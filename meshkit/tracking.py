@@ -9,6 +9,7 @@ import netrc
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -43,9 +44,12 @@ class JsonlTracker:
 
     name = "jsonl"
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, hparams: Mapping[str, Any]) -> None:
         self.path = run_dir / "metrics.jsonl"
         self._file: TextIO | None = None  # opened at the first log: a run that logs nothing writes nothing
+        if hparams:  # `init_trackers(config=...)`: the user's run configuration, beside the metrics
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "hparams.json").write_text(json.dumps(dict(hparams), indent=2, default=str) + "\n")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._file is None:
@@ -65,10 +69,13 @@ class TensorBoardTracker:
 
     name = "tensorboard"
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, hparams: Mapping[str, Any], writer_kwargs: Mapping[str, Any]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(**{"log_dir": str(run_dir / "tensorboard"), **writer_kwargs})
+        values = {k: v for k, v in hparams.items() if isinstance(v, (int, float, str, bool))}
+        if values:  # as Accelerate's tracker does: the user's run configuration as hyperparameters
+            self.writer.add_hparams(values, metric_dict={}, run_name=".")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for name, value in metrics.items():
@@ -95,7 +102,9 @@ class WandbTracker:
 
     name = "wandb"
 
-    def __init__(self, run_dir: Path, run_config: Mapping[str, Any]) -> None:
+    def __init__(
+        self, run_dir: Path, run_config: Mapping[str, Any], project: str | None, init_kwargs: Mapping[str, Any]
+    ) -> None:
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb_credentials() else "offline")
@@ -103,13 +112,14 @@ class WandbTracker:
             later = f"`wandb sync {run_dir}/wandb/offline-run-*`"
             print(f"meshkit: wandb runs offline (no credentials); upload it later with {later}", flush=True)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
-            dir=str(run_dir),
-            mode=mode,  # type: ignore[arg-type]
-            project=os.environ.get("WANDB_PROJECT", "meshkit"),
-            name=os.environ.get("WANDB_NAME", run_dir.name),
-            config=dict(run_config),
-        )
+        options: dict[str, Any] = {
+            "dir": str(run_dir),
+            "mode": mode,
+            "project": project or os.environ.get("WANDB_PROJECT", "meshkit"),
+            "name": os.environ.get("WANDB_NAME", run_dir.name),
+            "config": dict(run_config),
+        }
+        self.run = wandb.init(**{**options, **init_kwargs})  # `init_trackers(init_kwargs={"wandb": {...}})` wins
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.run.log(dict(metrics), step=step)
@@ -132,13 +142,57 @@ def check_trackers(names: tuple[str, ...]) -> None:
             )
 
 
-def make_trackers(names: tuple[str, ...], run_dir: Path, run_config: Mapping[str, Any] | None = None) -> list[Tracker]:
-    """The trackers named, in order, once each; `run_config` (the resolved settings) goes to those that record it."""
+@dataclass(frozen=True)
+class TrackerStart:
+    """What `init_trackers` adds: the project name, the user's run configuration, per-tracker keyword arguments."""
+
+    project: str | None = None
+    hparams: Mapping[str, Any] = field(default_factory=dict)
+    init_kwargs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+def make_trackers(
+    names: tuple[str, ...], run_dir: Path, run_config: Mapping[str, Any], start: TrackerStart
+) -> list[Tracker]:
+    """The trackers named, in order, once each; the resolved settings and the user's configuration go to those
+    that record a configuration."""
     check_trackers(names)
     made: list[Tracker] = []
     for name in dict.fromkeys(names):
+        kwargs = dict(start.init_kwargs.get(name, {}))
         if name == "wandb":
-            made.append(WandbTracker(run_dir, run_config or {}))
+            made.append(WandbTracker(run_dir, {**run_config, **start.hparams}, start.project, kwargs))
+        elif name == "tensorboard":
+            made.append(TensorBoardTracker(run_dir, start.hparams, kwargs))
         else:
-            made.append({"jsonl": JsonlTracker, "tensorboard": TensorBoardTracker}[name](run_dir))
+            made.append(JsonlTracker(run_dir, start.hparams))
     return made
+
+
+class TrackerSet:
+    """The run's trackers on the reporting rank, made when first needed: by `init_trackers()` or by the first
+    `log()` (so a run may name its project first, as with Accelerate); closed once, for good."""
+
+    def __init__(self, names: tuple[str, ...], run_dir: Path, run_config: Mapping[str, Any], here: bool) -> None:
+        check_trackers(names)  # a missing package fails before training, not at the first log
+        self.names, self._run_dir, self._run_config, self._here = names, run_dir, run_config, here
+        self._made: list[Tracker] | None = None
+
+    def start(self, start: TrackerStart) -> None:
+        if self._made is not None:
+            raise TrackerError(
+                "init_trackers() comes before the first engine.log() or get_tracker() (the trackers are already "
+                "running): call it once, right after creating the engine"
+            )
+        self._made = make_trackers(self.names, self._run_dir, self._run_config, start) if self._here else []
+
+    @property
+    def running(self) -> list[Tracker]:
+        if self._made is None:
+            self.start(TrackerStart())
+        return self._made  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for tracker in self._made or []:
+            tracker.close()
+        self._made = []

@@ -104,12 +104,14 @@ def test_wandb_tracker_runs_offline_without_credentials_with_the_metrics_and_con
     run_dir = tmp_path / "run"
     settings = {"dir": str(run_dir), "trackers": ["jsonl", "wandb"]}
     with Engine(logging=settings, train={"dataset": "corpus-zq81.txt"}, hang_doctor=False) as engine:
+        engine.init_trackers("proj-w4", config={"user_key_q9": 3}, init_kwargs={"wandb": {"tags": ["tag-x7"]}})
         engine.log({"loss": 0.731942}, step=1)
         engine.log({"loss": 0.518206}, step=2)
     assert "wandb runs offline (no credentials)" in capsys.readouterr().out
     (record,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     data = record.read_bytes()  # the run's record log: metrics and the resolved config, as written
     assert b"0.731942" in data and b"0.518206" in data and b"corpus-zq81.txt" in data
+    assert b"proj-w4" in data and b"user_key_q9" in data and b"tag-x7" in data  # init_trackers' project, config, kwargs
     monkeypatch.setenv("WANDB_MODE", "disabled")  # honoured as given
     with Engine(logging={"dir": str(tmp_path / "off"), "trackers": ["wandb"]}, hang_doctor=False) as engine:
         engine.log({"loss": 1.0}, step=1)

@@ -11,8 +11,9 @@ from typing import Any
 from meshkit import collectives
 from meshkit.checkpoint.canonical import TrainingState
 from meshkit.checkpoint.directory import commit, partial_dir, remove_partials, resolve_resume, step_dir_name
+from meshkit.checkpoint.extras import state_from_json, state_to_json
 from meshkit.checkpoint.session import Checkpointer
-from meshkit.checkpoint.storage import CheckpointError, fsync_dir
+from meshkit.checkpoint.storage import META, CheckpointError, fsync_dir
 from meshkit.preemption import LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE, Preempted, announce
 
 
@@ -42,7 +43,41 @@ class CheckpointingMixin:
             "zero_stage": self.zero_stage,  # type: ignore[attr-defined]
             "schedulers": [s.state_dict() for s in self._schedulers],  # type: ignore[attr-defined]
             "scaler": scaler.state_dict() if scaler is not None else None,
+            "registered": self._registered_states(),
         }
+
+    # ------------------------------------------------------------------ your own objects
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore these objects with every checkpoint (`save_state`/`save_checkpoint`,
+        `load_state`/`resume`), in registration order: anything with `state_dict()` and `load_state_dict()`
+        (a scheduler not passed to `prepare`, an EMA helper, a counter). Their state is stored as JSON with
+        tensors as raw bytes — never pickled — taken from the main process, as Accelerate does."""
+        missing = [f"{i} ({type(o).__name__})" for i, o in enumerate(objects) if not _has_state(o)]
+        if missing:
+            raise CheckpointError(
+                f"register_for_checkpointing: object(s) {', '.join(missing)} lack state_dict() and "
+                "load_state_dict(): wrap what they hold in an object that has both"
+            )
+        self._registered.extend(objects)  # type: ignore[attr-defined]
+
+    def _registered_states(self) -> list[Any]:
+        states = []
+        for index, obj in enumerate(self._registered):  # type: ignore[attr-defined]
+            try:
+                states.append(state_to_json(obj.state_dict(), f"registered object {index} ({type(obj).__name__})"))
+            except TypeError as err:
+                raise CheckpointError(f"register_for_checkpointing: {err}") from None
+        return states
+
+    def _load_registered(self, saved: list[Any], path: Path) -> None:
+        registered = self._registered  # type: ignore[attr-defined]
+        if len(saved) != len(registered):
+            raise CheckpointError(
+                f"{path} holds {len(saved)} registered object(s) and this run registered {len(registered)}: "
+                "call register_for_checkpointing with the same objects, in the same order, before loading"
+            )
+        for obj, state in zip(registered, saved, strict=True):
+            obj.load_state_dict(state_from_json(state))
 
     # ------------------------------------------------------------------ explicit
     def save_state(
@@ -70,7 +105,8 @@ class CheckpointingMixin:
 
     def _save(self, partial: Path, finish: Any, asynchronous: bool, extra: dict[str, Any] | None) -> None:
         if self._ps is not None:  # type: ignore[attr-defined]  # the servers write the weights, the workers the rest
-            self._ps.save(partial, finish, self.step, extra or {}, self._loaders)  # type: ignore[attr-defined]
+            registered = self._registered_states()
+            self._ps.save(partial, finish, self.step, extra or {}, self._loaders, registered)  # type: ignore[attr-defined]
             return
         loaders = [loader.state_dict() for loader in self._loaders]  # type: ignore[attr-defined]
         self._checkpointer.save(
@@ -87,8 +123,12 @@ class CheckpointingMixin:
         if not path.exists():
             raise CheckpointError(f"load_state: {path} does not exist")
         if self._ps is not None:  # type: ignore[attr-defined]
-            return self._ps.load(path, self._optimizers, self._schedulers, self._loaders)  # type: ignore[attr-defined]
+            extra = self._ps.load(path, self._optimizers, self._schedulers, self._loaders)  # type: ignore[attr-defined]
+            if self._ps.client is not None:  # type: ignore[attr-defined]  # (a worker)
+                self._load_registered(_read_json(path / META).get("registered", []), path)
+            return extra
         meta, rank_data = self._checkpointer.load(path)
+        self._load_registered(meta.get("registered", []), path)
         for scheduler, state in zip(self._schedulers, meta.get("schedulers", []), strict=False):  # type: ignore[attr-defined]
             scheduler.load_state_dict(state)
         if self.scaler is not None and meta.get("scaler"):  # type: ignore[attr-defined]
@@ -190,3 +230,7 @@ class CheckpointingMixin:
 
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _has_state(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))

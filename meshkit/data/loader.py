@@ -116,6 +116,17 @@ class ShardedLoader:
             replicas = getattr(sampler, "num_replicas", 1)
             self._skip_batches = int(state["samples_seen"]) // (batch * replicas)
 
+    def start_at_batch(self, index: int) -> None:
+        """The next iteration begins at this rank's batch `index` of the current epoch (counted from the epoch's
+        start, so a position restored by `load_state` for the same batch is not skipped twice)."""
+        sampler = self._position
+        if isinstance(sampler, UnevenBatchSampler):
+            sampler.start = index * sampler.global_batch
+        elif isinstance(sampler, ResumableSampler):
+            sampler.start = index * (self.loader.batch_size or 1) * sampler.num_replicas
+        else:
+            self._skip_batches = index
+
     def valid_counts(self) -> list[int] | None:
         """Per dp rank, how many samples of the current batch are real (not sampler padding); None if unknown."""
         sampler = self.loader.sampler

@@ -150,7 +150,13 @@ class ParameterServerRun:
 
     # ------------------------------------------------------------------ checkpoints (workers)
     def save(
-        self, partial: Path, finish: Callable[[Path], Any], step: int, extra: dict[str, Any], loaders: list[Any]
+        self,
+        partial: Path,
+        finish: Callable[[Path], Any],
+        step: int,
+        extra: dict[str, Any],
+        loaders: list[Any],
+        registered: list[Any],
     ) -> None:
         if self.client is None:
             return  # a server saves when the workers ask, while it serves
@@ -159,6 +165,7 @@ class ParameterServerRun:
         write_worker_file(partial, self.roles.rank, index, step, [loader.state_dict() for loader in loaders])
         if self.client.save(partial):
             meta = {"step": step, "servers": self.roles.servers, "workers": self.roles.num_workers, "extra": extra}
+            meta["registered"] = registered  # (the first worker's: `register_for_checkpointing`)
             write_meta(partial, meta)
             finish(partial)
             remove_partials(partial.parent)
