@@ -207,6 +207,27 @@ def parameter_server(data: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+def plan_published(data: dict[str, Any]) -> str:
+    rows = [
+        [
+            row["run"],
+            f"{row['gpus']} {row['device'].upper()}",
+            row["published_layout"],
+            f"{row['published_mfu']:.1%}",
+            f"{row['predicted_mfu']:.1%}",
+            f"{row['relative_error']:+.0%}",
+            row["planner_layout"] or "does not fit",
+        ]
+        for row in data["rows"]
+    ]
+    header = ["run", "GPUs", "published layout", "published MFU", "predicted MFU", "error", "planner's costing"]
+    return (
+        "MFU = model FLOPs (no recomputation) / (step time × GPUs × bf16 peak). Sources: Narayanan et al. 2021 "
+        "(arXiv 2104.04473) Table 1, whose TFLOP/s count the recomputed forward, converted here; Llama Team 2024 "
+        f"(arXiv 2407.21783) Table 4. Largest error {data['largest_relative_error']:.0%}.\n\n" + _table(header, rows)
+    )
+
+
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("Step time against peers, world 2", "overhead-w2.json", "python bench/overhead.py --nproc 2", overhead),
     ("Step time against peers, world 4", "overhead-w4.json", "python bench/overhead.py --nproc 4", overhead),
@@ -222,6 +243,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("Collectives", "comm-w2.json", "meshkit bench comm --nproc-per-node 2", comm),
     ("LoRA fine-tune throughput", "finetune-w2.json", "python bench/finetune.py --nproc 2", finetune),
     ("Parameter server against DDP with slow ranks", "ps-w4.json", "python bench/ps.py", parameter_server),
+    (
+        "Planner step-time model against published runs",
+        "plan-published.json",
+        "python bench/plan_published.py",
+        plan_published,
+    ),
 ]
 
 

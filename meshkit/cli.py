@@ -289,15 +289,20 @@ def bench_comm(
     ops: Annotated[str, typer.Option("--ops", help="all_reduce,all_gather,reduce_scatter,broadcast")] = ",".join(OPS),
     out: Annotated[Path, typer.Option("--out", help="JSON report")] = Path("comm_bench.json"),
     iters: Annotated[int, typer.Option("--iters", help="calls per timing; 0 = by size (5 to 200)")] = 0,
+    profile: Annotated[
+        Optional[Path], typer.Option("--profile", help="also probe matmul rate and memory; write a profile for plan")
+    ] = None,
 ) -> None:
-    """Time, algbw and busbw per collective and size (busbw as nccl-tests defines it), against a bare loop."""
+    """Time, algbw and busbw per collective and size (busbw as nccl-tests defines it), against a bare loop;
+    with --profile, a device profile `meshkit plan --profile` reads."""
     parsed = parse_sizes(sizes)
-    parse_ops(ops)
-    target = LaunchTarget(
-        "meshkit.commbench",
-        ("--ops", ops, "--sizes", ",".join(map(str, parsed)), "--out", str(out.absolute()), "--iters", str(iters)),
-        module=True,
-    )
+    chosen = parse_ops(ops)
+    if profile is not None and "all_reduce" not in chosen:
+        ops = ",".join([*chosen, "all_reduce"])  # the profile's link bandwidth
+    args = ("--ops", ops, "--sizes", ",".join(map(str, parsed)), "--out", str(out.absolute()), "--iters", str(iters))
+    if profile is not None:
+        args += ("--profile", str(profile.absolute()))
+    target = LaunchTarget("meshkit.commbench", args, module=True)
     raise typer.Exit(launch(target, LaunchPlan(LaunchSettings(nproc_per_node=nproc_per_node))))
 
 

@@ -157,6 +157,7 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--sizes", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--iters", type=int, default=0)
+    parser.add_argument("--profile", type=Path, default=None)
     args = parser.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -165,6 +166,20 @@ def worker(argv: list[str]) -> None:
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
         rows = measure(parse_ops(args.ops), sizes, iterations=args.iters or None)
+        profile = None
+        if args.profile is not None:  # matmul, memory and latency probes: every rank takes part
+            from meshkit.hardware import save_profile
+            from meshkit.probe import measure_profile
+
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            profile = measure_profile(rows, device)
+            if dist.get_rank() == 0:
+                save_profile(profile, args.profile)
+                print(
+                    f"profile written to {args.profile}: matmul {profile.peak_tflops:.3g} TFLOP/s, memory "
+                    f"{profile.memory_tbps * 1000:.3g} GB/s, link {profile.intra_gbps:.3g} GB/s, latency "
+                    f"{profile.intra_latency_s * 1e6:.3g} us per step (meshkit plan --profile {args.profile})"
+                )
         if dist.get_rank() == 0:
             print_table(rows)
             args.out.parent.mkdir(parents=True, exist_ok=True)

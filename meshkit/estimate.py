@@ -44,6 +44,7 @@ class ModelShape:
     heads: int | None = None
     vocab: int | None = None
     largest_layer_params: float | None = None  # one block: what ZeRO-3 gathers at a time
+    kv_heads: int | None = None  # grouped-query attention: K/V heads (None: as many as heads)
 
     @classmethod
     def transformer(
@@ -61,6 +62,7 @@ class ModelShape:
             heads=heads,
             vocab=vocab,
             largest_layer_params=float(block),
+            kv_heads=kv_heads,
         )
 
     @classmethod

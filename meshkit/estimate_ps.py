@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshkit.estimate import GB, Estimate, Line, ModelShape, Optimizer, Precision, estimate_memory, model_state_bytes
-from meshkit.plan import LINK_GBPS, Cluster
+from meshkit.plan import Cluster
 
 ELEMENT = 4  # bytes of a served element (parameters keep their dtype, fp32 under autocast)
 
@@ -86,17 +86,18 @@ def advice(model: ModelShape, cluster: Cluster, stragglers: bool) -> str:
     world = cluster.gpus
     servers = max(1, cluster.nodes)  # one server per node spreads the servers' traffic over every node's link
     moved = traffic(model, servers, world - servers)
-    link = LINK_GBPS[cluster.inter_node if cluster.nodes > 1 else cluster.intra_node]
+    hardware = cluster.hardware
+    link = hardware.inter_gbps if cluster.nodes > 1 else hardware.intra_gbps
     server_s, ring_s = moved.per_server_gb / link, moved.ring_per_rank_gb / link
     volumes = (
         f"{servers} server(s) would each carry {moved.per_server_gb:.2f} GB per step (~{server_s:.3f} s on "
-        f"{cluster.inter_node if cluster.nodes > 1 else cluster.intra_node}), ring all-reduce "
+        f"{cluster.link_name(cluster.nodes > 1)}), ring all-reduce "
         f"{moved.ring_per_rank_gb:.2f} GB per rank (~{ring_s:.3f} s)"
     )
     reasons = []
     if stragglers:
         reasons.append("ranks of different speed: a synchronous step waits for the slowest")
-    if cluster.nodes > 1 and cluster.inter_node == "ethernet":
+    if cluster.slow_between_nodes:
         reasons.append("slow or shared links between nodes: an asynchronous worker does not wait for another's push")
     if world >= 32 and model.params * 16 < cluster.gpu_mem_gb * GB / 4:
         reasons.append("many workers on a model that fits one device: no global barrier every step")

@@ -1,31 +1,27 @@
-"""The strategy planner: "this model, these GPUs, this network" -> the layouts that fit, ranked, with reasons.
+"""The strategy planner: "this model, these GPUs, this network" -> the layouts that fit, ranked by predicted
+step time, with tokens/s, MFU and reasons.
 
-Every combination of tp (within a node, dividing the heads), pp (dividing the layers), cp, ZeRO stage,
-activation checkpointing and offload is costed with `estimate_memory`; those that fit in the GPU's memory
-(with 10 % headroom) are ranked by a simple step-time model:
-
-    step = compute · (1 + recompute) / (1 − bubble) + communication / link bandwidth
-
-Communication per GPU per step: data-parallel gradient sync 2(n−1)/n · 2Ψ' (ZeRO-3: 1.5× that, for the
-extra all-gather), tensor parallel 4 all-reduces of s·b·h per layer and micro-batch, pipeline sends of s·b·h
-per micro-batch and stage boundary. The mesh puts tp innermost, then cp, dp, and pp outermost, so tp stays in a
-node and pp is the first to cross the inter-node links. The model is coarse: it ranks layouts, it does not
-predict step times.
+Every combination of tp (within a node, dividing the heads), pp (dividing the layers; 1 or more model chunks
+per rank), cp, ZeRO stage, activation checkpointing and offload is costed with `estimate_memory`; those that
+fit in the GPU's memory (with 10 % headroom) are ranked by `perf_model.predict`: compute, recomputation,
+pipeline bubble, exposed communication per collective and link class, optimizer and offload time. The device
+and its links come from a preset (`--gpu`), a measured profile (`--profile`) or the link flags.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshkit.errors import MeshkitError
 from meshkit.estimate import EstimateError, ModelShape, Recompute, estimate_memory
+from meshkit.hardware import PRESETS, Hardware
+from meshkit.perf_model import LayoutShape, StepTime, Topology, predict
 
-LINK_GBPS = {"nvlink": 300.0, "pcie": 25.0, "ib": 25.0, "ethernet": 3.0}  # GB/s per GPU, one direction
-LATENCY_S = {"nvlink": 10e-6, "pcie": 20e-6, "ib": 20e-6, "ethernet": 50e-6}  # per message
-GPU_TFLOPS = 300.0 * 0.4  # bf16 dense peak of a datacenter GPU at a typical 40 % utilisation
 HEADROOM = 0.9
-RECOMPUTE_COST = {"none": 0.0, "selective": 0.05, "full": 0.33}
+INTRA_LINKS = ("nvlink", "nvlink4", "pcie")
+INTER_LINKS = ("ib", "ib-ndr", "ethernet")
 
 
 class PlanError(MeshkitError):
@@ -37,12 +33,29 @@ class Cluster:
     gpus_per_node: int
     gpu_mem_gb: float
     nodes: int = 1
-    intra_node: str = "nvlink"
-    inter_node: str = "ib"
+    intra_node: str | None = None  # a link class of `hardware.LINKS`; None: the device's own
+    inter_node: str | None = None
+    device: Hardware | None = None  # None: an A100-class GPU (the `a100` preset)
 
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    @property
+    def hardware(self) -> Hardware:
+        return (self.device or PRESETS["a100"]).with_links(self.intra_node, self.inter_node)
+
+    def link_name(self, inter: bool) -> str:
+        named = self.inter_node if inter else self.intra_node
+        return named or f"{self.hardware.name} {'inter' if inter else 'intra'}-node link"
+
+    @property
+    def slow_between_nodes(self) -> bool:
+        """More than one node, joined by links slower than 10 GB/s per device (ethernet)."""
+        return self.nodes > 1 and self.hardware.inter_gbps < 10
+
+    def topology(self) -> Topology:
+        return Topology(self.gpus_per_node, self.nodes)
 
 
 @dataclass
@@ -55,16 +68,20 @@ class Layout:
     microbatches: int
     activation_checkpointing: Recompute
     offload: str
+    stages_per_rank: int = 1  # model chunks per rank (> 1: the interleaved 1F1B schedule)
     memory_gb: float = 0.0
     comm_gb: float = 0.0
     bubble: float = 0.0
     step_s: float = 0.0
     reason: str = ""
     notes: list[str] = field(default_factory=list)
+    time: StepTime | None = None
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}", f"ZeRO-{self.zero_stage}"]
         parts.append(f"{'m' if self.pp > 1 else 'accum'}{self.microbatches}")
+        if self.stages_per_rank > 1:
+            parts.append(f"interleaved v{self.stages_per_rank}")
         if self.activation_checkpointing != "none":
             parts.append(f"AC {self.activation_checkpointing}")
         if self.offload != "none":
@@ -72,28 +89,24 @@ class Layout:
         return " ".join(parts)
 
     def as_json(self) -> dict[str, Any]:
-        keys = ("dp", "tp", "pp", "cp", "zero_stage", "microbatches", "activation_checkpointing", "offload")
-        out = {key: getattr(self, key) for key in keys}
+        keys = ("dp", "tp", "pp", "cp", "zero_stage", "microbatches", "stages_per_rank")
+        out: dict[str, Any] = {key: getattr(self, key) for key in keys}
+        out.update(activation_checkpointing=self.activation_checkpointing, offload=self.offload)
         out.update(memory_gb=self.memory_gb, comm_gb=self.comm_gb, bubble=self.bubble, reason=self.reason)
+        if self.time is not None:
+            out.update(step_s=self.step_s, tokens_per_s=self.time.tokens_per_s, mfu=self.time.mfu)
+            out["breakdown"] = {k: v for k, v in self.time.as_json().items() if k not in ("tokens_per_s", "mfu")}
         return out
+
+    def shape(self) -> LayoutShape:
+        return LayoutShape(
+            self.dp, self.tp, self.pp, self.cp, self.zero_stage, self.microbatches,
+            self.activation_checkpointing, self.offload, self.stages_per_rank,
+        )  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _kind(cluster: Cluster, span: int) -> str:
-    """The link a group whose ranks lie within `span` consecutive ranks uses."""
-    return cluster.intra_node if span <= cluster.gpus_per_node else cluster.inter_node
-
-
-def _link(cluster: Cluster, span: int) -> float:
-    return LINK_GBPS[_kind(cluster, span)]
-
-
-def _seconds(cluster: Cluster, span: int, volume: float, messages: float) -> float:
-    kind = _kind(cluster, span)
-    return volume / (LINK_GBPS[kind] * 1e9) + messages * LATENCY_S[kind]
 
 
 def candidates(model: ModelShape, cluster: Cluster, seq_len: int, global_batch: int) -> list[Layout]:
@@ -108,10 +121,12 @@ def candidates(model: ModelShape, cluster: Cluster, seq_len: int, global_batch: 
                 microbatches = global_batch // dp  # micro-batches of one sequence: pipeline or accumulation
                 if pp > 1 and microbatches < pp:
                     continue
+                chunks = [v for v in (1, 2, 4) if v == 1 or (layers >= pp * v and microbatches % pp == 0)]
                 for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                     for recompute in ("none", "selective", "full"):
                         for offload in ("none", "cpu") if zero == 3 else ("none",):
-                            out.append(Layout(dp, tp, pp, cp, zero, microbatches, recompute, offload))  # type: ignore[arg-type]
+                            for v in chunks if pp > 1 else [1]:
+                                out.append(Layout(dp, tp, pp, cp, zero, microbatches, recompute, offload, v))  # type: ignore[arg-type]
     return out
 
 
@@ -138,20 +153,16 @@ def cost(layout: Layout, model: ModelShape, cluster: Cluster, seq_len: int, glob
     sbh = seq_len / layout.cp * micro_batch * (model.hidden or 0) * 2
     steps = layout.microbatches
     tp_volume = 4 * 2 * (layout.tp - 1) / layout.tp * sbh * (model.layers or 0) / layout.pp * steps
-    pp_volume = 2 * sbh * steps if layout.pp > 1 else 0.0
+    pp_volume = 2 * sbh * steps * layout.stages_per_rank if layout.pp > 1 else 0.0
     layout.comm_gb = (dp_volume + tp_volume + pp_volume) / 1e9
-    tp_span, cp_span = layout.tp, layout.tp * layout.cp
-    pp_span = cluster.gpus if cluster.nodes > 1 else 1
-    layers = (model.layers or 0) / layout.pp
-    comm_s = (
-        _seconds(cluster, cp_span * layout.dp, dp_volume, 2 * (n - 1) * (2 if layout.zero_stage == 3 else 1))
-        + (_seconds(cluster, tp_span, tp_volume, 4 * layers * steps * 2 * (layout.tp - 1)) if layout.tp > 1 else 0)
-        + (_seconds(cluster, pp_span, pp_volume, 2 * steps) if layout.pp > 1 else 0)
+    layout.bubble = (
+        (layout.pp - 1) / (layout.stages_per_rank * layout.microbatches + layout.pp - 1) if layout.pp > 1 else 0.0
     )
-    layout.bubble = (layout.pp - 1) / (layout.microbatches + layout.pp - 1) if layout.pp > 1 else 0.0
-    flops = 6 * model.params * seq_len * global_batch / cluster.gpus
-    compute_s = flops / (GPU_TFLOPS * 1e12) * (1 + RECOMPUTE_COST[layout.activation_checkpointing])
-    layout.step_s = compute_s / (1 - layout.bubble) + comm_s + (0.2 * compute_s if layout.offload != "none" else 0)
+    layout.time = predict(
+        model, layout.shape(), cluster.topology(), cluster.hardware,
+        seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, precision=precision,
+    )  # fmt: skip
+    layout.step_s = layout.time.step_s
 
 
 def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool) -> str:
@@ -163,12 +174,14 @@ def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool
         big = layer_gb > cluster.gpu_mem_gb * HEADROOM
         why.append(f"TP={layout.tp} inside a node" + (" (the largest layer does not fit one GPU)" if big else ""))
     if layout.pp > 1:
-        crosses = cluster.nodes > 1 and cluster.inter_node == "ethernet"
+        crosses = cluster.slow_between_nodes
         why.append(
             f"PP={layout.pp}" + (" across the slow inter-node links: only activations cross them" if crosses else "")
         )
     if layout.zero_stage:
-        fast = _link(cluster, layout.tp * layout.cp * layout.dp) >= 25
+        span = layout.tp * layout.cp * layout.dp
+        hardware = cluster.hardware
+        fast = (hardware.intra_gbps if cluster.topology().link(span) == "intra" else hardware.inter_gbps) >= 25
         why.append(f"ZeRO-{layout.zero_stage}" + (" over fast links" if fast else " (sharding saves the memory)"))
     if layout.cp > 1:
         why.append(f"CP={layout.cp} for the {layout.cp}× shorter local sequence")
@@ -181,6 +194,31 @@ def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool
     return "; ".join(why)
 
 
+TIE = 0.05  # predicted times this close are within the model's error: the simpler layout goes first
+_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def simplicity(layout: Layout) -> tuple[int, ...]:
+    """Fewer model-parallel ranks, a lower ZeRO stage, less recomputation, no offload, fewer chunks first."""
+    recompute = _RECOMPUTE_ORDER[layout.activation_checkpointing]
+    return (
+        layout.tp * layout.pp * layout.cp,
+        layout.zero_stage,
+        recompute,
+        layout.offload != "none",
+        layout.stages_per_rank,
+    )
+
+
+def rank(layouts: Iterable[Layout]) -> list[Layout]:
+    """Fastest first, except that among the layouts within TIE of the fastest the simplest leads."""
+    by_time = sorted(layouts, key=lambda lay: lay.step_s)
+    if not by_time:
+        return []
+    near = [lay for lay in by_time if lay.step_s <= by_time[0].step_s * (1 + TIE)]
+    return sorted(near, key=simplicity) + by_time[len(near) :]
+
+
 @dataclass
 class Plan:
     fitting: list[Layout]
@@ -189,8 +227,10 @@ class Plan:
 
 
 def plan(model: ModelShape, cluster: Cluster, *, seq_len: int, global_batch: int, precision: str = "bf16") -> Plan:
-    if cluster.intra_node not in ("nvlink", "pcie") or cluster.inter_node not in ("ib", "ethernet"):
-        raise PlanError("--intra-node is nvlink or pcie; --inter-node is ib or ethernet")
+    if cluster.intra_node not in (None, *INTRA_LINKS) or cluster.inter_node not in (None, *INTER_LINKS):
+        raise PlanError(
+            f"--intra-node is one of {', '.join(INTRA_LINKS)}; --inter-node one of {', '.join(INTER_LINKS)}"
+        )
     if cluster.gpus_per_node < 1 or cluster.nodes < 1 or cluster.gpu_mem_gb <= 0:
         raise PlanError("--gpus-per-node, --nodes and --gpu-mem-gb must be positive")
     if model.layers is None or model.hidden is None or model.heads is None:
@@ -206,7 +246,7 @@ def plan(model: ModelShape, cluster: Cluster, *, seq_len: int, global_batch: int
         except EstimateError:
             layout.memory_gb = float("inf")
     budget = cluster.gpu_mem_gb * HEADROOM
-    fitting = sorted((lay for lay in layouts if lay.memory_gb <= budget), key=lambda lay: lay.step_s)
+    fitting = rank(lay for lay in layouts if lay.memory_gb <= budget)
     plain = any(lay.tp == lay.pp == 1 and lay.zero_stage == 0 for lay in fitting)
     for layout in fitting:
         layout.reason = reason(layout, model, cluster, plain)
@@ -227,7 +267,7 @@ def _nodes_that_fit(model: ModelShape, cluster: Cluster, seq_len: int, global_ba
     nodes = cluster.nodes
     while nodes < cluster.nodes * 64:
         nodes *= 2
-        bigger = Cluster(cluster.gpus_per_node, cluster.gpu_mem_gb, nodes, cluster.intra_node, cluster.inter_node)
+        bigger = replace(cluster, nodes=nodes)
         batch = max(global_batch, bigger.gpus)
         for layout in candidates(model, bigger, seq_len, batch):
             try:
@@ -258,6 +298,8 @@ def to_config(layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
         config["activation_checkpointing"] = {"mode": layout.activation_checkpointing}
     if layout.pp > 1:  # the pipeline splits each rank's batch into its micro-batches
         config["pipeline"] = {"microbatches": layout.microbatches}
+        if layout.stages_per_rank > 1:
+            config["pipeline"].update(schedule="interleaved_1f1b", stages_per_rank=layout.stages_per_rank)
         config["train"] = {"seq_len": seq_len, "micro_batch_size": layout.microbatches}
     else:  # gradient accumulation over micro-batches of one sequence
         config["grad_accum_steps"] = layout.microbatches

@@ -13,7 +13,8 @@ from rich.table import Table
 
 from meshkit.estimate_cli import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
 from meshkit.estimate_ps import advice
-from meshkit.plan import Cluster, PlanError, plan, to_config
+from meshkit.hardware import PRESETS, load_profile, preset
+from meshkit.plan import INTER_LINKS, INTRA_LINKS, Cluster, PlanError, plan, to_config
 
 
 def plan_command(
@@ -24,10 +25,20 @@ def plan_command(
     heads: HeadsOpt = None,
     vocab: VocabOpt = None,
     gpus_per_node: Annotated[int, typer.Option("--gpus-per-node")] = 8,
-    gpu_mem_gb: Annotated[float, typer.Option("--gpu-mem-gb")] = 80.0,
+    gpu_mem_gb: Annotated[Optional[float], typer.Option("--gpu-mem-gb", help="default: the device's memory")] = None,
     nodes: Annotated[int, typer.Option("--nodes")] = 1,
-    intra_node: Annotated[str, typer.Option("--intra-node", help="nvlink or pcie")] = "nvlink",
-    inter_node: Annotated[str, typer.Option("--inter-node", help="ib or ethernet")] = "ib",
+    gpu: Annotated[
+        Optional[str], typer.Option("--gpu", help=f"device preset: {', '.join(PRESETS)} (default a100)")
+    ] = None,
+    profile: Annotated[
+        Optional[Path], typer.Option("--profile", help="a measured profile (meshkit bench comm --profile FILE)")
+    ] = None,
+    intra_node: Annotated[
+        Optional[str], typer.Option("--intra-node", help=f"{', '.join(INTRA_LINKS)} (default: the device's)")
+    ] = None,
+    inter_node: Annotated[
+        Optional[str], typer.Option("--inter-node", help=f"{', '.join(INTER_LINKS)} (default: the device's)")
+    ] = None,
     seq_len: Annotated[int, typer.Option("--seq-len")] = 2048,
     global_batch: Annotated[int, typer.Option("--global-batch", help="sequences per optimizer step")] = 64,
     precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "bf16",
@@ -39,9 +50,13 @@ def plan_command(
     emit_config: Annotated[Optional[Path], typer.Option("--emit-config", help="write the top layout as YAML")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """The layouts that fit, ranked, each with memory, communication per step, bubble and a reason."""
+    """The layouts that fit, fastest first: predicted step time, tokens/s, MFU, memory, communication, bubble."""
     shape = model_shape(model, params, layers, hidden, heads, vocab)
-    cluster = Cluster(gpus_per_node, gpu_mem_gb, nodes, intra_node, inter_node)
+    if gpu is not None and profile is not None:
+        raise PlanError("--gpu and --profile both name the device: give one")
+    device = load_profile(profile) if profile is not None else preset(gpu or "a100")
+    memory = gpu_mem_gb if gpu_mem_gb is not None else device.memory_gb
+    cluster = Cluster(gpus_per_node, memory, nodes, intra_node, inter_node, device)
     result = plan(shape, cluster, seq_len=seq_len, global_batch=global_batch, precision=precision)
     if not result.fitting:
         raise PlanError(result.suggestion)
@@ -49,13 +64,18 @@ def plan_command(
     if as_json:
         print(json.dumps([layout.as_json() for layout in shown], indent=2))
     else:
-        table = Table(title=f"layouts that fit {gpus_per_node}×{nodes} GPUs of {gpu_mem_gb:g} GB, fastest first")
-        for column in ("#", "layout", "memory GB", "comm GB/step", "bubble", "why"):
+        title = f"layouts that fit {gpus_per_node}×{nodes} {device.name} of {memory:g} GB, fastest first"
+        table = Table(title=title)
+        for column in ("#", "layout", "step s", "tokens/s", "MFU", "memory GB", "comm GB/step", "bubble", "why"):
             table.add_column(column)
         for rank, layout in enumerate(shown, 1):
+            time = layout.time
             table.add_row(
                 str(rank),
                 layout.describe(),
+                f"{layout.step_s:.3g}",
+                f"{time.tokens_per_s:,.0f}" if time else "",
+                f"{time.mfu:.0%}" if time else "",
                 f"{layout.memory_gb:.1f}",
                 f"{layout.comm_gb:.2f}",
                 f"{layout.bubble:.2f}",

@@ -52,7 +52,7 @@ def test_nothing_fits_names_the_smallest_change() -> None:
     result = plan(big, Cluster(2, 16.0), seq_len=2048, global_batch=8)
     assert not result.fitting
     assert "nothing fits in 16 GB per GPU" in result.suggestion and "use GPUs with at least" in result.suggestion
-    with pytest.raises(PlanError, match="--intra-node is nvlink or pcie"):
+    with pytest.raises(PlanError, match="--intra-node is one of nvlink, nvlink4, pcie"):
         plan(SMALL, Cluster(8, 80.0, intra_node="infiniband"), seq_len=1024, global_batch=64)
 
 

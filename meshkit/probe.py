@@ -1,0 +1,94 @@
+"""Measure this machine for the planner: matmul rate and memory bandwidth on every rank at once (ranks share
+what they share in training), and the link's all-reduce bandwidth and per-step latency. The result is a
+`Hardware` profile (`meshkit bench comm --profile FILE`, read by `meshkit plan --profile FILE`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshkit.hardware import Hardware
+
+LATENCY_BYTES = 4096
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    value = torch.tensor([seconds], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _timed(call: Any, device: torch.device, min_seconds: float) -> float:
+    """Seconds per call on the slowest rank, every rank calling at the same time."""
+    call()
+    dist.barrier()
+    calls, start = 0, time.perf_counter()
+    while True:
+        call()
+        calls += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if time.perf_counter() - start >= min_seconds:
+            break
+    return _slowest((time.perf_counter() - start) / calls, device)
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, size: int, min_seconds: float = 1.0) -> float:
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    seconds = _timed(lambda: torch.mm(a, b), device, min_seconds)
+    return 2 * size**3 / seconds / 1e12
+
+
+def memory_tbps(device: torch.device, megabytes: int, min_seconds: float = 0.5) -> float:
+    source = torch.ones(megabytes * 2**20 // 4, device=device)
+    target = torch.empty_like(source)
+    seconds = _timed(lambda: target.copy_(source), device, min_seconds)
+    return 2 * source.numel() * 4 / seconds / 1e12  # read and write
+
+
+def all_reduce_latency(device: torch.device) -> float:
+    """Seconds per ring step of a tiny all-reduce (2(n−1) steps)."""
+    ranks = dist.get_world_size()
+    tensor = torch.ones(LATENCY_BYTES // 4, device=device)
+    seconds = _timed(lambda: dist.all_reduce(tensor), device, 0.5)
+    return seconds / max(1, 2 * (ranks - 1))
+
+
+def device_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 1e9
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return pages / 1e9 / max(1, local)  # host memory, shared by this node's ranks
+
+
+def measure_profile(rows: list[dict[str, Any]], device: torch.device) -> Hardware:
+    """A profile from the comm benchmark's rows and this world's own probes (collective: every rank calls it)."""
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rate = matmul_tflops(device, dtype, 8192 if cuda else 1024)
+    memory = memory_tbps(device, 512 if cuda else 64)
+    latency = all_reduce_latency(device)
+    all_reduce = [row for row in rows if row["op"] == "all_reduce"]
+    link = max(all_reduce, key=lambda row: row["bytes"])["busbw_gbps"] if all_reduce else 0.0
+    name = torch.cuda.get_device_name(device) if cuda else f"cpu ({dist.get_world_size()} ranks)"
+    return Hardware(
+        name=f"measured: {name}",
+        peak_tflops=rate,
+        memory_gb=device_memory_gb(device),
+        memory_tbps=memory,
+        intra_gbps=link,
+        inter_gbps=link,
+        intra_latency_s=latency,
+        inter_latency_s=latency,
+        host_gbps=memory * 1000 if not cuda else link,
+        matmul_efficiency=1.0,  # the measured rate is what matmuls reach here
+        source=f"meshkit bench comm --profile on {dist.get_world_size()} ranks ({dtype}); inter-node = "
+        "intra-node (one node measured): edit inter_gbps / inter_latency_s for a multi-node plan",
+    )
