@@ -285,6 +285,16 @@ class ParameterServerConfig(Section):
         return self
 
 
+class ProbeConfig(Section):
+    """`layout: auto`: how the planner's candidate layouts are tried on the real ranks."""
+
+    top_k: int = Field(4, ge=1, description="candidate layouts tried, the planner's fastest first")
+    steps: int = Field(3, ge=1, description="measured optimizer steps per candidate (after one warm-up step)")
+    memory_limit_gb: float | None = Field(
+        None, gt=0, description="drop a candidate whose per-rank peak exceeds this; null = 90 % of device memory"
+    )
+
+
 class RunConfig(Section):
     """Every setting of a run. Build it directly, or let `resolve()` layer the sources for you."""
 
@@ -295,6 +305,12 @@ class RunConfig(Section):
         "torch.nn.DataParallel over its local GPUs; parameter_server = servers hold the weights (see ps)",
     )
     ps: ParameterServerConfig = ParameterServerConfig()
+    layout: Literal["manual", "auto"] = Field(
+        "manual",
+        description="manual = the parallel sizes as set; auto = meshkit train probes the planner's top layouts on "
+        "the real ranks and trains in the fastest (see probe)",
+    )
+    probe: ProbeConfig = ProbeConfig()
     precision: Literal["no", "bf16", "fp16"] = Field("no", description="mixed precision: no (fp32), bf16, fp16")
     grad_accum_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm in train_step")

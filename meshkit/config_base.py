@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_SECONDS = 10_000_000.0  # ~115 days: a bound that timedelta and the backends' millisecond clocks can hold
 
@@ -18,3 +18,17 @@ class Section(BaseModel):
     """Base of every config section: immutable, no unknown keys."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _none_as_a_choice(cls, data: Any) -> Any:
+        """`mode=none` from the command line or the environment reads as null; where "none" is one of the
+        field's choices (activation_checkpointing.mode, sharding.offload, ...) it means that choice."""
+        if not isinstance(data, dict):
+            return data
+        fixed = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if value is None and field is not None and "none" in get_args(field.annotation):
+                fixed[name] = "none"
+        return fixed

@@ -93,6 +93,8 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
             code = {**explicit_values(config), **overrides} if isinstance(config, RunConfig) else overrides
             self.resolved = resolve(code=code, file=file)
         self.config: RunConfig = self.resolved.config
+        if self.config.layout == "auto":  # the probe needs the whole run in its hands: meshkit train has it
+            raise EngineError("layout: auto is taken by meshkit train; in your own loop pick one with meshkit plan")
         self.info = ProcessInfo.from_env()
         self.device = select_device(self.config.device, self.info.local_rank)
         self.affinity = apply_affinity(

@@ -52,11 +52,11 @@ def memory_tbps(device: torch.device, megabytes: int, min_seconds: float = 0.5) 
     return 2 * source.numel() * 4 / seconds / 1e12  # read and write
 
 
-def all_reduce_latency(device: torch.device) -> float:
+def all_reduce_latency(device: torch.device, min_seconds: float = 0.3) -> float:
     """Seconds per ring step of a tiny all-reduce (2(n−1) steps)."""
     ranks = dist.get_world_size()
     tensor = torch.ones(LATENCY_BYTES // 4, device=device)
-    seconds = _timed(lambda: dist.all_reduce(tensor), device, 0.5)
+    seconds = _timed(lambda: dist.all_reduce(tensor), device, min_seconds)
     return seconds / max(1, 2 * (ranks - 1))
 
 
@@ -68,15 +68,24 @@ def device_memory_gb(device: torch.device) -> float:
     return pages / 1e9 / max(1, local)  # host memory, shared by this node's ranks
 
 
-def measure_profile(rows: list[dict[str, Any]], device: torch.device) -> Hardware:
-    """A profile from the comm benchmark's rows and this world's own probes (collective: every rank calls it)."""
+def link_gbps(device: torch.device, megabytes: int = 8) -> float:
+    """All-reduce bus bandwidth (GB/s) at one size, as `meshkit bench comm` reports it."""
+    ranks = dist.get_world_size()
+    tensor = torch.ones(megabytes * 2**20 // 4, device=device)
+    seconds = _timed(lambda: dist.all_reduce(tensor), device, 0.3)
+    return tensor.numel() * 4 / seconds / 1e9 * 2 * (ranks - 1) / max(1, ranks)
+
+
+def measure_profile(rows: list[dict[str, Any]] | None, device: torch.device, quick: bool = False) -> Hardware:
+    """A profile from the comm benchmark's rows (None: one all-reduce size measured here) and this world's own
+    probes (collective: every rank calls it). `quick`: shorter probes (for `layout: auto`)."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    rate = matmul_tflops(device, dtype, 8192 if cuda else 1024)
-    memory = memory_tbps(device, 512 if cuda else 64)
+    rate = matmul_tflops(device, dtype, (8192 if cuda else 1024) // (2 if quick else 1), 0.3 if quick else 1.0)
+    memory = memory_tbps(device, 512 if cuda else 64, 0.2 if quick else 0.5)
     latency = all_reduce_latency(device)
-    all_reduce = [row for row in rows if row["op"] == "all_reduce"]
-    link = max(all_reduce, key=lambda row: row["bytes"])["busbw_gbps"] if all_reduce else 0.0
+    all_reduce = [row for row in rows or [] if row["op"] == "all_reduce"]
+    link = max(all_reduce, key=lambda row: row["bytes"])["busbw_gbps"] if all_reduce else link_gbps(device)
     name = torch.cuda.get_device_name(device) if cuda else f"cpu ({dist.get_world_size()} ranks)"
     return Hardware(
         name=f"measured: {name}",

@@ -125,3 +125,14 @@ def test_text_values_and_yaml_quirks(tmp_path) -> None:
     }
     with pytest.raises(ConfigError, match="is not KEY=VALUE"):
         parse_assignments(["tp"])
+
+
+def test_none_on_the_command_line_is_the_none_choice_where_there_is_one() -> None:
+    from meshkit.resolve import parse_assignments
+
+    flags = parse_assignments(
+        ["activation_checkpointing.mode=none", "sharding.offload=none", "pipeline.microbatches=none"]
+    )
+    config = resolve(flags=flags, env={}).config
+    assert (config.activation_checkpointing.mode, config.sharding.offload) == ("none", "none")
+    assert config.pipeline.microbatches is None  # an optional number: null

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from meshkit import collectives
@@ -26,8 +27,10 @@ from meshkit.engine import Engine
 from meshkit.errors import MeshkitError
 from meshkit.export import state_dict_sha256
 from meshkit.launching.cluster import cluster_settings
+from meshkit.layout_probe import Candidate, choose
+from meshkit.mesh import ProcessInfo, select_device, start_process_group
 from meshkit.models.gpt import GPT, lm_loss
-from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
+from meshkit.recipes.report import TrainingProgress, plot_losses, print_probe_table, print_summary
 from meshkit.resolve import ResolvedConfig, launch_flags_from_env, parse_assignments, resolve
 
 
@@ -68,11 +71,42 @@ def endless(loader: Any) -> Iterator[Any]:
 
 def train(resolved: ResolvedConfig) -> dict[str, Any]:
     """Run the recipe; returns the summary (also written to summary.json on the main process)."""
+    if resolved.config.layout == "auto":
+        return _train_in_probed_layout(resolved)
     with Engine(resolved) as engine:
         return _train(engine)
 
 
-def _train(engine: Engine) -> dict[str, Any]:
+def _train_in_probed_layout(resolved: ResolvedConfig) -> dict[str, Any]:
+    """`layout: auto`: try the planner's top layouts here, then train in the fastest, in the same processes."""
+    info = ProcessInfo.from_env()
+    owned = start_process_group(info, select_device(resolved.config.device, info.local_rank), 600.0)
+    try:
+        chosen, probed = choose(resolved, _one_step, Engine)
+        if info.rank == 0:
+            print_probe_table(probed, chosen)
+        with Engine(chosen) as engine:
+            return _train(engine, probed)
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _one_step(engine: Engine) -> Any:
+    """A layout probe's step: the recipe's model, optimizer and data on `engine`, one optimizer step per call."""
+    _model, _optimizer, loader, _scheduler = _prepared(engine)
+    batches = endless(loader)
+
+    def step() -> None:
+        engine.train_step(next(batches))
+        while not engine.sync_gradients:
+            engine.train_step(next(batches))
+
+    return step
+
+
+def _prepared(engine: Engine) -> tuple[Any, Any, Any, Any]:
+    """The GPT, AdamW, the text's loader and the warm-up/cosine schedule, prepared on `engine`."""
     cfg = engine.config
     if cfg.model.vocab_size < BYTE_VOCAB_SIZE:
         raise RecipeError(f"model.vocab_size={cfg.model.vocab_size} is too small for byte tokens: use 256 or more")
@@ -91,7 +125,12 @@ def _train(engine: Engine) -> dict[str, Any]:
         model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.train.warmup_steps, cfg.train.steps))
-    model, optimizer, loader, scheduler = engine.prepare(model, optimizer, loader, scheduler, loss_fn=lm_loss)
+    return engine.prepare(model, optimizer, loader, scheduler, loss_fn=lm_loss)
+
+
+def _train(engine: Engine, probed: list[Candidate] | None = None) -> dict[str, Any]:
+    cfg = engine.config
+    model, optimizer, loader, scheduler = _prepared(engine)
     if not engine.is_worker:
         return {}  # a parameter server: its prepare() served until every worker had finished
     # A parameter-server run reports from its first worker, without collectives over the servers; async
@@ -163,6 +202,8 @@ def _train(engine: Engine) -> dict[str, Any]:
         "activation_offload": cfg.activation_offload,
         "activations": every_rank(activations.as_dict()),  # first micro-step, per rank
     }
+    if probed is not None:
+        summary["layout_probe"] = {"chosen": layout, "candidates": [c.row() for c in probed]}
     if engine.is_main_worker:
         run_dir = Path(cfg.logging.dir)
         run_dir.mkdir(parents=True, exist_ok=True)

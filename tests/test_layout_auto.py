@@ -1,0 +1,81 @@
+"""`layout: auto`: the planner's top layouts are tried on the real ranks and training continues in the fastest,
+in the same processes; each candidate's config is one meshkit runs; a failing candidate is dropped with why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from meshkit import Engine
+from meshkit.config import RunConfig
+from meshkit.engine_weights import EngineError
+from meshkit.errors import MeshkitError
+from meshkit.layout_probe import Candidate, diverse, layout_values, measure, with_values
+from meshkit.plan import Layout
+from meshkit.resolve import resolve
+from tests.cli import meshkit
+
+MODEL = {"dim": 64, "n_layers": 4, "n_heads": 4, "max_seq_len": 64}
+
+
+@pytest.mark.slow
+def test_layout_auto_probes_at_world_4_and_trains_in_the_fastest(tmp_path) -> None:
+    config = tmp_path / "auto.yaml"
+    train = {"steps": 4, "micro_batch_size": 2, "seq_len": 64, "log_every": 2}
+    config.write_text(yaml.safe_dump({"model": MODEL, "train": train, "launch": {"nproc_per_node": 4}}))
+    auto = meshkit("train", str(config), "layout=auto", f"logging.dir={tmp_path / 'auto'}", timeout=400)
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert "candidates probed on these ranks" in auto.stdout
+    summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
+    probed = summary["layout_probe"]["candidates"]
+    ran = [c for c in probed if c["error"] is None]
+    assert len(ran) >= 2 and len({c["description"].split(" ZeRO")[0] for c in probed}) >= 2  # different shapes
+    fastest = min(ran, key=lambda c: c["step_s"])
+    chosen = fastest["values"]
+    layout = summary["layout"]
+    assert (layout["tp"], layout["pp"]) == (chosen["parallel.tp"], chosen["parallel.pp"])
+    assert summary["zero_stage"] == chosen["sharding.zero_stage"] or chosen["parallel.dp_replicate"] == 1
+    # training continued in that layout exactly as a run configured with it by hand
+    by_hand = [f"{key}={'null' if value is None else value}" for key, value in chosen.items()]
+    manual = meshkit("train", str(config), *by_hand, f"logging.dir={tmp_path / 'manual'}", timeout=300)
+    assert manual.returncode == 0, manual.stderr[-3000:]
+    hand = json.loads((tmp_path / "manual" / "summary.json").read_text())
+    assert hand["params_sha256"] == summary["params_sha256"] and hand["layout"] == layout
+
+
+def _layout(**fields) -> Layout:
+    base = {"dp": 4, "tp": 1, "pp": 1, "cp": 1, "zero_stage": 0, "microbatches": 4}
+    return Layout(**{**base, **fields}, activation_checkpointing="none", offload="none")  # type: ignore[arg-type]
+
+
+def test_each_candidate_is_a_config_meshkit_takes_with_the_same_global_batch() -> None:
+    resolved = resolve(code={"model": MODEL, "train": {"micro_batch_size": 2, "seq_len": 64}, "layout": "auto"})
+    for layout, dp in (
+        (_layout(), 4),
+        (_layout(dp=2, pp=2, stages_per_rank=2), 2),
+        (_layout(dp=2, tp=2, zero_stage=3), 2),
+    ):
+        values = layout_values(layout, global_batch=16, micro_batch=2, seq_len=64)
+        config = with_values(resolved, values).config
+        assert isinstance(config, RunConfig)
+        per_rank = config.train.micro_batch_size * config.grad_accum_steps
+        assert per_rank * dp == 16  # the global batch the config gave
+        if layout.pp > 1:
+            assert config.pipeline.schedule == "interleaved_1f1b" and config.pipeline.microbatches == 4
+        assert with_values(resolved, values).sources["parallel.tp"] == "layout: auto (probed)"
+    shapes = diverse([_layout(zero_stage=1), _layout(zero_stage=2), _layout(dp=2, pp=2), _layout(dp=2, tp=2)], 3)
+    assert [(lay.dp, lay.tp, lay.pp, lay.zero_stage) for lay in shapes] == [(4, 1, 1, 1), (2, 1, 2, 0), (2, 2, 1, 0)]
+
+
+def test_a_candidate_that_fails_is_dropped_with_its_reason_and_engine_refuses_auto() -> None:
+    def failing_engine(config):
+        raise MeshkitError("tp=3 does not divide the 4 heads")
+
+    resolved = resolve(code={"model": MODEL, "layout": "auto"})
+    candidate = Candidate("dp1 tp3", {"parallel.tp": 1}, 0.01)
+    measure(resolved, candidate, lambda engine: lambda: None, failing_engine)
+    assert candidate.error == "MeshkitError: tp=3 does not divide the 4 heads" and candidate.step_s is None
+    with pytest.raises(EngineError, match="layout: auto is taken by meshkit train"):
+        Engine(layout="auto")
