@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/finetune.py --nproc 2
 	$(BIN)/python bench/ps.py
 	$(BIN)/python bench/plan_published.py
+	$(BIN)/python bench/plan_vs_measured.py
 	$(BIN)/meshkit bench comm --nproc-per-node 2 --out bench/results/comm-w2.json
 	$(BIN)/python bench/report.py
 

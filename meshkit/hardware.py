@@ -31,6 +31,8 @@ class Hardware:
     inter_latency_s: float = 20e-6
     host_gbps: float = 25.0  # device <-> host (PCIe), for CPU offload
     matmul_efficiency: float = 0.6  # the fraction of peak large matmuls reach in training (kernels, not comms)
+    ranks_per_device: float = 1.0  # > 1: ranks share compute (CPU ranks over fewer cores): an idle rank's share
+    # goes to the busy ones, so a pipeline bubble costs less than on a device of one's own
     source: str = ""
 
     def with_links(self, intra: str | None = None, inter: str | None = None) -> Hardware:

@@ -103,7 +103,8 @@ def propose(resolved: ResolvedConfig, world: int, local_world: int, device: torc
     cfg = resolved.config
     dims = ParallelDims.from_config(cfg.parallel, world)
     global_batch = cfg.train.global_micro_batch(dims.dp_replicate * dims.dp_shard) * cfg.grad_accum_steps
-    hardware = measure_profile(None, device, quick=True)
+    tokens = cfg.train.largest_micro_batch * cfg.train.seq_len  # the model's own GEMM: tokens × hidden × hidden
+    hardware = measure_profile(None, device, quick=True, matmul_shape=(tokens, cfg.model.dim, cfg.model.dim))
     limit = cfg.probe.memory_limit_gb or hardware.memory_gb * 0.9
     cluster = Cluster(local_world, limit / 0.9, max(1, world // local_world), device=hardware)
     precision = "fp32" if cfg.precision == "no" else cfg.precision

@@ -16,8 +16,9 @@ bytes, all-gather / reduce-scatter (n−1)/n, each with n−1 (or 2(n−1)) late
 - ZeRO-3 (FSDP): each block's all-gather is prefetched during the previous block's compute, every micro-step,
   forward and backward; the reduce-scatter runs once per step during the last backward. Exposed: what
   outlasts the compute it hides behind, plus the first block's gather.
-- Tensor / sequence parallel: 4 all-reduce volumes per layer and micro-batch (6 with full recomputation), on
-  the critical path (no overlap).
+- Tensor / sequence parallel: per layer and micro-batch, 2 all-reduces of s·b·h forward (4 with full
+  recomputation) and one backward per column-parallel linear (q, k, v, gate, up: 5), on the critical path
+  (measured on the reference GPT: 8 per layer with the loss's).
 - Pipeline: one activation send and one gradient send per micro-batch and stage (×v chunks when interleaved),
   on the critical path.
 - Context parallel (ring attention): K and V travel the ring (cp − 1 steps, dK/dV too in backward), each step
@@ -35,6 +36,7 @@ from meshkit.hardware import Hardware
 ADAM_BYTES_PER_PARAM = 30  # read grad, read+write fp32 master, m and v, write the low-precision copy
 HOST_MEMORY_GBPS = 50.0  # a CPU optimizer's share of host memory bandwidth
 DDP_BUCKET_BYTES = 25 * 2**20
+TP_BACKWARD_REDUCES = 5  # column-parallel linears per block whose input gradients are all-reduced (q, k, v, gate, up)
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,10 @@ def predict(
         comm["zero3_reduce"] = max(0.0, reduce - backward) + reduce * block / max(1.0, local_params)
     if layout.tp > 1:
         sbh = seq_len / layout.cp * micro_batch * hidden * act_b
-        per_layer = 6 if layout.activation_checkpointing == "full" else 4
+        # forward: the attention and MLP outputs (twice with full recomputation); backward: the input gradient of
+        # every column-parallel linear (q, k, v, and gate/up or the first MLP linear), each its own all-reduce
+        forward = 4 if layout.activation_checkpointing == "full" else 2
+        per_layer = forward + TP_BACKWARD_REDUCES
         one, links["tp"] = seconds(layout.tp, sbh, layout.tp, "all_reduce")
         comm["tp"] = one * per_layer * layers / pp * m
     if pp > 1:
@@ -182,6 +187,9 @@ def predict(
     if layout.offload != "none":
         transfer = optimizer_params * (grad_b + weight_b) / (hardware.host_gbps * 1e9)
         offload = transfer + optimizer_params * ADAM_BYTES_PER_PARAM / (HOST_MEMORY_GBPS * 1e9) - optimizer
+    shared = hardware.ranks_per_device
+    if shared > 1:  # the bubble's idle share runs the busy ranks faster, bounded by the total work
+        bubble = max(0.0, (compute + recompute + bubble) / shared - (compute + recompute))
     step = compute + recompute + bubble + sum(comm.values()) + optimizer + offload
     return StepTime(
         compute_s=compute,

@@ -38,11 +38,19 @@ def _timed(call: Any, device: torch.device, min_seconds: float) -> float:
     return _slowest((time.perf_counter() - start) / calls, device)
 
 
-def matmul_tflops(device: torch.device, dtype: torch.dtype, size: int, min_seconds: float = 1.0) -> float:
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+def matmul_tflops(
+    device: torch.device,
+    dtype: torch.dtype,
+    size: int,
+    min_seconds: float = 1.0,
+    shape: tuple[int, int, int] | None = None,
+) -> float:
+    """TFLOP/s of (m×k)·(k×n) matmuls, square `size` unless `shape` gives (m, k, n) — a model's own GEMMs."""
+    m, k, n = shape or (size, size, size)
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
     seconds = _timed(lambda: torch.mm(a, b), device, min_seconds)
-    return 2 * size**3 / seconds / 1e12
+    return 2 * m * k * n / seconds / 1e12
 
 
 def memory_tbps(device: torch.device, megabytes: int, min_seconds: float = 0.5) -> float:
@@ -53,19 +61,37 @@ def memory_tbps(device: torch.device, megabytes: int, min_seconds: float = 0.5) 
 
 
 def all_reduce_latency(device: torch.device, min_seconds: float = 0.3) -> float:
-    """Seconds per ring step of a tiny all-reduce (2(n−1) steps)."""
+    """Seconds per ring step (2(n−1) per all-reduce) of a tiny all-reduce issued between compute, as tensor
+    parallel issues them: the time it adds to a loop of small matmuls. Where ranks share cores this includes
+    waiting for the peers to be scheduled, which an idle ping-pong would not show."""
     ranks = dist.get_world_size()
     tensor = torch.ones(LATENCY_BYTES // 4, device=device)
-    seconds = _timed(lambda: dist.all_reduce(tensor), device, min_seconds)
-    return seconds / max(1, 2 * (ranks - 1))
+    a = torch.randn(128, 128, device=device)
+
+    def compute() -> None:
+        torch.mm(a, a)
+
+    def compute_then_reduce() -> None:
+        torch.mm(a, a)
+        dist.all_reduce(tensor)
+
+    extra = _timed(compute_then_reduce, device, min_seconds) - _timed(compute, device, min_seconds)
+    return max(extra, 1e-6) / max(1, 2 * (ranks - 1))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _local_ranks() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def device_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 1e9
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return pages / 1e9 / max(1, local)  # host memory, shared by this node's ranks
+    return pages / 1e9 / max(1, _local_ranks())  # host memory, shared by this node's ranks
 
 
 def link_gbps(device: torch.device, megabytes: int = 8) -> float:
@@ -76,12 +102,19 @@ def link_gbps(device: torch.device, megabytes: int = 8) -> float:
     return tensor.numel() * 4 / seconds / 1e9 * 2 * (ranks - 1) / max(1, ranks)
 
 
-def measure_profile(rows: list[dict[str, Any]] | None, device: torch.device, quick: bool = False) -> Hardware:
+def measure_profile(
+    rows: list[dict[str, Any]] | None,
+    device: torch.device,
+    quick: bool = False,
+    matmul_shape: tuple[int, int, int] | None = None,
+) -> Hardware:
     """A profile from the comm benchmark's rows (None: one all-reduce size measured here) and this world's own
-    probes (collective: every rank calls it). `quick`: shorter probes (for `layout: auto`)."""
+    probes (collective: every rank calls it). `quick`: shorter probes (for `layout: auto`); `matmul_shape`:
+    time the matmul rate at a model's own GEMM (tokens × hidden × hidden), not at a large square one."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    rate = matmul_tflops(device, dtype, (8192 if cuda else 1024) // (2 if quick else 1), 0.3 if quick else 1.0)
+    size = (8192 if cuda else 1024) // (2 if quick else 1)
+    rate = matmul_tflops(device, dtype, size, 0.3 if quick else 1.0, shape=matmul_shape)
     memory = memory_tbps(device, 512 if cuda else 64, 0.2 if quick else 0.5)
     latency = all_reduce_latency(device)
     all_reduce = [row for row in rows or [] if row["op"] == "all_reduce"]
@@ -98,6 +131,7 @@ def measure_profile(rows: list[dict[str, Any]] | None, device: torch.device, qui
         inter_latency_s=latency,
         host_gbps=memory * 1000 if not cuda else link,
         matmul_efficiency=1.0,  # the measured rate is what matmuls reach here
+        ranks_per_device=1.0 if cuda else max(1.0, _local_ranks() / _cores()),
         source=f"meshkit bench comm --profile on {dist.get_world_size()} ranks ({dtype}); inter-node = "
         "intra-node (one node measured): edit inter_gbps / inter_latency_s for a multi-node plan",
     )

@@ -82,7 +82,7 @@ def _train_in_probed_layout(resolved: ResolvedConfig) -> dict[str, Any]:
     info = ProcessInfo.from_env()
     owned = start_process_group(info, select_device(resolved.config.device, info.local_rank), 600.0)
     try:
-        chosen, probed = choose(resolved, _one_step, Engine)
+        chosen, probed = choose(resolved, probe_step, Engine)
         if info.rank == 0:
             print_probe_table(probed, chosen)
         with Engine(chosen) as engine:
@@ -92,7 +92,7 @@ def _train_in_probed_layout(resolved: ResolvedConfig) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def _one_step(engine: Engine) -> Any:
+def probe_step(engine: Engine) -> Any:
     """A layout probe's step: the recipe's model, optimizer and data on `engine`, one optimizer step per call."""
     _model, _optimizer, loader, _scheduler = _prepared(engine)
     batches = endless(loader)
