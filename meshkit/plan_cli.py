@@ -48,9 +48,17 @@ def plan_command(
         typer.Option("--stragglers", help="some ranks are slower (mixed or shared hardware): weigh a parameter server"),
     ] = False,
     emit_config: Annotated[Optional[Path], typer.Option("--emit-config", help="write the top layout as YAML")] = None,
+    probe: Annotated[
+        bool,
+        typer.Option(
+            "--probe", help="with a meshkit YAML: run the top layouts on --gpus-per-node local ranks and time them"
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """The layouts that fit, fastest first: predicted step time, tokens/s, MFU, memory, communication, bubble."""
+    if probe:
+        raise typer.Exit(_probe(model, gpus_per_node))
     shape = model_shape(model, params, layers, hidden, heads, vocab)
     if gpu is not None and profile is not None:
         raise PlanError("--gpu and --profile both name the device: give one")
@@ -85,6 +93,18 @@ def plan_command(
         Console().print(advice(shape, cluster, stragglers))
     if emit_config is not None:
         _emit(result.fitting, cluster, seq_len, global_batch, precision, model, emit_config)
+
+
+def _probe(model: Path | None, ranks: int) -> int:
+    """`--probe`: the layouts `layout: auto` would try, timed on this node (the model is the reference GPT of a
+    meshkit YAML; its train section gives the batch)."""
+    if model is None or model.suffix not in (".yaml", ".yml"):
+        raise PlanError("--probe runs the model: give a meshkit YAML (model and train sections) as MODEL")
+    from meshkit.config import LaunchSettings
+    from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
+
+    target = LaunchTarget("meshkit.recipes.probe_layouts", (str(model),), module=True)
+    return launch(target, LaunchPlan(LaunchSettings(nproc_per_node=ranks)))
 
 
 def _emit(

@@ -79,3 +79,14 @@ def test_a_candidate_that_fails_is_dropped_with_its_reason_and_engine_refuses_au
     assert candidate.error == "MeshkitError: tp=3 does not divide the 4 heads" and candidate.step_s is None
     with pytest.raises(EngineError, match="layout: auto is taken by meshkit train"):
         Engine(layout="auto")
+
+
+def test_plan_probe_times_the_layouts_without_training(tmp_path) -> None:
+    config = tmp_path / "probe.yaml"
+    config.write_text(yaml.safe_dump({"model": MODEL, "train": {"micro_batch_size": 2, "seq_len": 64}}))
+    probed = meshkit("plan", str(config), "--probe", "--gpus-per-node", "2", timeout=240)
+    assert probed.returncode == 0, probed.stderr[-3000:]
+    assert "candidates probed on these ranks" in probed.stdout and "measured step" in probed.stdout
+    assert f"train in it with: meshkit train {config} parallel.dp_replicate=" in probed.stdout
+    bare = meshkit("plan", "--params", "1e9", "--layers", "8", "--hidden", "1024", "--heads", "8", "--probe")
+    assert bare.returncode == 2 and "--probe runs the model: give a meshkit YAML" in bare.stderr
