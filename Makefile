@@ -25,7 +25,7 @@ finetune-demo: examples/finetune/base/config.json
 	$(BIN)/meshkit finetune examples/finetune/lora.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"

@@ -176,7 +176,10 @@ def choose(resolved: ResolvedConfig, build: StepBuilder, engine_class: Any) -> t
     info = ProcessInfo.from_env()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     candidates = propose(resolved, info.world_size, info.local_world_size, device)
-    limit_mb = (resolved.config.probe.memory_limit_gb or 0) * 1e9 / 2**20
+    limit_gb = resolved.config.probe.memory_limit_gb
+    if limit_gb is None and device.type == "cuda":  # a device of its own: 90 % of it (CPU: the planner's estimate)
+        limit_gb = torch.cuda.get_device_properties(device).total_memory / 1e9 * 0.9
+    limit_mb = (limit_gb or 0) * 1e9 / 2**20
     for candidate in candidates:
         measure(resolved, candidate, build, engine_class)
         if candidate.error is None and limit_mb and (candidate.peak_mb or candidate.held_mb or 0) > limit_mb:

@@ -23,8 +23,9 @@ MODEL = {"dim": 64, "n_layers": 4, "n_heads": 4, "max_seq_len": 64}
 @pytest.mark.slow
 def test_layout_auto_probes_at_world_4_and_trains_in_the_fastest(tmp_path) -> None:
     config = tmp_path / "auto.yaml"
-    train = {"steps": 4, "micro_batch_size": 2, "seq_len": 64, "log_every": 2}
-    config.write_text(yaml.safe_dump({"model": MODEL, "train": train, "launch": {"nproc_per_node": 4}}))
+    train = {"steps": 2, "micro_batch_size": 2, "seq_len": 64, "log_every": 2}
+    probe = {"top_k": 3, "steps": 2}
+    config.write_text(yaml.safe_dump({"model": MODEL, "train": train, "probe": probe, "launch": {"nproc_per_node": 4}}))
     auto = meshkit("train", str(config), "layout=auto", f"logging.dir={tmp_path / 'auto'}", timeout=400)
     assert auto.returncode == 0, auto.stderr[-3000:]
     assert "candidates probed on these ranks" in auto.stdout
@@ -83,7 +84,8 @@ def test_a_candidate_that_fails_is_dropped_with_its_reason_and_engine_refuses_au
 
 def test_plan_probe_times_the_layouts_without_training(tmp_path) -> None:
     config = tmp_path / "probe.yaml"
-    config.write_text(yaml.safe_dump({"model": MODEL, "train": {"micro_batch_size": 2, "seq_len": 64}}))
+    probe = {"top_k": 2, "steps": 1}
+    config.write_text(yaml.safe_dump({"model": MODEL, "train": {"micro_batch_size": 2, "seq_len": 64}, "probe": probe}))
     probed = meshkit("plan", str(config), "--probe", "--gpus-per-node", "2", timeout=240)
     assert probed.returncode == 0, probed.stderr[-3000:]
     assert "candidates probed on these ranks" in probed.stdout and "measured step" in probed.stdout

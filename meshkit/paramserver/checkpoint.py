@@ -153,6 +153,13 @@ def read_server_shard(
     return {k: first[k] for k in ("clocks", "version", "steps") if k in first}
 
 
+def read_server_schedulers(directory: Path) -> list[dict[str, Any]]:
+    """The schedulers' states as the first server saved them (every server steps the same schedules), for the
+    workers' own copies of the user's schedulers."""
+    records = _records(directory, "server")
+    return records[0][1].get("schedulers", []) if records else []
+
+
 def read_worker_file(directory: Path, index: int) -> dict[str, Any] | None:
     """The record of the worker with this index (its data position and random state); a worker the saving run
     did not have takes the first worker's data position and keeps its own random state."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -16,9 +15,15 @@ from meshkit import collectives
 from meshkit.accumulation import GradientState, PreparedOptimizer
 from meshkit.checkpoint.directory import remove_partials, resolve_resume
 from meshkit.checkpoint.extras import set_rng_state
-from meshkit.checkpoint.storage import CheckpointError, rank_file
+from meshkit.checkpoint.storage import CheckpointError
 from meshkit.config import RunConfig
-from meshkit.paramserver.checkpoint import read_meta, read_worker_file, write_meta, write_worker_file
+from meshkit.paramserver.checkpoint import (
+    read_meta,
+    read_server_schedulers,
+    read_worker_file,
+    write_meta,
+    write_worker_file,
+)
 from meshkit.paramserver.client import ParameterClient
 from meshkit.paramserver.layout import make_shards
 from meshkit.paramserver.roles import ParameterServerError, check_parameter_server
@@ -185,11 +190,8 @@ class ParameterServerRun:
                 loader.load_state_dict(state)
             if record.get("rng"):
                 set_rng_state(record["rng"])
-        server_record = directory / rank_file(0)  # the first server's record: the schedulers as the servers had them
-        if schedulers and server_record.is_file():
-            saved = json.loads(server_record.read_text()).get("schedulers", [])
-            for scheduler, state in zip(schedulers, saved, strict=False):
-                scheduler.load_state_dict(state)
+        for scheduler, state in zip(schedulers, read_server_schedulers(directory), strict=False):
+            scheduler.load_state_dict(state)
         return meta.get("extra", {})
 
     def resume_choice(self, resume: str, root: Path) -> str | None:

@@ -41,6 +41,7 @@ class TwoHosts:
         self.processes: list[subprocess.Popen] = []
 
     def create(self) -> None:
+        self.destroy()  # what a killed earlier run of the same test may have left
         for ns in self.namespaces:
             _ip("netns", "add", ns)
         _ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])

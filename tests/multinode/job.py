@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from meshkit import Engine
 
-STEPS, GLOBAL_BATCH, FEATURES = 12, 8, 16
+STEPS, GLOBAL_BATCH, FEATURES = 8, 8, 16
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
