@@ -173,6 +173,11 @@ def measure(resolved: ResolvedConfig, candidate: Candidate, build: StepBuilder, 
 
 def choose(resolved: ResolvedConfig, build: StepBuilder, engine_class: Any) -> tuple[ResolvedConfig, list[Candidate]]:
     """Probe the candidates and return the config of the fastest one under the memory limit, with the table."""
+    if resolved.config.strategy != "auto":
+        raise LayoutProbeError(
+            f"layout: auto chooses among the parallel layouts, not for strategy: {resolved.config.strategy}: "
+            "set strategy: auto or layout: manual"
+        )
     info = ProcessInfo.from_env()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     candidates = propose(resolved, info.world_size, info.local_world_size, device)

@@ -12,7 +12,15 @@ from meshkit import Engine
 from meshkit.config import RunConfig
 from meshkit.engine_weights import EngineError
 from meshkit.errors import MeshkitError
-from meshkit.layout_probe import Candidate, diverse, layout_values, measure, with_values
+from meshkit.layout_probe import (
+    Candidate,
+    LayoutProbeError,
+    choose,
+    diverse,
+    layout_values,
+    measure,
+    with_values,
+)
 from meshkit.plan import Layout
 from meshkit.resolve import resolve
 from tests.cli import meshkit
@@ -80,6 +88,9 @@ def test_a_candidate_that_fails_is_dropped_with_its_reason_and_engine_refuses_au
     assert candidate.error == "MeshkitError: tp=3 does not divide the 4 heads" and candidate.step_s is None
     with pytest.raises(EngineError, match="layout: auto is taken by meshkit train"):
         Engine(layout="auto")
+    served = resolve(code={"model": MODEL, "layout": "auto", "strategy": "parameter_server"})
+    with pytest.raises(LayoutProbeError, match="not for strategy: parameter_server: set strategy: auto"):
+        choose(served, lambda engine: lambda: None, Engine)
 
 
 def test_plan_probe_times_the_layouts_without_training(tmp_path) -> None:
