@@ -46,7 +46,7 @@ def layouts(offload_dir: str) -> list[tuple[str, dict]]:
         ("tp2 dp2", {"tp": 2}),
         ("zero3 tp2", {"zero_stage": 3, "tp": 2}),
         ("pp2 dp2", {"pp": 2}),
-        ("cp2 dp2", {"cp": 2}),
+        ("cp2 dp2", {"cp": 2, **ddp}),  # DDP as in the ddp rows: gradients are views of its buckets
         ("ddp again", ddp),
     ]
 

@@ -204,6 +204,8 @@ def _activations(
         return Line("activations", 0.0, "unknown: give --layers, --hidden and --heads")
     element = 4 if precision == "fp32" else 2
     s = seq_len / cp
+    # ring attention (cp > 1) keeps q, k, v, out and the log-sum-exp, never the scores: as `selective` does
+    kept = "selective" if cp > 1 and recompute == "none" else recompute
     per_layer = layer_activation_bytes(
         s=s,
         b=micro_batch,
@@ -212,12 +214,19 @@ def _activations(
         element=element,
         tp=tp,
         sp=sp,
-        recompute=recompute,
+        recompute=kept,  # type: ignore[arg-type]
         dropout=dropout,
     )
+    if cp > 1:  # the log-sum-exp kept per layer, and one layer's ring backward in flight (fp32 dq, dk/dv twice,
+        # the K/V block and the next one arriving, the probabilities and their gradient for one block pair)
+        sbh = s * micro_batch * model.hidden
+        per_layer += model.heads * s * micro_batch * 4 / tp
+        ring = (4 * 5 * sbh + 2 * 2 * element * sbh) / tp + 2 * model.heads * (s / 2) ** 2 * micro_batch * 4 / tp
+    else:
+        ring = 0.0
     in_flight_layers = model.layers  # first stage: pp micro-batches of L/pp layers
     logits = s * micro_batch * (model.vocab or 0) * 4 / tp  # fp32 logits kept for the loss (last stage)
-    total = per_layer * in_flight_layers + (logits if pp == 1 else 0.0)
+    total = per_layer * in_flight_layers + (logits if pp == 1 else 0.0) + ring
     term = {
         "none": f"sbh({16 * element}{'+2' if dropout else ''} + {2 * element + (1 if dropout else 0)}·as/h)",
         "selective": f"sbh·{16 * element}{'+2' if dropout else ''} (attention scores recomputed)",
@@ -227,6 +236,7 @@ def _activations(
     formula = (
         f"L={model.layers} × {term}{split}, s=seq/cp={s:g}, b={micro_batch}, h={model.hidden}, a={model.heads}"
         + (" + logits s·b·V·4/tp" if pp == 1 and model.vocab else "")
+        + (" (ring attention: no scores kept; + one layer's ring backward in flight)" if cp > 1 else "")
     )
     return Line("activations", total / GB, formula)
 

@@ -14,6 +14,7 @@ import yaml
 
 from tests.cli import ROOT, kill_all, kill_tree, meshkit
 from tests.distributed import free_port
+from tests.multinode.hosts import covered_on_two_hosts
 
 STEPS = 30
 
@@ -37,6 +38,7 @@ def _node(node_rank: int, port: int, config: Path, run_dir: Path) -> subprocess.
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc")
+@covered_on_two_hosts("elastic shrink runs on two simulated hosts (tests/multinode)")
 def test_losing_a_node_continues_on_fewer_ranks_from_the_last_checkpoint(tmp_path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text(

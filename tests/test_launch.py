@@ -10,6 +10,7 @@ import pytest
 
 from tests.cli import meshkit
 from tests.distributed import free_port
+from tests.multinode.hosts import covered_on_two_hosts
 
 SCRIPT = """
 import json, sys
@@ -80,6 +81,7 @@ def test_port_in_use_is_named(script) -> None:
     assert f"port {port} is in use" in proc.stderr
 
 
+@covered_on_two_hosts("a missing node is tested on two simulated hosts (tests/multinode)")
 def test_a_node_that_never_joins_fails_within_the_rendezvous_timeout(script) -> None:
     start = time.monotonic()
     proc = meshkit(
@@ -100,6 +102,7 @@ def test_a_node_that_never_joins_fails_within_the_rendezvous_timeout(script) -> 
     assert time.monotonic() - start < 4 + 20  # the timeout plus interpreter start-up, never a hang
 
 
+@covered_on_two_hosts("two nodes are tested on two simulated hosts (tests/multinode)")
 def test_two_nodes_on_one_host_rendezvous(script) -> None:
     import os
     import subprocess

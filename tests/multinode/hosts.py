@@ -9,6 +9,7 @@ own loopback.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -20,15 +21,28 @@ from tests.cli import ROOT, kill_all
 SUBNET = "10.213.77"
 
 
+@functools.lru_cache(maxsize=1)
 def unavailable_reason() -> str | None:
-    """Why two namespaces cannot be made here, or None."""
+    """Why two namespaces cannot be made here, or None (tried once: a container may forbid it even to root)."""
     if sys.platform != "linux":
         return f"network namespaces are Linux-only (this is {sys.platform})"
     if os.geteuid() != 0:
         return "creating network namespaces needs root"
     if shutil.which("ip") is None:
         return "iproute2's `ip` command is not installed"
+    probe = f"mkprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    if made.returncode != 0:
+        return f"cannot make network namespaces here ({made.stderr.strip()})"
     return None
+
+
+def covered_on_two_hosts(reason: str = "run on two simulated hosts by tests/multinode"):
+    """Skip a single-host stand-in for a multi-node test where the multi-node suite itself runs."""
+    import pytest
+
+    return pytest.mark.skipif(unavailable_reason() is None, reason=reason)
 
 
 class TwoHosts:
