@@ -204,8 +204,6 @@ def _activations(
         return Line("activations", 0.0, "unknown: give --layers, --hidden and --heads")
     element = 4 if precision == "fp32" else 2
     s = seq_len / cp
-    # ring attention (cp > 1) keeps q, k, v, out and the log-sum-exp, never the scores: as `selective` does
-    kept = "selective" if cp > 1 and recompute == "none" else recompute
     per_layer = layer_activation_bytes(
         s=s,
         b=micro_batch,
@@ -214,7 +212,7 @@ def _activations(
         element=element,
         tp=tp,
         sp=sp,
-        recompute=kept,  # type: ignore[arg-type]
+        recompute=recompute,
         dropout=dropout,
     )
     if cp > 1:  # the log-sum-exp kept per layer, and one layer's ring backward in flight (fp32 dq, dk/dv twice,
@@ -236,7 +234,7 @@ def _activations(
     formula = (
         f"L={model.layers} × {term}{split}, s=seq/cp={s:g}, b={micro_batch}, h={model.hidden}, a={model.heads}"
         + (" + logits s·b·V·4/tp" if pp == 1 and model.vocab else "")
-        + (" (ring attention: no scores kept; + one layer's ring backward in flight)" if cp > 1 else "")
+        + (" + lse and one layer's ring backward in flight (cp)" if cp > 1 else "")
     )
     return Line("activations", total / GB, formula)
 
