@@ -23,19 +23,21 @@ def _slowest(seconds: float, device: torch.device) -> float:
     return float(value.item())
 
 
-def _timed(call: Any, device: torch.device, min_seconds: float) -> float:
-    """Seconds per call on the slowest rank, every rank calling at the same time."""
+def _timed(call: Any, device: torch.device, min_seconds: float = 0.0, calls: int | None = None) -> float:
+    """Seconds per call on the slowest rank, every rank calling at the same time: for `min_seconds` (a call
+    without collectives: each rank may make a different number of calls), or exactly `calls` times (a call
+    with a collective inside must be made as often on every rank, or the collectives pair up wrongly)."""
     call()
     dist.barrier()
-    calls, start = 0, time.perf_counter()
+    made, start = 0, time.perf_counter()
     while True:
         call()
-        calls += 1
+        made += 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if time.perf_counter() - start >= min_seconds:
+        if made == calls if calls is not None else time.perf_counter() - start >= min_seconds:
             break
-    return _slowest((time.perf_counter() - start) / calls, device)
+    return _slowest((time.perf_counter() - start) / made, device)
 
 
 def matmul_tflops(
@@ -75,7 +77,8 @@ def all_reduce_latency(device: torch.device, min_seconds: float = 0.3) -> float:
         torch.mm(a, a)
         dist.all_reduce(tensor)
 
-    extra = _timed(compute_then_reduce, device, min_seconds) - _timed(compute, device, min_seconds)
+    calls = max(10, int(min_seconds / 3e-3))  # fixed: every rank makes the same all-reduces
+    extra = _timed(compute_then_reduce, device, calls=calls) - _timed(compute, device, calls=calls)
     return max(extra, 1e-6) / max(1, 2 * (ranks - 1))
 
 
@@ -98,7 +101,7 @@ def link_gbps(device: torch.device, megabytes: int = 8) -> float:
     """All-reduce bus bandwidth (GB/s) at one size, as `meshkit bench comm` reports it."""
     ranks = dist.get_world_size()
     tensor = torch.ones(megabytes * 2**20 // 4, device=device)
-    seconds = _timed(lambda: dist.all_reduce(tensor), device, 0.3)
+    seconds = _timed(lambda: dist.all_reduce(tensor), device, calls=10)
     return tensor.numel() * 4 / seconds / 1e9 * 2 * (ranks - 1) / max(1, ranks)
 
 
