@@ -30,12 +30,17 @@ def unavailable_reason() -> str | None:
         return "creating network namespaces needs root"
     if shutil.which("ip") is None:
         return "iproute2's `ip` command is not installed"
-    probe = f"mkprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    probe, link = f"mkprobe{os.getpid()}", f"mkpv{os.getpid() % 100000}"
+    tries = (["netns", "add", probe], ["link", "add", f"{link}a", "type", "veth", "peer", "name", f"{link}b"])
+    failed = None
+    for args in tries:  # what the tests need: a namespace and a veth pair
+        made = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+        if made.returncode != 0:
+            failed = f"cannot make network namespaces and veth pairs here ({made.stderr.strip()})"
+            break
+    subprocess.run(["ip", "link", "del", f"{link}a"], capture_output=True, check=False)
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
-    if made.returncode != 0:
-        return f"cannot make network namespaces here ({made.stderr.strip()})"
-    return None
+    return failed
 
 
 def covered_on_two_hosts(reason: str = "run on two simulated hosts by tests/multinode"):
