@@ -378,14 +378,8 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
             self._doctor = None
         self._close_trackers()  # (already closed above, unless this is an error path)
         # (a parameter-server run ends when the servers have heard every worker finish; a lost worker misses a barrier)
-        ps = self._ps is not None
-        if (
-            wait_for_peers
-            and not ps
-            and self._owns_process_group
-            and dist.is_initialized()
-            and dist.get_world_size() > 1
-        ):
+        peers = dist.is_initialized() and dist.get_world_size() > 1
+        if wait_for_peers and self._ps is None and self._owns_process_group and peers:
             dist.barrier()
         self._stop_process_group()
 

@@ -12,10 +12,11 @@ some ranks only is a hang the hang doctor reports, as in training.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from meshkit.config import RunConfig
 from meshkit.errors import MeshkitError
 from meshkit.estimate import ModelShape
-from meshkit.mesh import ParallelDims, ProcessInfo
+from meshkit.mesh import ParallelDims, ProcessInfo, select_device, start_process_group
 from meshkit.perf_model import predict
 from meshkit.plan import Cluster, Layout, plan, to_config
 from meshkit.probe import measure_profile
@@ -169,6 +170,19 @@ def measure(resolved: ResolvedConfig, candidate: Candidate, build: StepBuilder, 
         failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
     candidate.error = failed or None
     gc.collect()
+
+
+@contextlib.contextmanager
+def one_process_group(config: RunConfig) -> Iterator[ProcessInfo]:
+    """The process group every probe's Engine and then the run's Engine join: started here unless one is
+    running already (then left to its owner), destroyed at the end."""
+    info = ProcessInfo.from_env()
+    owned = start_process_group(info, select_device(config.device, info.local_rank), config.collective_timeout_s)
+    try:
+        yield info
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def choose(resolved: ResolvedConfig, build: StepBuilder, engine_class: Any) -> tuple[ResolvedConfig, list[Candidate]]:

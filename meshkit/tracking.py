@@ -174,7 +174,6 @@ class TrackerSet:
     `log()` (so a run may name its project first, as with Accelerate); closed once, for good."""
 
     def __init__(self, names: tuple[str, ...], run_dir: Path, run_config: Mapping[str, Any], here: bool) -> None:
-        check_trackers(names)  # a missing package fails before training, not at the first log
         self.names, self._run_dir, self._run_config, self._here = names, run_dir, run_config, here
         self._made: list[Tracker] | None = None
 

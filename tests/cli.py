@@ -32,6 +32,20 @@ def meshkit(
     )
 
 
+def spawn_meshkit(*args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`meshkit ARGS` in the background, in its own session, output captured; `prefix` wraps the command (e.g.
+    `ip netns exec NS`). The caller stops it (`kill_tree`) and reads it (`communicate`) with a timeout."""
+    return subprocess.Popen(
+        [*prefix, sys.executable, "-m", "meshkit.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (Linux /proc); processes that end meanwhile are skipped."""
     found = []

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import sys
 
-import torch.distributed as dist
-
 from meshkit.engine import Engine
-from meshkit.layout_probe import choose
-from meshkit.mesh import ProcessInfo, select_device, start_process_group
+from meshkit.layout_probe import choose, one_process_group
 from meshkit.recipes.report import print_probe_table
 from meshkit.recipes.train import probe_step, resolve_recipe
 
@@ -23,18 +20,13 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         raise SystemExit("usage: python -m meshkit.recipes.probe_layouts CONFIG.yaml [key=value ...]")
     resolved = resolve_recipe(argv[0], argv[1:])
-    info = ProcessInfo.from_env()
-    owned = start_process_group(info, select_device(resolved.config.device, info.local_rank), 600.0)
-    try:
+    with one_process_group(resolved.config) as info:
         chosen, probed = choose(resolved, probe_step, Engine)
         if info.rank == 0:
             print_probe_table(probed, chosen)
             best = min((c for c in probed if c.error is None and c.step_s), key=lambda c: c.step_s or 0.0)
             keys = " ".join(f"{k}={'null' if v is None else v}" for k, v in best.values.items())
             print(f"fastest: {best.description}; train in it with: meshkit train {argv[0]} {keys}", flush=True)
-    finally:
-        if owned and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

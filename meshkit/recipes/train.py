@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from meshkit import collectives
@@ -27,8 +26,7 @@ from meshkit.engine import Engine
 from meshkit.errors import MeshkitError
 from meshkit.export import state_dict_sha256
 from meshkit.launching.cluster import cluster_settings
-from meshkit.layout_probe import Candidate, choose
-from meshkit.mesh import ProcessInfo, select_device, start_process_group
+from meshkit.layout_probe import Candidate, choose, one_process_group
 from meshkit.models.gpt import GPT, lm_loss
 from meshkit.recipes.report import TrainingProgress, plot_losses, print_probe_table, print_summary
 from meshkit.resolve import ResolvedConfig, launch_flags_from_env, parse_assignments, resolve
@@ -79,17 +77,12 @@ def train(resolved: ResolvedConfig) -> dict[str, Any]:
 
 def _train_in_probed_layout(resolved: ResolvedConfig) -> dict[str, Any]:
     """`layout: auto`: try the planner's top layouts here, then train in the fastest, in the same processes."""
-    info = ProcessInfo.from_env()
-    owned = start_process_group(info, select_device(resolved.config.device, info.local_rank), 600.0)
-    try:
+    with one_process_group(resolved.config) as info:
         chosen, probed = choose(resolved, probe_step, Engine)
         if info.rank == 0:
             print_probe_table(probed, chosen)
         with Engine(chosen) as engine:
             return _train(engine, probed)
-    finally:
-        if owned and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def probe_step(engine: Engine) -> Any:

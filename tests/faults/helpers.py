@@ -7,14 +7,13 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.cli import ROOT, kill_tree
+from tests.cli import kill_tree, spawn_meshkit
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads process state from /proc")
 
@@ -22,15 +21,7 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="re
 @contextlib.contextmanager
 def background_meshkit(*args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """`meshkit ARGS` in its own process group; killed with everything below it when the block ends."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshkit.cli", *args],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = spawn_meshkit(*args, env=env)
     try:
         yield proc
     finally:

@@ -14,9 +14,8 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-from tests.cli import ROOT, kill_all
+from tests.cli import kill_all, spawn_meshkit
 
 SUBNET = "10.213.77"
 
@@ -80,15 +79,7 @@ class TwoHosts:
 
     def start(self, host: int, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """`meshkit ARGS` inside host `host`'s namespace, in its own session (killed with its tree at the end)."""
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespaces[host], sys.executable, "-m", "meshkit.cli", *args],
-            cwd=ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        proc = spawn_meshkit(*args, env=env, prefix=("ip", "netns", "exec", self.namespaces[host]))
         self.processes.append(proc)
         return proc
 
@@ -107,7 +98,3 @@ def output_of(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
     """Wait for `proc` (a hang fails the test: it raises after `timeout`), then its exit code and output."""
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
-
-
-def read_text(path: Path) -> str:
-    return path.read_text() if path.exists() else ""
