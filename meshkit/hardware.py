@@ -8,7 +8,7 @@ Bandwidths are GB/s (10^9 bytes) per device in one direction, as a ring collecti
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,9 @@ class Hardware:
     matmul_efficiency: float = 0.6  # the fraction of peak large matmuls reach in training (kernels, not comms)
     ranks_per_device: float = 1.0  # > 1: ranks share compute (CPU ranks over fewer cores): an idle rank's share
     # goes to the busy ones, so a pipeline bubble costs less than on a device of one's own
+    tp_overhead_s: dict[int, float] = field(default_factory=dict)  # measured (`layout: auto`): seconds per block
+    # and micro-batch that splitting it over tp ranks adds beyond its 1/tp share and the modelled all-reduces
+    # (host dispatch of the split tensors, waiting for peers); none for the data-sheet presets
     source: str = ""
 
     def with_links(self, intra: str | None = None, inter: str | None = None) -> Hardware:
@@ -147,4 +150,5 @@ def load_profile(path: Path) -> Hardware:
             f"--profile {path}: "
             + (f"missing {', '.join(missing)}" if missing else f"unknown keys {', '.join(unknown)}")
         )
+    data["tp_overhead_s"] = {int(tp): float(s) for tp, s in data.get("tp_overhead_s", {}).items()}
     return Hardware(**data)

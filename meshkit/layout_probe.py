@@ -17,7 +17,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from meshkit.perf_model import predict
 from meshkit.plan import Cluster, Layout, plan, to_config
 from meshkit.probe import measure_profile
 from meshkit.resolve import ResolvedConfig
+from meshkit.workload_probe import model_profile
 
 PROBED = "layout: auto (probed)"
 # A function that prepares a run on an engine and returns one optimizer step as a callable.
@@ -46,6 +47,7 @@ class Candidate:
     description: str
     values: dict[str, Any]  # dotted config keys the layout sets
     predicted_step_s: float
+    predicted: dict[str, Any] = field(default_factory=dict)  # the step-time model's breakdown
     step_s: float | None = None
     held_mb: float | None = None  # params + grads + optimizer state per rank (the largest rank)
     peak_mb: float | None = None  # device peak (CUDA) per rank, the largest
@@ -106,6 +108,7 @@ def propose(resolved: ResolvedConfig, world: int, local_world: int, device: torc
     global_batch = cfg.train.global_micro_batch(dims.dp_replicate * dims.dp_shard) * cfg.grad_accum_steps
     tokens = cfg.train.largest_micro_batch * cfg.train.seq_len  # the model's own GEMM: tokens × hidden × hidden
     hardware = measure_profile(None, device, quick=True, matmul_shape=(tokens, cfg.model.dim, cfg.model.dim))
+    hardware = model_profile(hardware, cfg, device, world, local_world)
     limit = cfg.probe.memory_limit_gb or hardware.memory_gb * 0.9
     cluster = Cluster(local_world, limit / 0.9, max(1, world // local_world), device=hardware)
     precision = "fp32" if cfg.precision == "no" else cfg.precision
@@ -125,7 +128,7 @@ def propose(resolved: ResolvedConfig, world: int, local_world: int, device: torc
             shape, real.shape(), cluster.topology(), hardware, seq_len=cfg.train.seq_len,
             global_batch=global_batch, micro_batch=micro_batch, precision=precision,
         )  # fmt: skip
-        out.append(Candidate(real.describe(), values, time.step_s))
+        out.append(Candidate(real.describe(), values, time.step_s, time.as_json()))
     return out
 
 

@@ -21,6 +21,10 @@ bytes, all-gather / reduce-scatter (n−1)/n, each with n−1 (or 2(n−1)) late
   (measured on the reference GPT: 8 per layer with the loss's).
 - Pipeline: one activation send and one gradient send per micro-batch and stage (×v chunks when interleaved),
   on the critical path.
+- Measured profiles (`layout: auto`) add what the model's own block reaches of the matmul rate
+  (`matmul_efficiency`) and, per tp degree, what splitting a block costs beyond its share and these all-reduces
+  (`Hardware.tp_overhead_s`: dispatch of the split tensors, waiting for peers). Ranks sharing a device run a
+  pipeline of pp / ranks_per_device devices' worth of stages: only that pipeline's ramp is lost.
 - Context parallel (ring attention): K and V travel the ring (cp − 1 steps, dK/dV too in backward), each step
   hidden behind the attention of the block it arrived with.
 """
@@ -74,6 +78,7 @@ class StepTime:
     bubble_s: float
     optimizer_s: float
     offload_s: float
+    overhead_s: float = 0.0  # measured host dispatch and peer waits of tensor parallel (`Hardware.tp_overhead_s`)
     comm_s: dict[str, float] = field(default_factory=dict)  # exposed seconds per collective
     comm_link: dict[str, str] = field(default_factory=dict)  # intra / inter per collective
     step_s: float = 0.0
@@ -101,6 +106,28 @@ def _ring(volume: float, ranks: int, gbps: float, latency: float, kind: str) -> 
     return factor * volume / (gbps * 1e9) + steps * latency
 
 
+def tp_layer_comm(
+    hardware: Hardware,
+    topology: Topology,
+    layout: LayoutShape,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    precision: str = "bf16",
+) -> float:
+    """Seconds of tensor parallel's all-reduces for one block and one micro-batch: forward, the attention and MLP
+    outputs (twice with full recomputation); backward, the input gradient of every column-parallel linear (q, k,
+    v, and gate/up or the first MLP linear), each its own all-reduce of s·b·h."""
+    act_b = 4 if precision == "fp32" else 2
+    sbh = seq_len / layout.cp * micro_batch * hidden * act_b
+    forward = 4 if layout.activation_checkpointing == "full" else 2
+    link = topology.link(layout.tp)
+    gbps = hardware.intra_gbps if link == "intra" else hardware.inter_gbps
+    latency = hardware.intra_latency_s if link == "intra" else hardware.inter_latency_s
+    return _ring(sbh, layout.tp, gbps, latency, "all_reduce") * (forward + TP_BACKWARD_REDUCES)
+
+
 def predict(
     model: ModelShape,
     layout: LayoutShape,
@@ -125,7 +152,10 @@ def predict(
     extra = {"full": (blocks + attention) / 3, "selective": attention / 3}.get(layout.activation_checkpointing, 0.0)
     recompute = extra * tokens / gpus / rate
     m, v, pp = layout.microbatches, layout.stages_per_rank, layout.pp
-    bubble = (pp - 1) / (v * m) * (compute + recompute) if pp > 1 else 0.0
+    # ranks sharing a device (CPU ranks over fewer cores) run a pipeline of pp / shared devices' worth of
+    # stages: an idle rank's share goes to a busy one, so only that shorter pipeline's ramp is lost
+    devices = max(1.0, pp / hardware.ranks_per_device)
+    bubble = (devices - 1) / (v * m) * (compute + recompute) if pp > 1 else 0.0
     per_micro = (compute + recompute) / m  # one micro-batch's forward + backward on this device
     backward_last = per_micro * 2 / 3
 
@@ -137,6 +167,7 @@ def predict(
 
     comm: dict[str, float] = {}
     links: dict[str, str] = {}
+    overhead = 0.0
     local_params = model.params / (layout.tp * pp)
     shards = layout.dp * layout.cp
     dp_span = layout.tp * layout.cp * layout.dp
@@ -156,13 +187,12 @@ def predict(
         comm["zero3_gather"] = m * (max(0.0, gather - forward) + max(0.0, gather - backward) + first)
         comm["zero3_reduce"] = max(0.0, reduce - backward) + reduce * block / max(1.0, local_params)
     if layout.tp > 1:
-        sbh = seq_len / layout.cp * micro_batch * hidden * act_b
-        # forward: the attention and MLP outputs (twice with full recomputation); backward: the input gradient of
-        # every column-parallel linear (q, k, v, and gate/up or the first MLP linear), each its own all-reduce
-        forward = 4 if layout.activation_checkpointing == "full" else 2
-        per_layer = forward + TP_BACKWARD_REDUCES
-        one, links["tp"] = seconds(layout.tp, sbh, layout.tp, "all_reduce")
-        comm["tp"] = one * per_layer * layers / pp * m
+        links["tp"] = topology.link(layout.tp)
+        per_layer = tp_layer_comm(
+            hardware, topology, layout, seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, precision=precision
+        )
+        comm["tp"] = per_layer * layers / pp * m
+        overhead = hardware.tp_overhead_s.get(layout.tp, 0.0) * layers / pp * m
     if pp > 1:
         boundary = seq_len / layout.cp * micro_batch * hidden * act_b
         link = topology.link(gpus // pp + 1)
@@ -187,16 +217,14 @@ def predict(
     if layout.offload != "none":
         transfer = optimizer_params * (grad_b + weight_b) / (hardware.host_gbps * 1e9)
         offload = transfer + optimizer_params * ADAM_BYTES_PER_PARAM / (HOST_MEMORY_GBPS * 1e9) - optimizer
-    shared = hardware.ranks_per_device
-    if shared > 1:  # the bubble's idle share runs the busy ranks faster, bounded by the total work
-        bubble = max(0.0, (compute + recompute + bubble) / shared - (compute + recompute))
-    step = compute + recompute + bubble + sum(comm.values()) + optimizer + offload
+    step = compute + recompute + bubble + sum(comm.values()) + overhead + optimizer + offload
     return StepTime(
         compute_s=compute,
         recompute_s=recompute,
         bubble_s=bubble,
         optimizer_s=optimizer,
         offload_s=max(0.0, offload),
+        overhead_s=overhead,
         comm_s=comm,
         comm_link=links,
         step_s=step,

@@ -41,6 +41,7 @@ def test_layout_auto_probes_at_world_4_and_trains_in_the_fastest(tmp_path) -> No
     probed = summary["layout_probe"]["candidates"]
     ran = [c for c in probed if c["error"] is None]
     assert len(ran) >= 2 and len({c["description"].split(" ZeRO")[0] for c in probed}) >= 2  # different shapes
+    assert all(c["predicted"]["step_s"] == c["predicted_step_s"] for c in probed)  # the model's breakdown
     fastest = min(ran, key=lambda c: c["step_s"])
     chosen = fastest["values"]
     layout = summary["layout"]

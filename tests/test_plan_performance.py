@@ -4,6 +4,7 @@ and `meshkit plan`'s step time, tokens/s and MFU (table and --json), presets and
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -33,7 +34,7 @@ def _step(**layout) -> object:
 def test_the_step_adds_up_and_each_part_moves_the_way_it_should() -> None:
     ddp = _step()
     parts = ddp.compute_s + ddp.recompute_s + ddp.bubble_s + ddp.optimizer_s + ddp.offload_s + sum(ddp.comm_s.values())
-    assert ddp.step_s == pytest.approx(parts)
+    assert ddp.overhead_s == 0.0 and ddp.step_s == pytest.approx(parts)
     assert ddp.tokens_per_s == pytest.approx(64 * 2048 / ddp.step_s) and 0 < ddp.mfu < 1
     assert (
         _step(activation_checkpointing="full").recompute_s > _step(activation_checkpointing="selective").recompute_s > 0
@@ -51,6 +52,30 @@ def test_the_step_adds_up_and_each_part_moves_the_way_it_should() -> None:
     assert across.comm_link["dp_grads"] == "inter" and across.comm_s["dp_grads"] > within.comm_s["dp_grads"]
     tp = _step(dp=4, tp=2, microbatches=16)
     assert tp.comm_link["tp"] == "intra" and tp.comm_s["tp"] > 0
+
+
+def test_measured_tensor_parallel_overhead_and_shared_cores_enter_the_step(tmp_path) -> None:
+    cpu = Hardware("measured: cpu", 0.05, 6.0, 0.01, 1.0, 1.0, matmul_efficiency=0.9, ranks_per_device=2.0)
+    measured = Hardware(**{**cpu.as_json(), "tp_overhead_s": {2: 0.01}})
+    profile = tmp_path / "cpu.json"
+    save_profile(measured, profile)
+    assert load_profile(profile).tp_overhead_s == {2: 0.01}  # JSON's string keys read back as degrees
+
+    def step(hardware: Hardware, **layout: int) -> object:
+        shape = LayoutShape(**{"dp": 4, "tp": 1, "pp": 1, "cp": 1, "zero_stage": 0, "microbatches": 1, **layout})
+        return predict(GPT_1B, shape, Topology(4, 1), hardware, seq_len=128, global_batch=16, precision="fp32")
+
+    plain, split = step(cpu, dp=2, tp=2, microbatches=2), step(measured, dp=2, tp=2, microbatches=2)
+    assert split.overhead_s == pytest.approx(0.01 * 24 * 2) and split.step_s == pytest.approx(plain.step_s + 0.48)
+    # 4 pipeline stages on ranks sharing 2 devices' worth of cores lose one device's ramp, not three
+    pipeline, alone = (
+        step(cpu, dp=1, pp=4, microbatches=4),
+        step(replace(cpu, ranks_per_device=1.0), dp=1, pp=4, microbatches=4),
+    )
+    assert pipeline.bubble_s == pytest.approx(pipeline.compute_s / 4) and alone.bubble_s == pytest.approx(
+        3 * alone.compute_s / 4
+    )
+    assert step(cpu, dp=2, pp=2, microbatches=2).bubble_s == 0.0
 
 
 def test_plan_json_carries_step_time_tokens_per_second_and_mfu(tmp_path) -> None:
