@@ -1,6 +1,6 @@
 """More of Accelerate's verbs on `Engine` (a mixin of `Engine`), for loops written against `Accelerator`:
 the `prepare_*` forms, `get_state_dict`, `pad_across_processes`, `local_main_process_first`, `on_local_process`,
-`set_trigger` / `check_trigger`, `clear`, `gradient_accumulation_steps`, `use_distributed`.
+`set_trigger` / `check_trigger`, `clear`, `gradient_accumulation_steps`, `use_distributed`, `autocast`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshkit.precision import autocast_context
 from meshkit.tree import map_tensors
 
 
@@ -35,6 +36,10 @@ class AccelerateLoopVerbs:
     @property
     def use_distributed(self) -> bool:
         return self.info.world_size > 1
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's autocast context, for code outside the prepared model's forward."""
+        return autocast_context(self.config.precision, self.device.type)
 
     # ------------------------------------------------------------------ one object at a time
     def prepare_model(self, model: Any) -> Any:

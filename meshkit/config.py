@@ -307,8 +307,8 @@ class RunConfig(Section):
     ps: ParameterServerConfig = ParameterServerConfig()
     layout: Literal["manual", "auto"] = Field(
         "manual",
-        description="manual = the parallel sizes as set; auto = meshkit train probes the planner's top layouts on "
-        "the real ranks and trains in the fastest (see probe)",
+        description="manual = the parallel sizes as set; auto = the planner's top layouts are probed on the real "
+        "ranks (meshkit train, or Engine.prepare) and training goes on in the fastest (see probe)",
     )
     probe: ProbeConfig = ProbeConfig()
     precision: Literal["no", "bf16", "fp16"] = Field("no", description="mixed precision: no (fp32), bf16, fp16")

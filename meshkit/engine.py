@@ -31,6 +31,7 @@ from meshkit.checkpoint.engine_mixin import CheckpointingMixin
 from meshkit.config import RunConfig
 from meshkit.data.loader import ShardedLoader, shard_dataloader
 from meshkit.data.uneven import node_rank, per_rank_sizes
+from meshkit.engine_auto import settle_layout
 from meshkit.engine_weights import EngineError, WeightsMixin
 from meshkit.evaluation import EvaluationMixin
 from meshkit.gradients import GradientSync, clip_arguments
@@ -60,7 +61,7 @@ from meshkit.parallel.pipeline_tied import TiedAcrossStages
 from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.sharding import effective_zero_stage, rebind_params, renamed_parameters, shard_optimizer
 from meshkit.paramserver.run import EmptyLoader, ParameterServerRun
-from meshkit.precision import autocast_context, make_grad_scaler
+from meshkit.precision import make_grad_scaler
 from meshkit.preemption import Preempted, PreemptionWatch
 from meshkit.processes import ProcessHelpers
 from meshkit.resolve import ResolvedConfig, explicit_values, resolve
@@ -93,8 +94,8 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
             code = {**explicit_values(config), **overrides} if isinstance(config, RunConfig) else overrides
             self.resolved = resolve(code=code, file=file)
         self.config: RunConfig = self.resolved.config
-        if self.config.layout == "auto":  # the probe needs the whole run in its hands: meshkit train has it
-            raise EngineError("layout: auto is taken by meshkit train; in your own loop pick one with meshkit plan")
+        self._layout_pending = self.config.layout == "auto"  # probed at prepare(model, optimizer, loader)
+        self.layout_probe: list[Any] | None = None  # layout: auto: every candidate probed (`layout_probe.Candidate`)
         self.info = ProcessInfo.from_env()
         self.device = select_device(self.config.device, self.info.local_rank)
         self.affinity = apply_affinity(
@@ -102,6 +103,39 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
         )
         check_trackers(self.config.logging.trackers)
         self._owns_process_group = start_process_group(self.info, self.device, self.config.collective_timeout_s)
+        # id(original parameter) -> the one splitting put in its place (None: it lives on another pipeline stage)
+        self._renamed_params: dict[int, nn.Parameter | None] = {}
+        self._pipeline: PipelineRunner | None = None
+        self.loss_fn: LossFn | None = None
+        self._models: list[nn.Module] = []
+        self._optimizers: list[PreparedOptimizer] = []
+        self._schedulers: list[PreparedScheduler] = []
+        self._registered: list[Any] = []  # engine.register_for_checkpointing
+        self._loaders: list[ShardedLoader] = []
+        self._logits_sharded = False  # a prepared model returns vocab-sharded logits (tensor parallel)
+        self._fused_qkv: dict[int, dict[str, int]] = {}  # id(prepared model) -> interleaved weights and their dim
+        self._tied_aliases: dict[int, dict[str, str]] = {}  # id(prepared model) -> tied name -> stored name
+        self._adapter_merges: dict[int, dict[str, LoraMerge]] = {}  # id(prepared model) -> LoRA layers to fold
+        self._user_modules: dict[int, nn.Module] = {}  # id(prepared model) -> the module the user passed
+        self._causal_lm = False  # the prepared model is a causal LM (next-token logits)
+        self._uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
+        self._checkpointed: list[CheckpointedBlock] = []  # blocks under activation checkpointing/offload
+        self._lay_out()
+        self._checkpointer = self._make_checkpointer()
+        self._preemption = PreemptionWatch(self.config.checkpoint.preempt_signal, self.info.world_size)
+        self._doctor = (
+            HangDoctor(self.info.rank, self.info.world_size, self.config.collective_timeout_s)
+            if self.config.hang_doctor and self.info.world_size > 1
+            else None
+        )
+        settings = self.config.model_dump(mode="json")  # the resolved run config, for trackers that record it
+        self._trackers = TrackerSet(self.config.logging.trackers, self.run_dir, settings, self.is_main_worker)
+        if self.is_main_process:
+            for conflict in self.resolved.conflicts:
+                warnings.warn(conflict.message(), ConfigConflictWarning, stacklevel=2)
+
+    def _lay_out(self) -> None:
+        """The device mesh and everything that follows the layout (again once `layout: auto` has chosen)."""
         try:
             dims = ParallelDims.from_config(self.config.parallel, self.info.world_size)
             if dims.pp > 1 and self.config.grad_accum_steps > 1:
@@ -127,23 +161,6 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
         self.gradient_state = GradientState(accum_steps=self.config.grad_accum_steps)
         sharded_over = self.mesh.grad_group if self.zero_stage else None
         self.scaler = make_grad_scaler(self.config.precision, self.device, sharded_over)
-        # id(original parameter) -> the one splitting put in its place (None: it lives on another pipeline stage)
-        self._renamed_params: dict[int, nn.Parameter | None] = {}
-        self._pipeline: PipelineRunner | None = None
-        self.loss_fn: LossFn | None = None
-        self._models: list[nn.Module] = []
-        self._optimizers: list[PreparedOptimizer] = []
-        self._schedulers: list[PreparedScheduler] = []
-        self._registered: list[Any] = []  # engine.register_for_checkpointing
-        self._loaders: list[ShardedLoader] = []
-        self._logits_sharded = False  # a prepared model returns vocab-sharded logits (tensor parallel)
-        self._fused_qkv: dict[int, dict[str, int]] = {}  # id(prepared model) -> interleaved weights and their dim
-        self._tied_aliases: dict[int, dict[str, str]] = {}  # id(prepared model) -> tied name -> stored name
-        self._adapter_merges: dict[int, dict[str, LoraMerge]] = {}  # id(prepared model) -> LoRA layers to fold
-        self._user_modules: dict[int, nn.Module] = {}  # id(prepared model) -> the module the user passed
-        self._causal_lm = False  # the prepared model is a causal LM (next-token logits)
-        self._uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
-        self._checkpointed: list[CheckpointedBlock] = []  # blocks under activation checkpointing/offload
         # where gradients, metrics and barriers go: a parameter-server worker keeps its gradients to itself
         # (the servers average them) and shares metrics and barriers with the other workers only
         self._grad_group = self._ps.local_group if self._ps else self.mesh.grad_group
@@ -159,18 +176,6 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
             self.loss_parallel,
             self.mesh.group("pp") if dims.pp > 1 else None,
         )
-        self._checkpointer = self._make_checkpointer()
-        self._preemption = PreemptionWatch(self.config.checkpoint.preempt_signal, self.info.world_size)
-        self._doctor = (
-            HangDoctor(self.info.rank, self.info.world_size, self.config.collective_timeout_s)
-            if self.config.hang_doctor and self.info.world_size > 1
-            else None
-        )
-        settings = self.config.model_dump(mode="json")  # the resolved run config, for trackers that record it
-        self._trackers = TrackerSet(self.config.logging.trackers, self.run_dir, settings, self.is_main_worker)
-        if self.is_main_process:
-            for conflict in self.resolved.conflicts:
-                warnings.warn(conflict.message(), ConfigConflictWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ where am I
     @property
@@ -185,6 +190,8 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *objects: Any, loss_fn: LossFn | None = None) -> Any:
         """Place and wrap models, optimizers, data loaders and LR schedulers; returns them in the same order."""
+        if self._layout_pending:  # layout: auto: the layouts are probed on these objects, the fastest laid out
+            objects, self._layout_pending = settle_layout(self, objects, loss_fn), False
         prepared = self._prepare(objects, loss_fn)
         if self._ps is not None:  # a worker pulls the servers' weights; a server serves until the workers finish
             self._ps.start(self._optimizers, self._schedulers)  # (not a phase: serving may rightly take days)
@@ -319,10 +326,6 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
         if cp == 1:
             return batch
         return map_tensors(lambda t: shard_sequence(t, cp, self.mesh.coordinate("cp"), dim), batch)
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The run's autocast context, for code outside the prepared model's forward."""
-        return autocast_context(self.config.precision, self.device.type)
 
     @watched("train_step")
     def train_step(self, batch: Any) -> torch.Tensor:

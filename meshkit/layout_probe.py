@@ -22,10 +22,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
 
 from meshkit.config import RunConfig
 from meshkit.errors import MeshkitError
 from meshkit.estimate import ModelShape
+from meshkit.hardware import Hardware
 from meshkit.mesh import ParallelDims, ProcessInfo, select_device, start_process_group
 from meshkit.perf_model import predict
 from meshkit.plan import Cluster, Layout, plan, to_config
@@ -100,32 +103,59 @@ def with_values(resolved: ResolvedConfig, values: dict[str, Any], label: str = P
     return ResolvedConfig(RunConfig(**data), sources, resolved.conflicts)
 
 
-def propose(resolved: ResolvedConfig, world: int, local_world: int, device: torch.device) -> list[Candidate]:
+@dataclass(frozen=True)
+class Workload:
+    """What the planner costs: the model's shape and one optimizer step's batch, and how this machine's
+    measured profile is refined with the model's own work (collective; None: matmul rate as measured)."""
+
+    shape: ModelShape
+    seq_len: int
+    global_batch: int  # sequences per optimizer step, kept by every candidate
+    micro_batch: int  # the largest micro-batch (per rank) a candidate may use
+    refine: Callable[[Hardware], Hardware] | None = None
+
+    @classmethod
+    def of_config(cls, config: RunConfig, world: int, local_world: int, device: torch.device) -> Workload:
+        """The reference GPT of `meshkit train` at the config's batch."""
+        dims = ParallelDims.from_config(config.parallel, world)
+        global_batch = config.train.global_micro_batch(dims.dp_replicate * dims.dp_shard) * config.grad_accum_steps
+
+        def refine(hardware: Hardware) -> Hardware:
+            return model_profile(hardware, config, device, world, local_world)
+
+        shape = ModelShape.from_gpt(config.model)
+        return cls(shape, config.train.seq_len, global_batch, config.train.largest_micro_batch, refine)
+
+
+def propose(
+    resolved: ResolvedConfig, world: int, local_world: int, device: torch.device, workload: Workload | None = None
+) -> list[Candidate]:
     """The planner's fastest `probe.top_k` layouts for this world, costed on this machine's measured profile
     (collective: the profile is measured on every rank)."""
     cfg = resolved.config
-    dims = ParallelDims.from_config(cfg.parallel, world)
-    global_batch = cfg.train.global_micro_batch(dims.dp_replicate * dims.dp_shard) * cfg.grad_accum_steps
-    tokens = cfg.train.largest_micro_batch * cfg.train.seq_len  # the model's own GEMM: tokens × hidden × hidden
-    hardware = measure_profile(None, device, quick=True, matmul_shape=(tokens, cfg.model.dim, cfg.model.dim))
-    hardware = model_profile(hardware, cfg, device, world, local_world)
+    work = workload or Workload.of_config(cfg, world, local_world, device)
+    hidden = work.shape.hidden or 1024
+    gemm = (work.micro_batch * work.seq_len, hidden, hidden)  # the model's own GEMM: tokens × hidden × hidden
+    hardware = measure_profile(None, device, quick=True, matmul_shape=gemm)
+    if work.refine is not None:
+        hardware = work.refine(hardware)
     limit = cfg.probe.memory_limit_gb or hardware.memory_gb * 0.9
     cluster = Cluster(local_world, limit / 0.9, max(1, world // local_world), device=hardware)
     precision = "fp32" if cfg.precision == "no" else cfg.precision
-    shape = ModelShape.from_gpt(cfg.model)
-    result = plan(shape, cluster, seq_len=cfg.train.seq_len, global_batch=global_batch, precision=precision)
+    shape, global_batch = work.shape, work.global_batch
+    result = plan(shape, cluster, seq_len=work.seq_len, global_batch=global_batch, precision=precision)
     chosen = diverse([layout for layout in result.fitting if layout.offload == "none"], cfg.probe.top_k)
     if not chosen:
         raise LayoutProbeError(f"layout: auto: {result.suggestion or 'the planner found no layout for this world'}")
     out = []
     for layout in chosen:
-        values = layout_values(layout, global_batch, cfg.train.largest_micro_batch, cfg.train.seq_len)
+        values = layout_values(layout, global_batch, work.micro_batch, work.seq_len)
         pipelined = layout.pp > 1
         micro_batch = values["train.micro_batch_size"] // (values["pipeline.microbatches"] if pipelined else 1)
         steps = values["pipeline.microbatches"] if pipelined else values["grad_accum_steps"]
         real = replace(layout, microbatches=steps)  # as it will run: micro-batches of `micro_batch` sequences
         time = predict(
-            shape, real.shape(), cluster.topology(), hardware, seq_len=cfg.train.seq_len,
+            shape, real.shape(), cluster.topology(), hardware, seq_len=work.seq_len,
             global_batch=global_batch, micro_batch=micro_batch, precision=precision,
         )  # fmt: skip
         out.append(Candidate(real.describe(), values, time.step_s, time.as_json()))
@@ -188,7 +218,9 @@ def one_process_group(config: RunConfig) -> Iterator[ProcessInfo]:
             dist.destroy_process_group()
 
 
-def choose(resolved: ResolvedConfig, build: StepBuilder, engine_class: Any) -> tuple[ResolvedConfig, list[Candidate]]:
+def choose(
+    resolved: ResolvedConfig, build: StepBuilder, engine_class: Any, workload: Workload | None = None
+) -> tuple[ResolvedConfig, list[Candidate]]:
     """Probe the candidates and return the config of the fastest one under the memory limit, with the table."""
     if resolved.config.strategy != "auto":
         raise LayoutProbeError(
@@ -197,7 +229,7 @@ def choose(resolved: ResolvedConfig, build: StepBuilder, engine_class: Any) -> t
         )
     info = ProcessInfo.from_env()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    candidates = propose(resolved, info.world_size, info.local_world_size, device)
+    candidates = propose(resolved, info.world_size, info.local_world_size, device, workload)
     limit_gb = resolved.config.probe.memory_limit_gb
     if limit_gb is None and device.type == "cuda":  # a device of its own: 90 % of it (CPU: the planner's estimate)
         limit_gb = torch.cuda.get_device_properties(device).total_memory / 1e9 * 0.9
@@ -214,3 +246,21 @@ def choose(resolved: ResolvedConfig, build: StepBuilder, engine_class: Any) -> t
         raise LayoutProbeError(f"layout: auto: no candidate layout ran ({reasons})")
     best = min(ran, key=lambda c: c.step_s or float("inf"))
     return with_values(resolved, {**best.values, "layout": "manual"}), candidates
+
+
+def print_probe_table(probed: list[Candidate]) -> None:
+    """`layout: auto`: every candidate with its predicted and measured step, memory and fate."""
+    table = Table(title="layout: auto — candidates probed on these ranks")
+    for column in ("layout", "predicted step", "measured step", "held MB/rank", "result"):
+        table.add_column(column)
+    fastest = min((c.step_s for c in probed if c.error is None and c.step_s), default=None)
+    for candidate in probed:
+        result = candidate.error or ("chosen" if candidate.step_s == fastest else "")
+        table.add_row(
+            candidate.description,
+            f"{candidate.predicted_step_s * 1e3:.1f} ms",
+            f"{candidate.step_s * 1e3:.1f} ms" if candidate.step_s else "-",
+            f"{candidate.held_mb:.1f}" if candidate.held_mb is not None else "-",
+            result,
+        )
+    Console().print(table)

@@ -186,6 +186,10 @@ class TrackerSet:
         self._made = make_trackers(self.names, self._run_dir, self._run_config, start) if self._here else []
 
     @property
+    def started(self) -> bool:
+        return self._made is not None
+
+    @property
     def running(self) -> list[Tracker]:
         if self._made is None:
             self.start(TrackerStart())

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+import torch.nn.functional as F
 import yaml
+from torch.utils.data import DataLoader, TensorDataset
 
 from meshkit import Engine
 from meshkit.config import RunConfig
-from meshkit.engine_weights import EngineError
 from meshkit.errors import MeshkitError
 from meshkit.layout_probe import (
     Candidate,
@@ -21,9 +23,11 @@ from meshkit.layout_probe import (
     measure,
     with_values,
 )
+from meshkit.models.gpt import GPT, GPTConfig
 from meshkit.plan import Layout
 from meshkit.resolve import resolve
 from tests.cli import meshkit
+from tests.distributed import run_world
 
 MODEL = {"dim": 64, "n_layers": 4, "n_heads": 4, "max_seq_len": 64}
 
@@ -79,7 +83,7 @@ def test_each_candidate_is_a_config_meshkit_takes_with_the_same_global_batch() -
     assert [(lay.dp, lay.tp, lay.pp, lay.zero_stage) for lay in shapes] == [(4, 1, 1, 1), (2, 1, 2, 0), (2, 2, 1, 0)]
 
 
-def test_a_candidate_that_fails_is_dropped_with_its_reason_and_engine_refuses_auto() -> None:
+def test_a_candidate_that_fails_is_dropped_with_its_reason() -> None:
     def failing_engine(config):
         raise MeshkitError("tp=3 does not divide the 4 heads")
 
@@ -87,8 +91,6 @@ def test_a_candidate_that_fails_is_dropped_with_its_reason_and_engine_refuses_au
     candidate = Candidate("dp1 tp3", {"parallel.tp": 1}, 0.01)
     measure(resolved, candidate, lambda engine: lambda: None, failing_engine)
     assert candidate.error == "MeshkitError: tp=3 does not divide the 4 heads" and candidate.step_s is None
-    with pytest.raises(EngineError, match="layout: auto is taken by meshkit train"):
-        Engine(layout="auto")
     served = resolve(code={"model": MODEL, "layout": "auto", "strategy": "parameter_server"})
     with pytest.raises(LayoutProbeError, match="not for strategy: parameter_server: set strategy: auto"):
         choose(served, lambda engine: lambda: None, Engine)
@@ -104,3 +106,62 @@ def test_plan_probe_times_the_layouts_without_training(tmp_path) -> None:
     assert f"train in it with: meshkit train {config} parallel.dp_replicate=" in probed.stdout
     bare = meshkit("plan", "--params", "1e9", "--layers", "8", "--hidden", "1024", "--heads", "8", "--probe")
     assert bare.returncode == 2 and "--probe runs the model: give a meshkit YAML" in bare.stderr
+
+
+def _loop(rank: int, layout: str, values: dict) -> dict:
+    """A hand-written loop: the reference GPT, AdamW, a DataLoader of token windows, 3 optimizer steps."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MODEL))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (64, 65), generator=torch.Generator().manual_seed(1))
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    loader = DataLoader(data, batch_size=2)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    overrides = {"probe": {"top_k": 3, "steps": 1}, "hang_doctor": False, **values}
+    with Engine(layout=layout, **overrides) as engine:
+        model, optimizer, loader = engine.prepare(model, optimizer, loader, loss_fn=loss_fn)
+        batches = iter(loader)
+        while engine.step < 3:
+            engine.train_step(next(batches))
+        weights = engine.full_state_dict(model)
+        probed = [c.row() for c in engine.layout_probe or []]
+        return {
+            "weights": weights,
+            "probed": probed,
+            "parallel": engine.config.parallel.model_dump(),
+            "mb": loader.batch_size,
+        }
+
+
+def test_engine_layout_auto_in_a_hand_written_loop_trains_as_the_chosen_layout_by_hand() -> None:
+    auto = run_world(_loop, 4, "auto", {}, timeout=300)
+    probed = auto[0]["probed"]
+    ran = [c for c in probed if c["error"] is None]
+    assert len(ran) >= 2 and all(c["values"]["train.micro_batch_size"] for c in probed)
+    chosen = min(ran, key=lambda c: c["step_s"])["values"]
+    assert auto[0]["parallel"]["tp"] == chosen["parallel.tp"] and auto[0]["parallel"]["pp"] == chosen["parallel.pp"]
+    assert auto[0]["mb"] == chosen["train.micro_batch_size"]  # the loader yields the chosen micro-batches
+    by_hand = run_world(_loop, 4, "manual", unflatten(chosen), timeout=300)
+    for name, tensor in by_hand[0]["weights"].items():
+        assert torch.allclose(auto[0]["weights"][name], tensor, rtol=0, atol=0), name
+    with pytest.raises(AssertionError, match="EngineError: layout: auto probes the layouts at prepare"):
+        run_world(_prepare_model_only, 1, timeout=60)
+
+
+def _prepare_model_only(rank: int) -> None:
+    with Engine(layout="auto") as engine:
+        engine.prepare(GPT(GPTConfig(**MODEL)))
+
+
+def unflatten(values: dict) -> dict:
+    tree: dict = {}
+    for key, value in values.items():
+        node = tree
+        *path, leaf = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree

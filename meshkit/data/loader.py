@@ -200,3 +200,9 @@ def _rebuilt(loader: DataLoader, **sampling: Any) -> DataLoader:
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
         persistent_workers=loader.persistent_workers,
     )
+
+
+def endless(loader: Any) -> Iterator[Any]:
+    """Batches over as many epochs as needed (each epoch reshuffled by the sharded loader)."""
+    while True:
+        yield from loader

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from meshkit import collectives
 from meshkit.data.formats import TokenizedSample, load_samples
+from meshkit.data.loader import endless
 from meshkit.data.packing import PackedSamples, PadCollate, PaddedSamples
 from meshkit.engine import Engine
 from meshkit.errors import MeshkitError
@@ -38,7 +39,6 @@ from meshkit.recipes.hf_base import (
 )
 from meshkit.recipes.lora import apply_lora, save_adapter
 from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
-from meshkit.recipes.train import endless
 from meshkit.tree import to_device
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import sys
 
 from meshkit.engine import Engine
-from meshkit.layout_probe import choose, one_process_group
-from meshkit.recipes.report import print_probe_table
+from meshkit.layout_probe import choose, one_process_group, print_probe_table
 from meshkit.recipes.train import probe_step, resolve_recipe
 
 
@@ -23,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     with one_process_group(resolved.config) as info:
         chosen, probed = choose(resolved, probe_step, Engine)
         if info.rank == 0:
-            print_probe_table(probed, chosen)
+            print_probe_table(probed)
             best = min((c for c in probed if c.error is None and c.step_s), key=lambda c: c.step_s or 0.0)
             keys = " ".join(f"{k}={'null' if v is None else v}" for k, v in best.values.items())
             print(f"fastest: {best.description}; train in it with: meshkit train {argv[0]} {keys}", flush=True)

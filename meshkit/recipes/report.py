@@ -108,21 +108,3 @@ def memory_table(per_rank: list[dict[str, int]]) -> Table:
         values = (report[k] / 1e6 for k in ("params", "grads", "optimizer", "rss", "peak_rss"))
         table.add_row(str(report.get("rank", index)), *(f"{v:,.1f}" for v in values))
     return table
-
-
-def print_probe_table(probed: list[Any], chosen: Any) -> None:
-    """`layout: auto`: every candidate with its predicted and measured step, memory and fate."""
-    table = Table(title="layout: auto — candidates probed on these ranks")
-    for column in ("layout", "predicted step", "measured step", "held MB/rank", "result"):
-        table.add_column(column)
-    fastest = min((c.step_s for c in probed if c.error is None and c.step_s), default=None)
-    for candidate in probed:
-        result = candidate.error or ("chosen" if candidate.step_s == fastest else "")
-        table.add_row(
-            candidate.description,
-            f"{candidate.predicted_step_s * 1e3:.1f} ms",
-            f"{candidate.step_s * 1e3:.1f} ms" if candidate.step_s else "-",
-            f"{candidate.held_mb:.1f}" if candidate.held_mb is not None else "-",
-            result,
-        )
-    Console().print(table)

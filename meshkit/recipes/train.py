@@ -13,7 +13,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from meshkit import collectives
+from meshkit.data.loader import endless
 from meshkit.data.text import BYTE_VOCAB_SIZE, ByteTokenizer, TokenWindows, load_text
 from meshkit.engine import Engine
 from meshkit.errors import MeshkitError
 from meshkit.export import state_dict_sha256
 from meshkit.launching.cluster import cluster_settings
-from meshkit.layout_probe import Candidate, choose, one_process_group
+from meshkit.layout_probe import Candidate, choose, one_process_group, print_probe_table
 from meshkit.models.gpt import GPT, lm_loss
-from meshkit.recipes.report import TrainingProgress, plot_losses, print_probe_table, print_summary
+from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
 from meshkit.resolve import ResolvedConfig, launch_flags_from_env, parse_assignments, resolve
 
 
@@ -61,12 +61,6 @@ def warmup_cosine(warmup: int, total: int) -> Any:
     return factor
 
 
-def endless(loader: Any) -> Iterator[Any]:
-    """Batches over as many epochs as needed (each epoch reshuffled by the sharded loader)."""
-    while True:
-        yield from loader
-
-
 def train(resolved: ResolvedConfig) -> dict[str, Any]:
     """Run the recipe; returns the summary (also written to summary.json on the main process)."""
     if resolved.config.layout == "auto":
@@ -80,7 +74,7 @@ def _train_in_probed_layout(resolved: ResolvedConfig) -> dict[str, Any]:
     with one_process_group(resolved.config) as info:
         chosen, probed = choose(resolved, probe_step, Engine)
         if info.rank == 0:
-            print_probe_table(probed, chosen)
+            print_probe_table(probed)
         with Engine(chosen) as engine:
             return _train(engine, probed)
 
