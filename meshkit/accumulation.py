@@ -7,6 +7,7 @@ prepared optimizer and scheduler step. fp16 steps skipped by the loss scaler do 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +44,16 @@ class PreparedOptimizer(torch.optim.Optimizer):
     """Steps and zeroes only on synchronising micro-steps; steps through the GradScaler under fp16."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, state: GradientState, scaler: torch.amp.GradScaler | None
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: GradientState,
+        scaler: torch.amp.GradScaler | None,
+        after_zero_grad: Callable[[], None] | None = None,
     ) -> None:
+        """`after_zero_grad`: called once the gradients of a step are dropped (the engine's memory guard)."""
         # Deliberately no super().__init__: this object is a view on `optimizer`, which keeps all the state.
         self.optimizer = optimizer
+        self.after_zero_grad = after_zero_grad
         self.gradient_state = state
         self.scaler = scaler
         self.step_was_skipped = False
@@ -87,6 +94,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.gradient_state.sync:
             self.optimizer.zero_grad(set_to_none=set_to_none)
+            if self.after_zero_grad is not None:
+                self.after_zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

@@ -83,6 +83,17 @@ class DDPConfig(Section):
     broadcast_buffers: bool = Field(True, description="broadcast buffers from rank 0 every forward")
 
 
+class ZeroConfig(Section):
+    """ZeRO-1/2 gradient reduction: buckets reduced while backward goes on."""
+
+    bucket_mb: float = Field(25.0, gt=0, description="zero_stage 1/2: gradient bucket (MB) reduced during backward")
+    reduce_every_micro_step: bool | None = Field(
+        None,
+        description="with accumulation: true = reduce each micro-step into the gradient shard (least memory, "
+        "accum× traffic); false = keep full gradients until the last (once); null = true for stage 2, false for 1",
+    )
+
+
 class ActivationCheckpointConfig(Section):
     """Recompute activations in backward instead of keeping them (`meshkit.parallel.activation`)."""
 
@@ -326,6 +337,12 @@ class RunConfig(Section):
     blocks: str | None = Field(
         None, description="dotted path of the repeated-block list; null = the longest ModuleList of one class"
     )
+    host_memory_slack_mb: float | None = Field(
+        16.0,
+        ge=0,
+        description="CPU ranks: hand freed heap memory back to the system when resident memory exceeds the most "
+        "the first 3 steps held by this much (MB); null = never (glibc's malloc keeps it, fragmented)",
+    )
     structure: StructureConfig = StructureConfig()
     activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig()
     activation_offload: bool = Field(
@@ -336,6 +353,7 @@ class RunConfig(Section):
     pipeline: PipelineConfig = PipelineConfig()
     compile: CompileConfig = CompileConfig()
     ddp: DDPConfig = DDPConfig()
+    zero: ZeroConfig = ZeroConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     launch: LaunchSettings = LaunchSettings()

@@ -29,13 +29,14 @@ from meshkit.accelerate_verbs import AccelerateVerbs
 from meshkit.accumulation import GradientState, PreparedOptimizer, PreparedScheduler
 from meshkit.checkpoint.engine_mixin import CheckpointingMixin
 from meshkit.config import RunConfig
-from meshkit.data.loader import ShardedLoader, shard_dataloader
-from meshkit.data.uneven import node_rank, per_rank_sizes
+from meshkit.data.loader import ShardedLoader
 from meshkit.engine_auto import settle_layout
+from meshkit.engine_data import DataMixin
 from meshkit.engine_weights import EngineError, WeightsMixin
 from meshkit.evaluation import EvaluationMixin
 from meshkit.gradients import GradientSync, clip_arguments
 from meshkit.hang_doctor import HangDoctor, watched
+from meshkit.host_memory import ResidentGuard
 from meshkit.launching.affinity import apply_affinity
 from meshkit.loss import (
     IGNORE_INDEX,
@@ -60,7 +61,7 @@ from meshkit.parallel.pipeline_schedule import PipelineRunner
 from meshkit.parallel.pipeline_tied import TiedAcrossStages
 from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.sharding import effective_zero_stage, rebind_params, renamed_parameters, shard_optimizer
-from meshkit.paramserver.run import EmptyLoader, ParameterServerRun
+from meshkit.paramserver.run import ParameterServerRun
 from meshkit.precision import make_grad_scaler
 from meshkit.preemption import Preempted, PreemptionWatch
 from meshkit.processes import ProcessHelpers
@@ -74,7 +75,9 @@ class ConfigConflictWarning(UserWarning):
     """Code and a launch flag set the same key to different values (code wins)."""
 
 
-class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, AccelerateVerbs, AccelerateLoopVerbs):
+class Engine(
+    ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, DataMixin, AccelerateVerbs, AccelerateLoopVerbs
+):
     """Distributed training for any layout. `Engine(config=None, **overrides)`.
 
     `config` is a RunConfig, a YAML path, the result of `meshkit.resolve.resolve()`, or None (the config
@@ -122,6 +125,8 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
         self._checkpointed: list[CheckpointedBlock] = []  # blocks under activation checkpointing/offload
         self._lay_out()
         self._checkpointer = self._make_checkpointer()
+        cpu = self.device.type == "cpu"  # (a device of its own keeps the tensors: nothing for the host to hand back)
+        self._resident = ResidentGuard(self.config.host_memory_slack_mb if cpu else None)
         self._preemption = PreemptionWatch(self.config.checkpoint.preempt_signal, self.info.world_size)
         self._doctor = (
             HangDoctor(self.info.rank, self.info.world_size, self.config.collective_timeout_s)
@@ -263,30 +268,9 @@ class Engine(ProcessHelpers, CheckpointingMixin, WeightsMixin, EvaluationMixin, 
         optimizer = rebind_params(optimizer, self._renamed_params)
         if self._ps is not None:
             return self._ps.prepare_optimizer(optimizer, self._models, self.gradient_state)
-        sharded = shard_optimizer(
-            optimizer, self._models, self.mesh, self.config.sharding, self.zero_stage, self.config.blocks
-        )
-        return PreparedOptimizer(sharded, self.gradient_state, self.scaler)
-
-    def _prepare_loader(self, loader: DataLoader) -> ShardedLoader:
-        if self._ps is not None and self._ps.is_server:
-            return EmptyLoader(loader)  # type: ignore[return-value]
-        sizes = None
-        if self.config.train.uneven:  # per-rank sizes: each rank's gradient counts its samples (backward)
-            node = node_rank(self.info.rank, self.info.local_world_size)
-            split = {"pp": self.mesh.size("pp"), "cp": self.mesh.size("cp")}
-            sizes = per_rank_sizes(self.config.train.micro_batch_size, self.dp_size, self._data_group, node, split)
-            mine = sizes[self.dp_rank]
-            self._uneven = (mine, mine if self._ps else sum(sizes))  # the servers weigh the workers themselves
-        return shard_dataloader(
-            loader,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            seed=self.config.seed,
-            device=self.device,
-            state=self.gradient_state,
-            sizes=sizes,
-        )
+        elsewhere = self._gradients.reduced_by_models()  # ZeRO leaves these gradients to their reducers
+        sharded = shard_optimizer(optimizer, self._models, self.mesh, self.config, self.zero_stage, elsewhere)
+        return PreparedOptimizer(sharded, self.gradient_state, self.scaler, self._resident.after_step)
 
     # ------------------------------------------------------------------ the step
     def accumulate(self, *models: nn.Module) -> contextlib.AbstractContextManager[None]:

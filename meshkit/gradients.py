@@ -2,8 +2,8 @@
 
 One `GradientSync` per engine. It works on the engine's own lists of prepared models and optimizers, so every
 layout takes the same path: DDP reduces during backward (and skips that under `no_sync`), FSDP reduce-scatters
-during backward (switched off with `set_requires_gradient_sync`), ZeRO-1/2 reduce once after the last backward
-of a window.
+during backward (switched off with `set_requires_gradient_sync`), ZeRO-1/2 reduce in buckets during the backward
+that ends a window (stage 2: or every micro-step, `zero.reduce_every_micro_step`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ class GradientSync:
             self._parameters = (key, [p for model in self.models for p in model.parameters()])
         return self._parameters[1]
 
+    def reduced_by_models(self) -> set[int]:
+        """Ids of parameters a model reducer finishes after backward (e.g. summed over tp first)."""
+        return {id(p) for reducer in self.model_reducers for p in getattr(reducer, "params", ())}
+
     @property
     def zero_optimizers(self) -> list[ZeroOptimizer]:
         return [opt.optimizer for opt in self.optimizers if isinstance(opt.optimizer, ZeroOptimizer)]
@@ -111,22 +115,31 @@ class GradientSync:
             loss = loss / state.accum_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        reducers = self.reducers
-        for reducer in reducers:
+        zero = self.zero_optimizers
+        for reducer in self.model_reducers:
             reducer.before_backward()
+        for optimizer in zero:  # ZeRO-1/2 reduce in buckets during the backward that ends a window (or each)
+            optimizer.before_backward(final=state.sync)
         with self.loss_context():
             loss.backward()
+        for optimizer in zero:
+            optimizer.after_backward()
         if weighted:
             known = state.window_global_items is not None and global_items is not None
             state.window_global_items = state.window_global_items + global_items() if known else None  # type: ignore[operator,misc]
         if state.sync:
-            if weighted:
-                self._divide_by_items(state.window_items, state.window_global_items, loss.device)
-            for reducer in reducers:
+            factor = self._items_factor(state.window_items, state.window_global_items, loss.device) if weighted else 1.0
+            if factor != 1.0:
+                self._scale_gradients(factor)
+            for reducer in self.reducers:
                 reducer.reduce_gradients()
+            for optimizer in zero:  # (gradients reduced during backward were not among the parameters' above)
+                if factor != 1.0:
+                    optimizer.scale_reduced(factor)
             state.end_window()
 
-    def _divide_by_items(self, local_items: float, global_items: float | None, device: torch.device) -> None:
+    def _items_factor(self, local_items: float, global_items: float | None, device: torch.device) -> float:
+        """What the window's gradients are multiplied by so they average over every rank's items."""
         if global_items is None:
             global_items = collectives.reduce(torch.tensor(local_items, device=device), self.grad_group, op="sum")
             global_items = float(global_items)
@@ -134,7 +147,9 @@ class GradientSync:
             raise GradientError(
                 "backward(): num_items summed to 0 over the window; pass the count of items in the loss"
             )
-        factor = self.grad_size / global_items  # the gradient average divides by the group size already
+        return self.grad_size / global_items  # the gradient average divides by the group size already
+
+    def _scale_gradients(self, factor: float) -> None:
         # one call per kind of tensor, not one kernel per parameter (foreach ops take no mixed DTensor/Tensor lists)
         kinds: dict[Any, list[torch.Tensor]] = {}
         for param in self.parameters():

@@ -10,9 +10,10 @@ The mesh puts tp innermost, then cp, dp and pp outermost (`meshkit.mesh`); a gro
 node uses the intra-node link, else the inter-node one. Ring collectives: all-reduce moves 2(n−1)/n of the
 bytes, all-gather / reduce-scatter (n−1)/n, each with n−1 (or 2(n−1)) latency steps. What overlaps:
 
-- DDP (ZeRO-0 without pipeline): the gradient all-reduce runs in buckets during the last micro-step's backward;
-  only what outlasts that backward, or the last bucket, is exposed. ZeRO-1/2 and pipelines reduce after the
-  last backward: fully exposed.
+- DDP and ZeRO-1/2 without pipeline: the gradients are reduced in buckets during the last micro-step's
+  backward (ZeRO-2: every micro-step's, each bucket reduced to its owner); only what outlasts that backward, or
+  the last bucket, is exposed. Pipelines reduce after the last backward: fully exposed. ZeRO-1/2 all-gather
+  the updated chunks after the step.
 - ZeRO-3 (FSDP): each block's all-gather is prefetched during the previous block's compute, every micro-step,
   forward and backward; the reduce-scatter runs once per step during the last backward. Exposed: what
   outlasts the compute it hides behind, plus the first block's gather.
@@ -172,12 +173,15 @@ def predict(
     shards = layout.dp * layout.cp
     dp_span = layout.tp * layout.cp * layout.dp
     if shards > 1 and layout.zero_stage < 3:
-        full, links["dp_grads"] = seconds(dp_span, grad_b * local_params, shards, "all_reduce")
-        if layout.zero_stage == 0 and pp == 1:  # DDP buckets overlap the last backward
+        kind = "gather" if layout.zero_stage == 2 else "all_reduce"  # stage 2 reduces each bucket to its owner
+        full, links["dp_grads"] = seconds(dp_span, grad_b * local_params, shards, kind)
+        if pp == 1:  # DDP's and ZeRO-1/2's buckets overlap the backward that reduces them
             tail = full * min(1.0, DDP_BUCKET_BYTES / max(1.0, grad_b * local_params))
-            comm["dp_grads"] = max(full - backward_last, tail)
+            comm["dp_grads"] = max(full - backward_last, tail) * (m if layout.zero_stage == 2 else 1)
         else:
             comm["dp_grads"] = full
+        if layout.zero_stage:  # the updated chunks, all-gathered after the step
+            comm["zero_gather"], links["zero_gather"] = seconds(dp_span, weight_b * local_params, shards, "gather")
     elif shards > 1:
         block = (model.largest_layer_params or local_params / max(1, layers)) / layout.tp
         gather, links["zero3_gather"] = seconds(dp_span, weight_b * local_params, shards, "gather")

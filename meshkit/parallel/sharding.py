@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshkit.config import ShardingConfig
+from meshkit.config import RunConfig, ShardingConfig
 from meshkit.errors import MeshkitError
 from meshkit.mesh import ParallelMesh
 from meshkit.parallel.nvme import NVMeOptimizer, block_pages
@@ -79,11 +79,14 @@ def shard_optimizer(
     optimizer: torch.optim.Optimizer,
     models: list[nn.Module],
     mesh: ParallelMesh,
-    cfg: ShardingConfig,
+    config: RunConfig,
     stage: int,
-    blocks: str | None = None,
+    reduced_elsewhere: set[int] | None = None,
 ) -> torch.optim.Optimizer:
-    """ZeRO-1/2 shard the optimizer itself; `offload=nvme` moves its states to files (any stage)."""
+    """ZeRO-1/2 shard the optimizer itself (reducing gradients in `zero`'s buckets during backward, except on
+    pipeline stages and for groups holding `reduced_elsewhere` parameters); `offload=nvme` moves its states to
+    files (any stage)."""
+    cfg, blocks, zero = config.sharding, config.blocks, config.zero
     directory = Path(cfg.offload_dir or ".") / f"rank{mesh.rank}"
     if stage in (1, 2):
 
@@ -92,7 +95,11 @@ def shard_optimizer(
             return NVMeOptimizer(inner, directory, pages)
 
         tp_group = mesh.group("tp") if mesh.size("tp") > 1 else None
-        return ZeroOptimizer(optimizer, mesh.grad_group, stage, offload if cfg.offload == "nvme" else None, tp_group)
+        per_micro_step = stage == 2 if zero.reduce_every_micro_step is None else zero.reduce_every_micro_step
+        bucket = int(zero.bucket_mb * 1e6)
+        overlap = (bucket, per_micro_step, reduced_elsewhere or set()) if mesh.size("pp") == 1 else None
+        wrap = offload if cfg.offload == "nvme" else None
+        return ZeroOptimizer(optimizer, mesh.grad_group, stage, wrap, tp_group, overlap)
     if cfg.offload != "nvme":
         return optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -6,10 +6,12 @@ the parameters become views of it, and rank r owns the contiguous chunk r. The u
 the model's weights in place, then one all-gather hands every rank the others' chunks.
 
 Per rank, with Ψ parameters, N dp ranks and Adam in fp32 (bytes of storage held between steps):
-    stage 1: params 4Ψ + full gradients 4Ψ (all-reduced)      + optimizer 8Ψ/N
-    stage 2: params 4Ψ + gradient chunk 4Ψ/N (reduce-scattered) + optimizer 8Ψ/N
-Transient: stage 2 holds the full gradients (4Ψ) from the first backward of an accumulation window until the
-reduce-scatter after the last one. Communication is one collective per group after backward (no overlap).
+    stage 1: params 4Ψ + full gradients 4Ψ (all-reduced; freed after the step) + optimizer 8Ψ/N
+    stage 2: params 4Ψ + gradient chunk 4Ψ/N (reduced to its owner)          + optimizer 8Ψ/N
+Gradients are reduced in buckets while backward goes on (`meshkit.parallel.zero_buckets`), so stage 2 never
+holds the full 4Ψ (unless `zero.reduce_every_micro_step: false` keeps it over an accumulation window).
+Pipeline stages (whose schedule runs many backward passes per step) and groups holding parameters another
+reducer finishes after backward (summed over tp first) reduce once after backward instead.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from meshkit.collectives import all_gather_flat, reduce_scatter_flat
 from meshkit.errors import MeshkitError
+from meshkit.parallel.zero_buckets import BucketedReduce
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -39,7 +42,16 @@ class ZeroError(MeshkitError):
 class FlatShard:
     """One param group's parameters in one flat buffer; this rank steps chunk `rank` of it."""
 
-    def __init__(self, params: list[nn.Parameter], rank: int, world: int, stage: int) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        rank: int,
+        world: int,
+        stage: int,
+        overlap: tuple[dist.ProcessGroup, int, bool, set[int]] | None = None,
+    ) -> None:
+        """`overlap`: (dp group, bucket bytes, reduce every micro-step, ids of parameters another reducer finishes
+        after backward — a group holding one reduces after backward too) to reduce in buckets during backward."""
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ZeroError(
@@ -72,6 +84,31 @@ class FlatShard:
         # A view: the optimizer's in-place update is the model's update.
         self.shard = nn.Parameter(self.flat[self.bounds[0] : self.bounds[1]])
         self.flat_grad: torch.Tensor | None = None
+        self._attached = False  # the parameters' .grad are views of flat_grad (attach_grads)
+        self.bucketed = (
+            BucketedReduce(
+                params,
+                self.slices,
+                self.chunk,
+                overlap[0],
+                stage,
+                overlap[1] // self.flat.element_size(),
+                overlap[2],
+                self.shard,
+            )
+            if overlap is not None and not any(id(p) in overlap[3] for p in params)
+            else None
+        )
+
+    def before_backward(self, final: bool) -> None:
+        if self.bucketed is not None:
+            self.bucketed.before_backward(final, self.flat)
+        else:
+            self.attach_grads()
+
+    def after_backward(self) -> None:
+        if self.bucketed is not None:
+            self.bucketed.after_backward()
 
     def attach_grads(self) -> None:
         """Before backward: make every parameter's .grad a view of one flat gradient buffer."""
@@ -82,11 +119,15 @@ class FlatShard:
         self.flat_grad = torch.zeros_like(self.flat)
         for param, (offset, size) in zip(self.params, self.slices, strict=True):
             param.grad = self.flat_grad[offset : offset + size].view_as(param)
+        self._attached = True
 
     def reduce(self, group: dist.ProcessGroup) -> None:
         """After the last backward of a window: average the gradients over the dp ranks."""
-        if self.distributed:
-            self._collect_distributed_grads()
+        if self.bucketed is not None:  # reduced during backward already
+            self.shard.grad = self.bucketed.reduced_shard(self.bounds, self.shard.detach())
+            return
+        if self.distributed or not self._attached:  # gradients in their own tensors (DTensor; a pipeline's)
+            self._collect_grads()
         if self.flat_grad is None:
             self.shard.grad = None
             return
@@ -100,9 +141,9 @@ class FlatShard:
         self.shard.grad = shard_grad
         for param in self.params:  # the full gradients are no longer needed: free them
             param.grad = None
-        self.flat_grad = None
+        self.flat_grad, self._attached = None, False
 
-    def _collect_distributed_grads(self) -> None:
+    def _collect_grads(self) -> None:
         if all(p.grad is None for p in self.params):
             self.flat_grad = None
             return
@@ -133,7 +174,11 @@ class FlatShard:
         all_gather_flat(self.flat, self.shard.detach(), group)
 
     def zero_grad(self) -> None:
-        if self.distributed:
+        if self.bucketed is not None:
+            self.bucketed.release()
+            self.shard.grad = None
+            return
+        if self.distributed or not self._attached:
             self.flat_grad = None
             self.shard.grad = None
             for param in self.params:
@@ -172,7 +217,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage: int,
         wrap_inner: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        overlap: tuple[int, bool, set[int]] | None = None,
     ) -> None:
+        """`overlap`: (bucket bytes, reduce every micro-step, parameters reduced elsewhere), see `FlatShard`."""
         # Deliberately no super().__init__: the inner optimizer keeps all the state.
         if optimizer.state:
             raise ZeroError("prepare() the optimizer before its first step: zero_stage 1/2 cannot shard existing state")
@@ -180,7 +227,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.group = group
         self.tp_group = tp_group  # tensor parallel: the chunks hold local shards, a norm sums over tp too
         self.stage = stage
-        self.shards = [FlatShard(list(g["params"]), rank, world, stage) for g in optimizer.param_groups]
+        buckets = (group, *overlap) if overlap is not None else None
+        self.shards = [FlatShard(list(g["params"]), rank, world, stage, buckets) for g in optimizer.param_groups]
         inner = rebuild_optimizer(optimizer, self.shards)
         self.inner = wrap_inner(inner) if wrap_inner else inner
         # An LR scheduler built on the user's optimizer keeps driving it: let it see the rebuilt groups.
@@ -199,9 +247,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.inner.defaults
 
-    def before_backward(self) -> None:
+    def before_backward(self, final: bool = True) -> None:
+        """`final`: this backward ends an accumulation window (its gradients are reduced)."""
         for shard in self.shards:
-            shard.attach_grads()
+            shard.before_backward(final)
+
+    def after_backward(self) -> None:
+        for shard in self.shards:
+            shard.after_backward()
+
+    def scale_reduced(self, factor: float) -> None:
+        """Scale gradients already reduced into the chunks (reduced in buckets during backward)."""
+        for shard in self.shards:
+            if shard.bucketed is not None and shard.shard.grad is not None:
+                shard.shard.grad.mul_(factor)
 
     def reduce_gradients(self) -> None:
         for shard in self.shards:
