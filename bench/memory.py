@@ -41,6 +41,7 @@ def layouts(offload_dir: str) -> list[tuple[str, dict]]:
         ("ddp", ddp),
         ("zero1", {"zero_stage": 1}),
         ("zero2", {"zero_stage": 2}),
+        ("zero2 4MB", {"zero_stage": 2, "zero": {"bucket_mb": 4}}),  # buckets small beside this model's 40 MB grads
         ("zero3", {"zero_stage": 3}),
         ("zero3+nvme", {"zero_stage": 3, "offload": "nvme", "offload_dir": offload_dir}),
         ("tp2 dp2", {"tp": 2}),
@@ -57,6 +58,7 @@ ESTIMATE_ARGS: dict[str, dict] = {
     "ddp again": {"dp": 4, "gradient_as_bucket_view": True},
     "zero1": {"dp": 4, "zero_stage": 1},
     "zero2": {"dp": 4, "zero_stage": 2},
+    "zero2 4MB": {"dp": 4, "zero_stage": 2, "zero_bucket_mb": 4},
     "zero3": {"dp": 4, "zero_stage": 3},
     "zero3+nvme": {"dp": 4, "zero_stage": 3, "offload": "nvme"},
     "tp2 dp2": {"dp": 2, "tp": 2, "sequence_parallel": False, "gradient_as_bucket_view": True},
@@ -70,12 +72,13 @@ ESTIMATE_ARGS: dict[str, dict] = {
 def formula(name: str, psi: int, n: int) -> float:
     """Model states by the ZeRO paper: fp32 params 4Ψ, grads 4Ψ, Adam moments 8Ψ over the layout's split
     (nvme: the moments are on disk, not in memory)."""
-    if name in ("ddp", "ddp again", "zero1", "zero2", "zero3", "zero3+nvme"):
+    if name in ("ddp", "ddp again", "zero1", "zero2", "zero2 4MB", "zero3", "zero3+nvme"):
         return {
             "ddp": 16 * psi,
             "ddp again": 16 * psi,
             "zero1": 8 * psi + 8 * psi / n,
             "zero2": 4 * psi + 12 * psi / n,
+            "zero2 4MB": 4 * psi + 12 * psi / n,
             "zero3": 16 * psi / n,
             "zero3+nvme": 8 * psi / n,
         }[name]

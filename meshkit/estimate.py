@@ -24,6 +24,7 @@ from typing import Any, Literal
 from meshkit.errors import MeshkitError
 
 GB = 1e9
+ZERO_BUCKETS_IN_FLIGHT = 2  # meshkit's ZeRO-2 reduction buckets alive at once during backward
 Precision = Literal["fp32", "bf16", "fp16"]
 Optimizer = Literal["adam", "sgd"]
 Recompute = Literal["none", "selective", "full"]
@@ -157,6 +158,7 @@ def estimate_memory(
     sequence_parallel: bool | None = None,
     dropout: bool = False,
     gradient_as_bucket_view: bool = False,
+    zero_bucket_mb: float = 25.0,
 ) -> Estimate:
     """Per-device GB (10^9 bytes) for params, grads, optimizer, activations and buffers, with formulas."""
     _check_layout(model, zero_stage, dp, tp, pp, cp)
@@ -182,8 +184,8 @@ def estimate_memory(
     )
     full_grads = grad_b * local
     bucket = full_grads if zero_stage == 0 and not gradient_as_bucket_view else 0.0
-    if zero_stage == 2:  # meshkit's ZeRO-2 reduce-scatters once backward is done: the full gradients exist until then
-        bucket = full_grads - grads
+    if zero_stage == 2 and shards > 1:  # buckets in flight during backward, each within one rank's chunk
+        bucket = ZERO_BUCKETS_IN_FLIGHT * min(zero_bucket_mb * 1e6, grads)
     lines.append(_buffers(model, zero_stage, dp, cp, tp, weight_b, bucket))
     return Estimate(lines)
 
@@ -247,7 +249,7 @@ def _buffers(model: ModelShape, zero_stage: int, dp: int, cp: int, tp: int, weig
     if dp * cp > 1 and zero_stage == 0 and bucket:
         return Line("buffers", bucket / GB, "DDP gradient buckets: a copy of the gradients")
     if dp * cp > 1 and zero_stage == 2:
-        return Line("buffers", bucket / GB, "full gradients until the reduce-scatter after backward (meshkit ZeRO-2)")
+        return Line("buffers", bucket / GB, f"{ZERO_BUCKETS_IN_FLIGHT} reduction buckets of min(zero.bucket_mb, 4Ψ/Nd)")
     return Line("buffers", 0.0, "none")
 
 

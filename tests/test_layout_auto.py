@@ -115,7 +115,8 @@ def _loop(rank: int, layout: str, values: dict) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 256, (64, 65), generator=torch.Generator().manual_seed(1))
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    loader = DataLoader(data, batch_size=2)
+    initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    loader = DataLoader(data, batch_size=values.get("train", {}).get("micro_batch_size", 2))  # by hand: as chosen
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -127,6 +128,7 @@ def _loop(rank: int, layout: str, values: dict) -> dict:
         while engine.step < 3:
             engine.train_step(next(batches))
         weights = engine.full_state_dict(model)
+        assert all(not torch.equal(weights[name], initial[name]) for name in initial)  # it did train
         probed = [c.row() for c in engine.layout_probe or []]
         return {
             "weights": weights,

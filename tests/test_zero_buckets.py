@@ -69,7 +69,7 @@ def _train(rank: int, world: int, accum: int, weighted: bool) -> dict:
 
 
 def test_bucketed_zero_1_and_2_end_at_ddp_weights_with_accumulation_and_clipping() -> None:
-    for accum, weighted in ((1, False), (2, False), (2, True)):
+    for accum, weighted in ((2, False), (2, True)):
         result = run_world(_train, 4, 4, accum, weighted, timeout=240)[0]
         for name in LAYOUTS:
             assert_state_close(result[name], result["ddp"], 1e-6)
@@ -110,25 +110,56 @@ def test_stage_2_frees_each_full_gradient_once_its_bucket_is_reduced() -> None:
         assert result["grads_bytes"] == result["chunk_bytes"]  # this rank's chunk is all it keeps
 
 
-def _rss(rank: int, stage: int) -> list[float]:
-    """Resident MB after each of 20 steps of a 6.3 M-parameter stack (SGD with momentum)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
-    engine = Engine(seed=0, zero_stage=stage, hang_doctor=False)
-    model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-    inputs, sizes = torch.randn(64, 1024), []
-    for _ in range(20):
-        engine.backward(model(inputs).pow(2).mean())
-        optimizer.step()
-        optimizer.zero_grad()
-        sizes.append(current_rss_bytes() / 2**20)
-    engine.end()
-    return sizes
+def _rss(rank: int) -> dict[int, list[float]]:
+    """Resident MB after each of 20 steps of a 6.3 M-parameter stack (SGD with momentum), every stage in turn."""
+    torch.distributed.init_process_group("gloo")
+    out = {}
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
+        engine = Engine(seed=0, zero_stage=stage, hang_doctor=False)
+        model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+        inputs, sizes = torch.randn(64, 1024), []
+        for _ in range(20):
+            engine.backward(model(inputs).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            sizes.append(current_rss_bytes() / 2**20)
+        engine.end()
+        del model, optimizer, engine
+        out[stage] = sizes
+    torch.distributed.destroy_process_group()
+    return out
 
 
 def test_resident_memory_stays_flat_over_20_steps_on_every_stage() -> None:
     slack = RunConfig().host_memory_slack_mb or 0.0
-    for stage in (0, 1, 2, 3):
-        for rank, sizes in enumerate(run_world(_rss, 4, stage, timeout=120)):
+    for rank, stages in enumerate(run_world(_rss, 4, timeout=180)):
+        for stage, sizes in stages.items():
             growth = max(sizes[WARMUP_STEPS:]) - max(sizes[:WARMUP_STEPS])
             assert growth <= slack + 4, f"stage {stage} rank {rank}: RSS grew {growth:.1f} MB after warm-up: {sizes}"
+
+
+def _pipeline(rank: int) -> dict:
+    """pp 2 × dp 2 with ZeRO 0, 1, 2 (reduced after the schedule), three optimizer steps each."""
+    torch.distributed.init_process_group("gloo")
+    out = {}
+    for stage in (0, 1, 2):
+        engine = Engine(seed=0, pp=2, zero_stage=stage, pipeline={"microbatches": 2})
+        model = tiny_gpt()
+        initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        model, _ = engine.prepare(model, make_optimizer(model), loss_fn=lm_loss)
+        for batch in token_batches(3, 8):
+            engine.train_step(split(batch[engine.dp_rank * 4 : engine.dp_rank * 4 + 4]))
+        out[stage] = engine.full_state_dict()
+        engine.end()
+    torch.distributed.destroy_process_group()
+    out["initial"] = initial
+    return out
+
+
+def test_pipeline_stages_with_zero_1_and_2_train_like_zero_0() -> None:
+    result = run_world(_pipeline, 4, timeout=180)[0]
+    assert all(not torch.equal(result[0][name], result["initial"][name]) for name in result["initial"])
+    for stage in (1, 2):  # (the after-schedule reduce once found no gradients here and stepped on none)
+        assert_state_close(result[stage], result[0], 1e-6)

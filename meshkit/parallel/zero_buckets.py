@@ -29,7 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-IN_FLIGHT = 2  # bucket buffers in use at a time (stage 2 per micro-step)
+from meshkit.estimate import ZERO_BUCKETS_IN_FLIGHT
+
+IN_FLIGHT = ZERO_BUCKETS_IN_FLIGHT  # bucket buffers in use at a time (stage 2 per micro-step; the estimator's)
 
 
 @dataclass
@@ -100,11 +102,14 @@ class BucketedReduce:
         self._armed, self._launching = True, self.per_micro_step or final
         self._pending = [len(bucket.members) for bucket in self.buckets]
         self._issued = 0
-        if (self.stage == 1 or not self.per_micro_step) and self.full is None:
+        if self.stage == 2 and self.per_micro_step:
+            return
+        if self.full is None:
             self.full = torch.zeros_like(template)
-            if not self.copies:  # gradients accumulate in place in views of the full buffer
-                for param, (offset, size) in zip(self.params, self.slices, strict=True):
-                    param.grad = self.full[offset : offset + size].view_as(param)
+        if not self.copies and any(p.grad is None for p in self.params):  # (also after a model.zero_grad())
+            self.full.zero_()  # gradients accumulate in place in views of the full buffer
+            for param, (offset, size) in zip(self.params, self.slices, strict=True):
+                param.grad = self.full[offset : offset + size].view_as(param)
 
     def _make_hook(self, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:
