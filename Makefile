@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/finetune.py --nproc 2
 	$(BIN)/python bench/ps.py
+	$(BIN)/python bench/peers_deepspeed.py
 	$(BIN)/python bench/plan_published.py
 	$(BIN)/python bench/plan_vs_measured.py
 	$(BIN)/meshkit bench comm --nproc-per-node 2 --out bench/results/comm-w2.json

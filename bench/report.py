@@ -248,6 +248,32 @@ def plan_vs_measured(data: dict[str, Any]) -> str:
     )
 
 
+def peers_deepspeed(data: dict[str, Any]) -> str:
+    rows = [
+        [
+            row["layout"],
+            f"{row['meshkit_step_s'] * 1e3:.1f} ms",
+            f"{row['deepspeed_step_s'] * 1e3:.1f} ms",
+            f"{row['step_ratio']:.3f}",
+            f"{row['meshkit_peak_mb']:.0f} / {row['deepspeed_peak_mb']:.0f}",
+            f"{row['meshkit_held_mb']:.0f} / {row['deepspeed_held_mb']:.0f}",
+            "yes" if row["losses_equal"] else "no",
+        ]
+        for row in data["rows"]
+    ]
+    model = data["model"]
+    header = ["layout", "meshkit", "DeepSpeed", "step ratio", "peak rss+ MB m / DS", "held MB m / DS", "same losses"]
+    return (
+        f"World {data['world']}, DeepSpeed {data['deepspeed']} (CPU accelerator, gloo); {model['blocks']} pre-norm MLP "
+        f"blocks of dim {model['dim']} ({model['params'] / 1e6:.1f} M parameters), fp32 AdamW, micro-batch "
+        f"{data['micro_batch']}, both systems reducing in 25 MB buckets; pp2 = 2 stages × 2 data-parallel, 1F1B, "
+        f"{data['pipeline_microbatches']} micro-batches. {data['rounds']} rounds of separate launches, order rotating; "
+        "step = median over the run (slowest rank), ratio = median of the per-round meshkit/DeepSpeed ratios. Peak "
+        "rss+ = the largest rank's peak resident memory over its start; held = live tensor bytes after the last step."
+        "\n\n" + _table(header, rows)
+    )
+
+
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("Step time against peers, world 2", "overhead-w2.json", "python bench/overhead.py --nproc 2", overhead),
     ("Step time against peers, world 4", "overhead-w4.json", "python bench/overhead.py --nproc 4", overhead),
@@ -263,6 +289,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("Collectives", "comm-w2.json", "meshkit bench comm --nproc-per-node 2", comm),
     ("LoRA fine-tune throughput", "finetune-w2.json", "python bench/finetune.py --nproc 2", finetune),
     ("Parameter server against DDP with slow ranks", "ps-w4.json", "python bench/ps.py", parameter_server),
+    (
+        "ZeRO and pipelines against DeepSpeed, world 4",
+        "peers-deepspeed-w4.json",
+        "python bench/peers_deepspeed.py",
+        peers_deepspeed,
+    ),
     (
         "Planner step-time model against published runs",
         "plan-published.json",

@@ -1,6 +1,6 @@
 """ZeRO-1/2 reducing gradients in buckets during backward: the bucket plan, the same weights as DDP (with and
-without accumulation, either accumulation mode, clipping, token weighting, tiny buckets), full gradients
-freed as their buckets are reduced, and resident memory flat over 20 steps on every stage."""
+without accumulation, either accumulation mode, clipping, token weighting, tiny buckets, tensor parallel),
+full gradients freed as their buckets are reduced, and resident memory flat over 20 steps on every stage."""
 
 from __future__ import annotations
 
@@ -41,24 +41,25 @@ LAYOUTS = {
 }
 
 
-def _train(rank: int, world: int, accum: int, weighted: bool) -> dict:
+def _train(rank: int, world: int, accum: int, weighted: bool, tp: int = 1) -> dict:
     torch.distributed.init_process_group("gloo")
     out = {}
     for name, overrides in LAYOUTS.items():
         zero = {"bucket_mb": SMALL_BUCKET_MB, **overrides.get("zero", {})}
         settings = {k: v for k, v in overrides.items() if k != "zero"}
-        engine = Engine(seed=0, grad_accum_steps=accum, max_grad_norm=0.05, zero=zero, **settings)
+        engine = Engine(seed=0, grad_accum_steps=accum, max_grad_norm=0.05, zero=zero, tp=tp, **settings)
         model = tiny_gpt()
         model, optimizer = engine.prepare(model, make_optimizer(model))
-        per_rank = 2
-        for batch in token_batches(3 * accum, per_rank * world):
-            inputs, targets = split(batch[rank * per_rank : (rank + 1) * per_rank])
+        per_rank, replica = 2, engine.dp_rank  # tensor-parallel peers see the same rows
+        for batch in token_batches(3 * accum, per_rank * engine.dp_size):
+            inputs, targets = split(batch[replica * per_rank : (replica + 1) * per_rank])
             with engine.accumulate():
+                with engine.loss_parallel():  # tp: vocab-sharded logits
+                    loss = lm_loss(model(inputs), targets)
                 if weighted:  # token-weighted: summed loss with its item count
-                    loss = lm_loss(model(inputs), targets) * targets.numel()
-                    engine.backward(loss, num_items=targets.numel() * (rank + 1))
+                    engine.backward(loss * targets.numel(), num_items=targets.numel() * (rank + 1))
                 else:
-                    engine.backward(lm_loss(model(inputs), targets))
+                    engine.backward(loss)
                 engine.clip_grad_norm_(0.05)
                 optimizer.step()
                 optimizer.zero_grad()
@@ -69,10 +70,16 @@ def _train(rank: int, world: int, accum: int, weighted: bool) -> dict:
 
 
 def test_bucketed_zero_1_and_2_end_at_ddp_weights_with_accumulation_and_clipping() -> None:
-    for accum, weighted in ((2, False), (2, True)):
+    for accum, weighted in ((2, False), (1, True)):
         result = run_world(_train, 4, 4, accum, weighted, timeout=240)[0]
         for name in LAYOUTS:
             assert_state_close(result[name], result["ddp"], 1e-6)
+
+
+def test_bucketed_zero_1_and_2_with_tensor_parallel_gradients_end_at_ddp_weights() -> None:
+    result = run_world(_train, 4, 4, 2, False, 2, timeout=240)[0]  # tp 2 x dp 2: DTensor gradients in buckets
+    for name in LAYOUTS:
+        assert_state_close(result[name], result["ddp"], 1e-6)
 
 
 def _freed(rank: int) -> dict:
