@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py --nproc 2
 	$(BIN)/python bench/overhead.py --nproc 4
 	$(BIN)/python bench/memory.py --nproc 4
+	$(BIN)/python bench/memory.py --nproc 8
 	$(BIN)/python bench/activation.py
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/checkpoint.py

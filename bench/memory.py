@@ -1,18 +1,21 @@
 """Memory per layout: bytes held per rank against the ZeRO formulas, resident memory against `meshkit estimate`.
 
 Each layout (data parallel, ZeRO-1/2/3, NVMe offload, tensor, pipeline and context parallel) runs in its own
-world of 4 ranks (so resident memory is the layout's own), one after the other in this run; DDP runs first and
+world of 4 or 8 ranks (so resident memory is the layout's own), one after the other in this run; DDP runs first and
 last and the step-time ratios use the mean of the two. The model is built on the meta device and materialised
 after sharding. Model states are measured right after the optimizer step, before zero_grad (parameters,
 gradients and optimizer states all held; a pipeline's schedule frees its gradients within the step); "rss+" is
-the resident memory the layout adds to the process after the engine started. Prints a table and writes JSON.
+the resident memory the layout adds to the process after the engine started, of which "runtime" is what two
+steps of a tiny GPT in the same layout added first (kernel code paged in, the layout's runtime objects: the same
+for any model size). The estimate counts that runtime plus what the model needs. Prints a table and writes JSON.
 
-    python bench/memory.py [--steps 8] [--out bench/results/memory.json]
+    python bench/memory.py [--nproc 4|8] [--steps 8] [--out bench/results/memory.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -20,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,44 +36,34 @@ from meshkit.memory import current_rss_bytes
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
 
 MODEL = GPTConfig(dim=320, n_layers=8, n_heads=8, max_seq_len=128)
+TINY = GPTConfig(dim=32, n_layers=2, n_heads=2, max_seq_len=128)  # measures the runtime's own working set
 MICRO_BATCH, SEQ_LEN, WARMUP = 4, 128, 2
 
 
-def layouts(offload_dir: str) -> list[tuple[str, dict]]:
-    ddp = {"ddp": {"gradient_as_bucket_view": True}}  # gradients are views of DDP's buckets: held once
+def layouts(offload_dir: str, world: int) -> list[tuple[str, dict, dict]]:
+    """(name, engine settings, how `meshkit estimate` describes it) for each layout at this world size."""
+    bucket_view = {"gradient_as_bucket_view": True}  # gradients are views of DDP's buckets: held once
+    ddp = {"ddp": bucket_view}
+    half = world // 2
     return [
-        ("ddp", ddp),
-        ("zero1", {"zero_stage": 1}),
-        ("zero2", {"zero_stage": 2}),
-        ("zero2 4MB", {"zero_stage": 2, "zero": {"bucket_mb": 4}}),  # buckets small beside this model's 40 MB grads
-        ("zero3", {"zero_stage": 3}),
-        ("zero3+nvme", {"zero_stage": 3, "offload": "nvme", "offload_dir": offload_dir}),
-        ("tp2 dp2", {"tp": 2}),
-        ("zero3 tp2", {"zero_stage": 3, "tp": 2}),
-        ("pp2 dp2", {"pp": 2}),
-        ("cp2 dp2", {"cp": 2, **ddp}),  # DDP as in the ddp rows: gradients are views of its buckets
-        ("ddp again", ddp),
-    ]
+        ("ddp", ddp, {"dp": world, **bucket_view}),
+        ("zero1", {"zero_stage": 1}, {"dp": world, "zero_stage": 1}),
+        ("zero2", {"zero_stage": 2}, {"dp": world, "zero_stage": 2}),
+        # buckets small beside this model's 40 MB gradients
+        ("zero2 4MB", {"zero_stage": 2, "zero": {"bucket_mb": 4}}, {"dp": world, "zero_stage": 2, "zero_bucket_mb": 4}),
+        ("zero3", {"zero_stage": 3}, {"dp": world, "zero_stage": 3}),
+        ("zero3+nvme", {"zero_stage": 3, "offload": "nvme", "offload_dir": offload_dir},
+         {"dp": world, "zero_stage": 3, "offload": "nvme"}),
+        (f"tp2 dp{half}", {"tp": 2}, {"dp": half, "tp": 2, "sequence_parallel": False, **bucket_view}),
+        ("zero3 tp2", {"zero_stage": 3, "tp": 2}, {"dp": half, "tp": 2, "zero_stage": 3, "sequence_parallel": False}),
+        # pp micro-batches (pipeline.microbatches = pp) of MICRO_BATCH / pp sequences each
+        (f"pp2 dp{half}", {"pp": 2}, {"dp": half, "pp": 2, "micro_batch": MICRO_BATCH // 2, **bucket_view}),
+        (f"cp2 dp{half}", {"cp": 2, **ddp}, {"dp": half, "cp": 2, **bucket_view}),  # DDP as in the ddp rows
+        ("ddp again", ddp, {"dp": world, **bucket_view}),
+    ]  # fmt: skip
 
 
-# How `meshkit estimate` describes each layout (world 4): the sizes, and what the run does that it must know.
-ESTIMATE_ARGS: dict[str, dict] = {
-    "ddp": {"dp": 4, "gradient_as_bucket_view": True},
-    "ddp again": {"dp": 4, "gradient_as_bucket_view": True},
-    "zero1": {"dp": 4, "zero_stage": 1},
-    "zero2": {"dp": 4, "zero_stage": 2},
-    "zero2 4MB": {"dp": 4, "zero_stage": 2, "zero_bucket_mb": 4},
-    "zero3": {"dp": 4, "zero_stage": 3},
-    "zero3+nvme": {"dp": 4, "zero_stage": 3, "offload": "nvme"},
-    "tp2 dp2": {"dp": 2, "tp": 2, "sequence_parallel": False, "gradient_as_bucket_view": True},
-    "zero3 tp2": {"dp": 2, "tp": 2, "zero_stage": 3, "sequence_parallel": False},
-    # pp micro-batches (pipeline.microbatches = pp) of MICRO_BATCH / pp sequences each
-    "pp2 dp2": {"dp": 2, "pp": 2, "micro_batch": MICRO_BATCH // 2, "gradient_as_bucket_view": True},
-    "cp2 dp2": {"dp": 2, "cp": 2, "gradient_as_bucket_view": True},
-}
-
-
-def formula(name: str, psi: int, n: int) -> float:
+def formula(name: str, psi: int, n: int, estimate_args: dict) -> float:
     """Model states by the ZeRO paper: fp32 params 4Ψ, grads 4Ψ, Adam moments 8Ψ over the layout's split
     (nvme: the moments are on disk, not in memory)."""
     if name in ("ddp", "ddp again", "zero1", "zero2", "zero2 4MB", "zero3", "zero3+nvme"):
@@ -82,21 +76,20 @@ def formula(name: str, psi: int, n: int) -> float:
             "zero3": 16 * psi / n,
             "zero3+nvme": 8 * psi / n,
         }[name]
-    lines = estimate_memory(ModelShape.from_gpt(MODEL), precision="fp32", **ESTIMATE_ARGS[name]).as_json()
+    lines = estimate_memory(ModelShape.from_gpt(MODEL), precision="fp32", **estimate_args).as_json()
     return (lines["params_gb"] + lines["grads_gb"] + lines["optimizer_gb"]) * 1e9
 
 
-def worker(overrides: dict, steps: int, out: Path) -> None:
-    engine = Engine(seed=0, **overrides)
-    baseline_rss = current_rss_bytes()  # torch and the process group; what the layout adds comes on top
+def train(engine: Engine, config: GPTConfig, steps: int, after_step: Any = None) -> list[float]:
+    """`steps` optimizer steps of a GPT of `config` in the engine's layout; each step's time at its slowest rank."""
     torch.manual_seed(0)
     with torch.device("meta"):  # materialised after sharding: full-size weights are never allocated
-        model = GPT(MODEL)
+        model = GPT(config)
     model, optimizer = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), loss_fn=lm_loss)
     generator = torch.Generator().manual_seed(engine.process_index)
-    times, report = [], {}
-    for step in range(WARMUP + steps):
-        tokens = torch.randint(0, MODEL.vocab_size, (MICRO_BATCH, SEQ_LEN + 1), generator=generator)
+    times = []
+    for step in range(steps):
+        tokens = torch.randint(0, config.vocab_size, (MICRO_BATCH, SEQ_LEN + 1), generator=generator)
         dist.barrier()
         start = time.perf_counter()
         if engine.mesh.size("pp") > 1:  # the schedule runs forward and backward; gradients are freed in the step
@@ -109,13 +102,34 @@ def worker(overrides: dict, steps: int, out: Path) -> None:
             optimizer.step()
         elapsed = torch.tensor(time.perf_counter() - start)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-        if step >= WARMUP:
-            times.append(elapsed.item())
+        times.append(elapsed.item())
+        if after_step is not None:
+            after_step(step)
+        optimizer.zero_grad()
+    return times
+
+
+def worker(overrides: dict, steps: int, out: Path) -> None:
+    engine = Engine(seed=0, **overrides)
+    baseline_rss = current_rss_bytes()  # torch and the process group; what the layout adds comes on top
+    # The runtime's own working set (kernel code paged in, the layout's runtime objects) does not grow with the
+    # model: a few steps of a tiny GPT in the same layout pay it before the measured model is built.
+    own_dir = {"offload_dir": overrides["offload_dir"] + "-runtime"} if "offload_dir" in overrides else {}
+    tiny = Engine(seed=0, **{**overrides, **own_dir})
+    train(tiny, TINY, 2)
+    tiny.end()
+    gc.collect()
+    runtime = current_rss_bytes() - baseline_rss
+    report: dict[str, Any] = {}
+
+    def measure(step: int) -> None:
         if step == WARMUP + steps - 1:
-            report = engine.memory_report()
+            report.update(engine.memory_report())
             report["rss_added"] = report["rss"] - baseline_rss
             report["peak_rss_added"] = report["peak_rss"] - baseline_rss
-        optimizer.zero_grad()
+            report["runtime"] = runtime
+
+    times = train(engine, MODEL, WARMUP + steps, measure)[WARMUP:]
     reports: list = [None] * engine.num_processes
     dist.all_gather_object(reports, report)
     if engine.is_main_process:
@@ -126,9 +140,9 @@ def worker(overrides: dict, steps: int, out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=4, choices=[4], help="the layouts are written for 4 ranks")
+    parser.add_argument("--nproc", type=int, default=4, choices=[4, 8], help="world size")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/memory.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/memory.json (world 4), memory-w8.json")
     parser.add_argument("--worker", nargs=2, metavar=("LAYOUT_JSON", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -139,7 +153,7 @@ def main() -> int:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for name, overrides in layouts(str(Path(scratch) / "nvme")):
+        for name, overrides, estimate_args in layouts(str(Path(scratch) / "nvme"), args.nproc):
             out = Path(scratch) / "result.json"
             argv = ("--steps", str(args.steps), "--worker", json.dumps(overrides), str(out))
             code = launch(
@@ -147,15 +161,16 @@ def main() -> int:
             )
             if code:
                 return code
-            rows.append((name, json.loads(out.read_text())))
-    report(rows, args.nproc, args.out)
+            rows.append((name, {**json.loads(out.read_text()), "estimate_args": estimate_args}))
+    default = Path("bench/results") / ("memory.json" if args.nproc == 4 else f"memory-w{args.nproc}.json")
+    report(rows, args.nproc, args.out or default)
     return 0
 
 
-def estimated_peak(name: str) -> float:
-    """`meshkit estimate` for the layout: model states, activations, buffers (bytes)."""
-    args = {"seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "precision": "fp32", **ESTIMATE_ARGS[name]}
-    return estimate_memory(ModelShape.from_gpt(MODEL), **args).total_gb * 1e9
+def estimated_peak(estimate_args: dict, runtime: float) -> float:
+    """`meshkit estimate` for the layout (bytes): model states, activations, buffers, the measured runtime."""
+    args = {"seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "precision": "fp32", **estimate_args}
+    return estimate_memory(ModelShape.from_gpt(MODEL), runtime_gb=runtime / 1e9, **args).total_gb * 1e9
 
 
 def report(rows: list[tuple[str, dict]], world: int, out: Path) -> None:
@@ -164,7 +179,8 @@ def report(rows: list[tuple[str, dict]], world: int, out: Path) -> None:
     for name, result in rows:
         worst = max(result["reports"], key=lambda r: r["params"] + r["grads"] + r["optimizer"])
         held = worst["params"] + worst["grads"] + worst["optimizer"]
-        expected = formula(name, result["psi"], world)
+        expected = formula(name, result["psi"], world, result["estimate_args"])
+        runtime = max(r["runtime"] for r in result["reports"])
         table.append(
             {
                 "layout": name,
@@ -179,7 +195,8 @@ def report(rows: list[tuple[str, dict]], world: int, out: Path) -> None:
                 "rss_added_mb": max(r["rss_added"] for r in result["reports"]) / 1e6,
                 "peak_rss_added_mb": max(r["peak_rss_added"] for r in result["reports"]) / 1e6,
                 "step_vs_ddp": result["step_s"] / ddp_step,
-                "estimate_mb": estimated_peak(name) / 1e6,
+                "runtime_mb": runtime / 1e6,
+                "estimate_mb": estimated_peak(result["estimate_args"], runtime) / 1e6,
             }
         )
         table[-1]["peak_rss_added_over_estimate"] = table[-1]["peak_rss_added_mb"] / table[-1]["estimate_mb"]
@@ -189,12 +206,12 @@ def report(rows: list[tuple[str, dict]], world: int, out: Path) -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nmodel states per rank, Ψ = {psi:,} parameters, N = {world} ranks, fp32 + AdamW")
     head = f"{'layout':<12}{'params':>9}{'grads':>9}{'optim':>9}{'held':>9}{'formula':>9}{'ratio':>7}"
-    print(head + f"{'rss+':>9}{'peak rss+':>11}{'estimate':>10}{'peak/est':>9}{'step/ddp':>10}   (MB)")
+    print(head + f"{'rss+':>9}{'peak rss+':>11}{'runtime':>9}{'estimate':>10}{'peak/est':>9}{'step/ddp':>10}   (MB)")
     for row in table:
         print(
             f"{row['layout']:<12}{row['params_mb']:>9.1f}{row['grads_mb']:>9.1f}{row['optimizer_mb']:>9.1f}"
             f"{row['held_mb']:>9.1f}{row['formula_mb']:>9.1f}{row['held_over_formula']:>7.3f}"
-            f"{row['rss_added_mb']:>9.1f}{row['peak_rss_added_mb']:>11.1f}{row['estimate_mb']:>10.1f}"
+            f"{row['rss_added_mb']:>9.1f}{row['peak_rss_added_mb']:>11.1f}{row['runtime_mb']:>9.1f}{row['estimate_mb']:>10.1f}"
             f"{row['peak_rss_added_over_estimate']:>9.2f}{row['step_vs_ddp']:>10.2f}"
         )
     print(f"written to {out}")

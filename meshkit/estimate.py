@@ -104,16 +104,34 @@ class Line:
 
 @dataclass
 class Estimate:
+    """The lines, and how they meet at the peak. Gradients that `zero_grad()` frees every step and backward
+    builds again (ZeRO-2/3 shards, a pipeline's, a single device's) grow while the activations are freed, so the
+    peak holds the larger of the two; gradients in a buffer kept across steps (DDP's buckets as gradients, ZeRO-1's
+    full buffer, allocated as backward starts) are there with all the activations."""
+
     lines: list[Line] = field(default_factory=list)
+    grads_meet_activations: bool = True
+
+    def gb(self, name: str) -> float:
+        return sum(line.gb for line in self.lines if line.name == name)
 
     @property
     def total_gb(self) -> float:
-        return sum(line.gb for line in self.lines)
+        total = sum(line.gb for line in self.lines)
+        if self.grads_meet_activations:
+            return total
+        grads, activations = self.gb("grads"), self.gb("activations")
+        return total - grads - activations + max(grads, activations)
+
+    @property
+    def total_formula(self) -> str:
+        return "sum" if self.grads_meet_activations else "sum, with max(grads, activations) for the two"
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {f"{line.name}_gb": line.gb for line in self.lines}
         out["total_gb"] = self.total_gb
         out["formulas"] = {line.name: line.formula for line in self.lines}
+        out["formulas"]["total"] = self.total_formula
         return out
 
 
@@ -159,8 +177,11 @@ def estimate_memory(
     dropout: bool = False,
     gradient_as_bucket_view: bool = False,
     zero_bucket_mb: float = 25.0,
+    runtime_gb: float = 0.0,
 ) -> Estimate:
-    """Per-device GB (10^9 bytes) for params, grads, optimizer, activations and buffers, with formulas."""
+    """Per-device GB (10^9 bytes) for params, grads, optimizer, activations, buffers and the runtime, with
+    formulas. `runtime_gb` is what the process holds outside tensors (measured: torch's kernels and the
+    distributed runtime on a CPU rank, 18-26 MB; on a GPU the CUDA context and library workspaces)."""
     _check_layout(model, zero_stage, dp, tp, pp, cp)
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
     weight_b, grad_b, optim_b = model_state_bytes(precision, optimizer)
@@ -187,7 +208,9 @@ def estimate_memory(
     if zero_stage == 2 and shards > 1:  # buckets in flight during backward, each within one rank's chunk
         bucket = ZERO_BUCKETS_IN_FLIGHT * min(zero_bucket_mb * 1e6, grads)
     lines.append(_buffers(model, zero_stage, dp, cp, tp, weight_b, bucket))
-    return Estimate(lines)
+    lines.append(Line("runtime", runtime_gb, "given" if runtime_gb else "not counted (runtime_gb / --runtime-gb)"))
+    kept = pp == 1 and shards > 1 and (zero_stage == 1 or zero_stage == 0 and gradient_as_bucket_view)
+    return Estimate(lines, grads_meet_activations=kept)
 
 
 def _activations(
@@ -269,4 +292,4 @@ def _check_layout(model: ModelShape, zero_stage: int, dp: int, tp: int, pp: int,
 
 def as_table_rows(estimate: Estimate) -> list[tuple[str, str, str]]:
     rows = [(line.name, f"{line.gb:.3f}", line.formula) for line in estimate.lines]
-    return [*rows, ("total", f"{estimate.total_gb:.3f}", "sum")]
+    return [*rows, ("total", f"{estimate.total_gb:.3f}", estimate.total_formula)]

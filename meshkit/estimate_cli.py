@@ -71,6 +71,10 @@ def estimate_command(
     ps_servers: Annotated[
         int, typer.Option("--ps-servers", help="parameter server: this many servers, --dp workers (0 = off)")
     ] = 0,
+    runtime_gb: Annotated[
+        float,
+        typer.Option("--runtime-gb", help="held outside tensors: CUDA context, workspaces (default 0)"),
+    ] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Memory per device (GB = 10^9 bytes): params, grads, optimizer, activations, buffers, with formulas."""
@@ -101,6 +105,7 @@ def estimate_command(
         cp=cp,
         activation_checkpointing=activation_checkpointing,  # type: ignore[arg-type]
         offload=offload,  # type: ignore[arg-type]
+        runtime_gb=runtime_gb,
     )
     if as_json:
         print(json.dumps(estimate.as_json(), indent=2))

@@ -63,6 +63,24 @@ def test_zero3_buffers_hold_two_gathered_layers() -> None:
     assert out["buffers_gb"] == pytest.approx(2 * 2 * shape.largest_layer_params / 1e9)
 
 
+def test_gradients_freed_every_step_meet_the_activations_as_the_larger_of_the_two() -> None:
+    shape = ModelShape.transformer(layers=8, hidden=512, heads=8, vocab=1000)
+
+    def total(**layout: object) -> tuple[float, dict]:
+        out = estimate_memory(shape, seq_len=512, micro_batch=4, precision="fp32", runtime_gb=0.02, **layout)
+        return out.total_gb, out.as_json()
+
+    for layout in ({"zero_stage": 3, "dp": 4}, {"zero_stage": 2, "dp": 4}, {"pp": 2, "dp": 2}, {}):
+        peak, out = total(**layout)  # shards built in backward, a pipeline's freed in its step, set_to_none
+        rest = out["params_gb"] + out["optimizer_gb"] + out["buffers_gb"] + out["runtime_gb"]
+        assert peak == pytest.approx(rest + max(out["grads_gb"], out["activations_gb"]))
+        assert out["grads_gb"] > 0 and out["activations_gb"] > out["grads_gb"] and "max(" in out["formulas"]["total"]
+    for layout in ({"zero_stage": 1, "dp": 4}, {"dp": 4, "gradient_as_bucket_view": True}):
+        peak, out = total(**layout)  # a full buffer kept across steps, or allocated as backward starts
+        assert peak == pytest.approx(sum(v for k, v in out.items() if k.endswith("_gb") and k != "total_gb"))
+    assert total()[1]["runtime_gb"] == 0.02
+
+
 def test_impossible_layouts_say_why() -> None:
     shape = ModelShape.transformer(layers=2, hidden=64, heads=4, vocab=10)
     with pytest.raises(EstimateError, match="tp=3 does not divide the 4 attention heads"):
@@ -81,9 +99,10 @@ def test_a_hugging_face_config_with_missing_keys_names_them(tmp_path) -> None:
 
 
 def test_the_command_prints_json_with_every_line(tmp_path) -> None:
-    proc = meshkit("estimate", "--params", "7.5e9", "--dp", "64", "--zero-stage", "1", "--json")
+    proc = meshkit("estimate", "--params", "7.5e9", "--dp", "64", "--zero-stage", "1", "--runtime-gb", "0.5", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
+    assert out["runtime_gb"] == 0.5
     for key in ("params_gb", "grads_gb", "optimizer_gb", "activations_gb", "buffers_gb", "total_gb"):
         assert key in out
     assert out["params_gb"] + out["grads_gb"] + out["optimizer_gb"] == pytest.approx(31.40625)
