@@ -181,7 +181,7 @@ def estimate_memory(
 ) -> Estimate:
     """Per-device GB (10^9 bytes) for params, grads, optimizer, activations, buffers and the runtime, with
     formulas. `runtime_gb` is what the process holds outside tensors (measured: torch's kernels and the
-    distributed runtime on a CPU rank, 18-26 MB; on a GPU the CUDA context and library workspaces)."""
+    distributed runtime on a CPU rank, 17-23 MB; on a GPU the CUDA context and library workspaces)."""
     _check_layout(model, zero_stage, dp, tp, pp, cp)
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
     weight_b, grad_b, optim_b = model_state_bytes(precision, optimizer)
