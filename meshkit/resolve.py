@@ -216,7 +216,8 @@ def parse_assignments(items: list[str], source: str = "argument") -> dict[str, A
     return out
 
 
-def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Dotted keys as a tree: {"parallel.tp": 2} -> {"parallel": {"tp": 2}}."""
     nested: dict[str, Any] = {}
     for key, value in flat.items():
         node = nested
@@ -323,7 +324,7 @@ def resolve(
     apply(code_values, lambda _k: "code")
 
     try:
-        config = RunConfig.model_validate(_nest(merged))
+        config = RunConfig.model_validate(nest(merged))
     except ValidationError as err:
         raise ConfigError(_validation_message(err, sources, merged)) from None
     resolved = ResolvedConfig(config=config, sources=sources, conflicts=conflicts)

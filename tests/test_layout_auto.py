@@ -25,7 +25,7 @@ from meshkit.layout_probe import (
 )
 from meshkit.models.gpt import GPT, GPTConfig
 from meshkit.plan import Layout
-from meshkit.resolve import resolve
+from meshkit.resolve import nest, resolve
 from tests.cli import meshkit
 from tests.distributed import run_world
 
@@ -146,7 +146,7 @@ def test_engine_layout_auto_in_a_hand_written_loop_trains_as_the_chosen_layout_b
     chosen = min(ran, key=lambda c: c["step_s"])["values"]
     assert auto[0]["parallel"]["tp"] == chosen["parallel.tp"] and auto[0]["parallel"]["pp"] == chosen["parallel.pp"]
     assert auto[0]["mb"] == chosen["train.micro_batch_size"]  # the loader yields the chosen micro-batches
-    by_hand = run_world(_loop, 4, "manual", unflatten(chosen), timeout=300)
+    by_hand = run_world(_loop, 4, "manual", nest(chosen), timeout=300)
     for name, tensor in by_hand[0]["weights"].items():
         assert torch.allclose(auto[0]["weights"][name], tensor, rtol=0, atol=0), name
     with pytest.raises(AssertionError, match="EngineError: layout: auto probes the layouts at prepare"):
@@ -156,14 +156,3 @@ def test_engine_layout_auto_in_a_hand_written_loop_trains_as_the_chosen_layout_b
 def _prepare_model_only(rank: int) -> None:
     with Engine(layout="auto") as engine:
         engine.prepare(GPT(GPTConfig(**MODEL)))
-
-
-def unflatten(values: dict) -> dict:
-    tree: dict = {}
-    for key, value in values.items():
-        node = tree
-        *path, leaf = key.split(".")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
