@@ -153,15 +153,21 @@ class TrainingState:
             if isinstance(inner, ZeroOptimizer):
                 for number, shard in enumerate(inner.shards):
                     for state, value in inner.state.get(shard.shard, {}).items():
-                        out[self._flat_key(index, number, state)] = self._flat_piece(shard, value)
+                        if isinstance(value, torch.Tensor):
+                            out[self._flat_key(index, number, state)] = self._flat_piece(shard, value)
                 continue
             prefix = _prefix("optim", index)
+            shared: set[int] = set()  # e.g. bitsandbytes' quantization maps: one tensor in every parameter's state
             for param, states in inner.state.items():
                 name = self.parameters[id(param)]
                 for state, value in states.items():
                     if isinstance(value, torch.Tensor):
                         key = f"{prefix}.{name.partition('.')[2]}.{state}"
-                        out[key] = self.names.to_canonical(name, value) if value.shape == param.shape else value
+                        if value.shape == param.shape:
+                            out[key] = self.names.to_canonical(name, value)
+                        else:
+                            out[key] = value.clone() if value.data_ptr() in shared else value
+                            shared.add(value.data_ptr())
         return out
 
     def _flat_piece(self, shard: FlatShard, value: torch.Tensor) -> torch.Tensor:

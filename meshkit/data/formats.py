@@ -1,9 +1,13 @@
 """Instruction data formats (as Axolotl names them) -> token ids and labels, prompt tokens masked.
 
-- `alpaca`: `instruction`, optional `input`, `output`; the prompt is the Alpaca template, the answer `output`.
-- `chat_template`: `messages` of `{role, content}`, rendered with the tokenizer's chat template; only the
-  assistant turns are trained on.
-- `completion`: `text`; every token is trained on.
+- `alpaca`: `instruction`, optional `input`, `output`; the prompt is the Alpaca template (variants: `alpaca:chat`
+  USER/ASSISTANT, `alpaca:phi` Phi's turn markers, `alpaca_w_system` with the record's `system`), the answer
+  `output`. A user-defined type (a mapping: `field_instruction`, `format`, ...) names its own fields and formats.
+- `chat_template` (and `sharegpt`): turns of `{role, content}` (field names mapped by `field_messages`,
+  `message_property_mappings`, `roles`) rendered with the chat template; the turns of `roles_to_train`
+  (default: assistant) are trained on, and the EOS tokens `train_on_eos` says.
+- `completion`: `text` (or `field`); every token is trained on.
+- `input_output`: `segments` of `{text, label}`; the segments with `label: true` are trained on.
 
 Without `train_on_inputs` the prompt tokens get label -100 (no loss). A sample longer than `sequence_len`
 or with no token to train on is dropped and counted (as Axolotl does).
@@ -14,13 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from meshkit.data.chat_templates import chat_template
+from meshkit.data.dataset_entry import CustomPrompt, DatasetEntry
 from meshkit.data.jsonl import DataFormatError, read_jsonl, record_field
 from meshkit.loss import IGNORE_INDEX
-
-DatasetType = Literal["alpaca", "chat_template", "completion"]
-DATASET_TYPES: tuple[str, ...] = ("alpaca", "chat_template", "completion")
 
 ALPACA_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -31,6 +34,15 @@ ALPACA_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Response:\n"
 )
+ALPACA_VARIANT_PROMPTS = {  # (with input, without input)
+    "alpaca:chat": ("USER: {instruction}\n{input}\nASSISTANT:", "USER: {instruction}\nASSISTANT:"),
+    "alpaca:phi": (
+        "<|user|>\n{instruction}\n{input}<|end|>\n<|assistant|>\n",
+        "<|user|>\n{instruction}<|end|>\n<|assistant|>\n",
+    ),
+}
+ALPACA_VARIANT_PROMPTS["alpaca_chat"] = ALPACA_VARIANT_PROMPTS["alpaca:chat"]
+ALPACA_VARIANT_PROMPTS["alpaca_phi"] = ALPACA_VARIANT_PROMPTS["alpaca:phi"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +62,16 @@ class LoadReport:
 
 
 class Formatter:
-    """Turns records of one dataset type into `TokenizedSample`s with one tokenizer."""
+    """Turns the records of one dataset entry into `TokenizedSample`s with one tokenizer."""
 
-    def __init__(self, tokenizer: Any, train_on_inputs: bool) -> None:
+    def __init__(self, tokenizer: Any, train_on_inputs: bool, entry: DatasetEntry | None = None, **chat: Any) -> None:
         self.tokenizer = tokenizer
         self.train_on_inputs = train_on_inputs
+        self.entry = entry
+        self.default_system_message: str | None = chat.get("default_system_message")
+        self.template: str | None = None
+        if entry is not None and (entry.chat_template or entry.chat_template_jinja):
+            self.template = chat_template(entry.chat_template, entry.chat_template_jinja, tokenizer)
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -76,30 +93,75 @@ class Formatter:
             labels.append(specials.eos_token_id)
         return TokenizedSample(tuple(ids), tuple(labels))
 
-    def alpaca(self, record: dict[str, Any], where: str) -> TokenizedSample:
+    def alpaca(self, record: dict[str, Any], where: str, variant: str = "alpaca") -> TokenizedSample:
         instruction = record_field(record, "instruction", where)
         extra = record_field(record, "input", where, required=False) or ""
         output = record_field(record, "output", where)
-        template = ALPACA_WITH_INPUT if extra else ALPACA_NO_INPUT
-        prompt = template.format(instruction=instruction, input=extra)
+        if variant in ALPACA_VARIANT_PROMPTS:
+            with_input, without = ALPACA_VARIANT_PROMPTS[variant]
+            prompt = (with_input if extra else without).format(instruction=instruction, input=extra)
+        else:
+            template = ALPACA_WITH_INPUT if extra else ALPACA_NO_INPUT
+            prompt = template.format(instruction=instruction, input=extra)
+            system = record_field(record, "system", where, required=False) if variant == "alpaca_w_system" else None
+            if system:
+                prompt = f"{system}\n\n" + prompt.split("\n\n", 1)[1]
+        return self._sample([(prompt, False), (output, True)], bos=True, eos=True)
+
+    def custom(self, record: dict[str, Any], where: str, spec: CustomPrompt) -> TokenizedSample:
+        instruction = record_field(record, spec.field_instruction, where)
+        extra = record_field(record, spec.field_input, where, required=False) or ""
+        output = record_field(record, spec.field_output, where)
+        system = record_field(record, spec.field_system, where, required=False) or spec.system_prompt
+        prompt = (spec.format if extra else spec.no_input_format).format(instruction=instruction, input=extra)
+        if system:
+            prompt = spec.system_format.format(system=system) + prompt
         return self._sample([(prompt, False), (output, True)], bos=True, eos=True)
 
     def completion(self, record: dict[str, Any], where: str) -> TokenizedSample:
-        text = record_field(record, "text", where)
+        text = record_field(record, (self.entry.field if self.entry else None) or "text", where)
         return self._sample([(text, True)], bos=True, eos=True)
 
-    def chat_template(self, record: dict[str, Any], where: str) -> TokenizedSample:
-        messages = record_field(record, "messages", where, kind=list)
-        for index, message in enumerate(messages):
-            place = f"{where}: messages[{index}]"
+    def input_output(self, record: dict[str, Any], where: str) -> TokenizedSample:
+        segments = record_field(record, "segments", where, kind=list)
+        pieces = []
+        for index, segment in enumerate(segments):
+            place = f"{where}: segments[{index}]"
+            if not isinstance(segment, dict):
+                raise DataFormatError(f"{place} must be an object with 'text' and 'label'")
+            pieces.append((record_field(segment, "text", place), bool(segment.get("label", True))))
+        return self._sample(pieces, bos=False, eos=False)
+
+    def _messages(self, record: dict[str, Any], where: str, sharegpt: bool) -> list[dict[str, str]]:
+        entry = self.entry or DatasetEntry(path=Path("."), type="chat_template")
+        key = entry.field_messages or ("conversations" if sharegpt and "conversations" in record else "messages")
+        mapping = entry.mappings()
+        if sharegpt and not entry.message_property_mappings and "from" in str(record.get(key)):
+            mapping = {"role": "from", "content": "value"}
+        roles = entry.role_names()
+        messages = []
+        for index, message in enumerate(record_field(record, key, where, kind=list)):
+            place = f"{where}: {key}[{index}]"
             if not isinstance(message, dict):
-                raise DataFormatError(f"{place} must be an object with 'role' and 'content'")
-            record_field(message, "role", place)
-            record_field(message, "content", place)
-        if self.tokenizer.chat_template is None:
+                raise DataFormatError(f"{place} must be an object with '{mapping['role']}' and '{mapping['content']}'")
+            role = record_field(message, mapping["role"], place)
+            content = record_field(message, mapping["content"], place)
+            role = roles.get(role, role)
+            if not (role == "system" and entry.drop_system_message):
+                messages.append({"role": role, "content": content})
+        if self.default_system_message and not any(m["role"] == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": self.default_system_message})
+        return messages
+
+    def chat_template(self, record: dict[str, Any], where: str, sharegpt: bool = False) -> TokenizedSample:
+        messages = self._messages(record, where, sharegpt)
+        if (self.template or self.tokenizer.chat_template) is None:
             raise DataFormatError(
-                f"{where}: type chat_template needs a tokenizer with a chat template; the base model's has none"
+                f"{where}: type chat_template needs a chat template; the base model's tokenizer has none: set "
+                "chat_template (e.g. chatml, llama3)"
             )
+        entry = self.entry
+        trained_roles = set(entry.roles_to_train or ("assistant",)) if entry else {"assistant"}
         pieces: list[tuple[str, bool]] = []
         rendered = ""
         for index, message in enumerate(messages):
@@ -111,35 +173,65 @@ class Formatter:
                     "changes earlier text); use type completion with the rendered text instead"
                 )
             pieces.append((before[len(rendered) :], False))
-            pieces.append((after[len(before) :], message["role"] == "assistant"))
+            pieces.append((after[len(before) :], message["role"] in trained_roles))
             rendered = after
-        return self._sample([p for p in pieces if p[0]], bos=False, eos=False)
+        sample = self._sample([p for p in pieces if p[0]], bos=False, eos=False)
+        return self._train_on_eos(sample, entry.train_on_eos if entry else None)
+
+    def _train_on_eos(self, sample: TokenizedSample, mode: str | None) -> TokenizedSample:
+        """`turn` (default): the EOS ending a trained turn trains; `all`: every EOS; `last`: only the last one;
+        `none`: no EOS."""
+        eos = self.tokenizer.eos_token_id
+        if mode in (None, "turn") or eos is None:
+            return sample
+        labels = list(sample.labels)
+        positions = [i for i, token in enumerate(sample.input_ids) if token == eos]
+        for i in positions:
+            labels[i] = eos if mode == "all" or (mode == "last" and i == positions[-1]) else IGNORE_INDEX
+        return TokenizedSample(sample.input_ids, tuple(labels))
 
     def _render(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool) -> str:
         if not messages:
             return ""
         try:
             return str(
-                self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+                self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=self.template
+                )
             )
         except Exception as err:  # jinja raises its own errors for templates that reject a conversation
             raise DataFormatError(f"{where}: the chat template rejects this conversation: {err}") from None
 
+    def convert(self, record: dict[str, Any], where: str, kind: str | CustomPrompt) -> TokenizedSample:
+        if isinstance(kind, CustomPrompt):
+            return self.custom(record, where, kind)
+        if kind.startswith("alpaca"):
+            return self.alpaca(record, where, kind)
+        if kind in ("chat_template", "sharegpt"):
+            return self.chat_template(record, where, sharegpt=kind == "sharegpt")
+        return getattr(self, kind)(record, where)
+
 
 def load_samples(
-    datasets: Sequence[tuple[Path, str]], tokenizer: Any, *, sequence_len: int, train_on_inputs: bool
+    datasets: Sequence[tuple[Path, str] | DatasetEntry],
+    tokenizer: Any,
+    *,
+    sequence_len: int,
+    train_on_inputs: bool,
+    default_system_message: str | None = None,
 ) -> tuple[list[TokenizedSample], LoadReport]:
     """Every dataset's records, tokenized, in file order; over-long and untrainable samples are dropped."""
-    formatter = Formatter(tokenizer, train_on_inputs)
     samples: list[TokenizedSample] = []
     report = LoadReport()
-    for path, kind in datasets:
-        if kind not in DATASET_TYPES:
-            raise DataFormatError(f"dataset '{path}': type '{kind}' is not one of {', '.join(DATASET_TYPES)}")
-        convert = getattr(formatter, kind)
+    for item in datasets:
+        try:
+            entry = item if isinstance(item, DatasetEntry) else DatasetEntry(path=item[0], type=item[1])
+        except ValueError as err:
+            raise DataFormatError(f"dataset '{item[0]}': {str(err).splitlines()[-1].strip()}") from None
+        formatter = Formatter(tokenizer, train_on_inputs, entry, default_system_message=default_system_message)
         count = 0
-        for number, record in read_jsonl(path):
-            sample = convert(record, f"{path}:{number}")
+        for number, record in read_jsonl(entry.path):
+            sample = formatter.convert(record, f"{entry.path}:{number}", entry.type)
             if len(sample.input_ids) > sequence_len:
                 report.too_long += 1
             elif all(label == IGNORE_INDEX for label in sample.labels[1:]):
@@ -147,6 +239,6 @@ def load_samples(
             else:
                 samples.append(sample)
                 count += 1
-        report.per_file[str(path)] = count
+        report.per_file[str(entry.path)] = count
     report.kept = len(samples)
     return samples, report

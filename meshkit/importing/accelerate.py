@@ -57,7 +57,7 @@ def read_accelerate(
         out.set("device", "cpu", "use_cpu")
     _dynamo(data.get("dynamo_config") or {}, out)
     if kind == "FSDP":
-        _fsdp(data.get("fsdp_config") or {}, out, machines)
+        read_fsdp_config(data.get("fsdp_config") or {}, out, machines)
     elif kind == "DEEPSPEED":
         _deepspeed(data.get("deepspeed_config") or {}, out, read_deepspeed_file, processes)
     elif kind not in ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU"):
@@ -100,7 +100,8 @@ def _dynamo(block: dict[str, Any], out: Imported) -> None:
             out.set(target, block[key], f"dynamo_config.{key}")
 
 
-def _fsdp(block: dict[str, Any], out: Imported, machines: int) -> None:
+def read_fsdp_config(block: dict[str, Any], out: Imported, machines: int) -> None:
+    """An FSDP config block (`fsdp_*` keys, as Accelerate writes them) into `out`; HYBRID shards inside a node."""
     strategy = str(block.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
     strategy = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD"}.get(strategy, strategy)
     if strategy not in _SHARDING:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -19,17 +19,16 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch.utils.data import DataLoader
 
 from meshkit import collectives
-from meshkit.data.formats import TokenizedSample, load_samples
 from meshkit.data.loader import endless
-from meshkit.data.packing import PackedSamples, PadCollate, PaddedSamples
 from meshkit.engine import Engine
 from meshkit.errors import MeshkitError
 from meshkit.loss import IGNORE_INDEX
 from meshkit.recipes.finetune_config import FinetuneJob, resolve_finetune
 from meshkit.recipes.hf_base import (
+    add_tokens,
+    attention_implementation,
     build_meta_model,
     generate_samples,
     load_tokenizer,
@@ -37,28 +36,18 @@ from meshkit.recipes.hf_base import (
     replace_directory,
     write_tokenizer,
 )
+from meshkit.recipes.instruction_data import prepare_data
 from meshkit.recipes.lora import apply_lora, save_adapter
+from meshkit.recipes.optimizers import build_optimizer, trainable_groups
+from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
 from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
-from meshkit.tree import to_device
+from meshkit.recipes.schedules import build_schedule, warmup_steps
+from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
+from meshkit.recipes.validation import WindowLoss, eval_batches, evaluate
 
 
 class FinetuneError(MeshkitError):
     """Fine-tuning settings that cannot train; the message says what to change."""
-
-
-def split_validation(
-    samples: list[TokenizedSample], size: float, seed: int
-) -> tuple[list[TokenizedSample], list[TokenizedSample]]:
-    """(train, validation): `size` < 1 is a share, >= 1 a count; chosen by a seeded shuffle."""
-    count = int(size) if size >= 1 else int(round(size * len(samples)))
-    if count == 0:
-        return samples, []
-    if count >= len(samples):
-        raise FinetuneError(f"val_set_size={size} leaves no training samples out of {len(samples)}: lower it")
-    order = list(range(len(samples)))
-    random.Random(seed).shuffle(order)
-    held = set(order[:count])
-    return [s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)]
 
 
 def check_layout(engine: Engine, job: FinetuneJob) -> None:
@@ -84,73 +73,48 @@ def check_layout(engine: Engine, job: FinetuneJob) -> None:
         raise FinetuneError(f"sequence_len={cfg.train.seq_len} must be a multiple of 2 × cp")
 
 
-def make_optimizer(model: torch.nn.Module, job: FinetuneJob, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """The trainable parameters (LoRA: the adapters only); no weight decay on biases and norm weights."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    groups = [group for group in groups if group["params"]]
-    s = job.settings
-    if s.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr)
-    return torch.optim.AdamW(groups, lr=lr, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_epsilon)
+def make_optimizer(model: torch.nn.Module, job: FinetuneJob, engine: Engine) -> torch.optim.Optimizer:
+    """The trainable parameters (LoRA: the adapters only); no weight decay on biases and norm weights; LoRA+
+    gives the B matrices their own learning rate."""
+    s, cfg = job.settings, engine.config
+    check_optimizer_layout(s.optimizer, engine.zero_stage, engine.mesh.size("tp"))
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = trainable_groups((p for _, p in named), cfg.train.weight_decay)
+    if s.loraplus_lr_ratio is not None:
+        fast = {id(p) for name, p in named if ".lora_B." in name}
+        groups = [
+            {**group, "params": [p for p in group["params"] if (id(p) in fast) == is_b], **extra}
+            for group in groups
+            for is_b, extra in ((False, {}), (True, {"lr": cfg.train.lr * s.loraplus_lr_ratio}))
+        ]
+        groups = [group for group in groups if group["params"]]
+    optimizer, notes = build_optimizer(
+        s.optimizer,
+        groups,
+        lr=cfg.train.lr,
+        betas=(s.adam_beta1, s.adam_beta2),
+        eps=s.adam_epsilon,
+        extra=dict(s.optim_args or {}),
+    )
+    for note in notes:
+        engine.print(f"meshkit: {note}")
+    return optimizer
 
 
-def lr_schedule(job: FinetuneJob, optimizer: torch.optim.Optimizer, warmup: int, total: int) -> Any:
-    from transformers import get_scheduler
-
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[job.settings.lr_scheduler]
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
-
-
-def eval_batches(samples: list[TokenizedSample], engine: Engine, collate: Any) -> list[dict[str, torch.Tensor]]:
-    """This rank's validation batches: every sample exactly once over the data-parallel ranks; ranks with fewer
-    samples fill up with rows whose labels are all -100 (they count nothing), so every rank runs as many
-    batches of the same size (pipelines and sharded parameters need all ranks in each forward)."""
-    if not samples:
-        return []
-    size, dp = engine.config.train.largest_micro_batch, engine.dp_size
-    per_rank = -(-len(samples) // dp)
-    batches = -(-per_rank // size)
-    mine = samples[engine.dp_rank :: dp]
-    filler = TokenizedSample(samples[0].input_ids, (IGNORE_INDEX,) * len(samples[0].labels))
-    mine = mine + [filler] * (batches * size - len(mine))
-    dataset = PaddedSamples(mine)
-    return [collate([dataset[i] for i in range(b * size, (b + 1) * size)]) for b in range(batches)]
+def freeze_all_but(model: torch.nn.Module, patterns: tuple[str, ...]) -> None:
+    """`unfrozen_parameters`: only parameters whose name matches one of the regexes train."""
+    compiled = [re.compile(pattern) for pattern in patterns]
+    matched = 0
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(p.search(name) for p in compiled))
+        matched += param.requires_grad
+    if not matched:
+        raise FinetuneError(f"unfrozen_parameters {list(patterns)} match no parameter of the model: fix the patterns")
 
 
-def evaluate(engine: Engine, model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    total, count = 0.0, 0
-    model.eval()
-    for batch in batches:
-        loss_sum, tokens = engine.eval_token_loss(to_device(batch, engine.device))
-        total, count = total + loss_sum, count + tokens
-    model.train()
-    loss = total / max(count, 1)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": count}
-
-
-class WindowLoss:
-    """The loss of an optimizer step: the mean over every counted token of its micro-steps on every
-    data-parallel rank (each micro-step's loss, from `train_step`, is its own token mean)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.losses: list[torch.Tensor] = []
-        self.tokens: list[torch.Tensor] = []
-
-    def add(self, loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
-        self.losses.append(loss.detach().float())
-        self.tokens.append((batch["labels"][:, 1:] != IGNORE_INDEX).sum().float())  # next-token targets
-
-    def mean(self) -> float:
-        # every cp rank holds the whole batch: count over the data-parallel ranks only
-        tokens = collectives.reduce(torch.stack(self.tokens), self.engine.mesh.dp_group, op="sum")
-        loss = float((torch.stack(self.losses) * tokens).sum() / tokens.sum().clamp(min=1))
-        self.losses, self.tokens = [], []
-        return loss
+def per_epoch(steps_per_epoch: int, times: int | None) -> int | None:
+    """Every how many steps something happens `times` per epoch (Axolotl's evals/saves_per_epoch)."""
+    return None if times is None else max(1, steps_per_epoch // times)
 
 
 def finetune(job: FinetuneJob) -> dict[str, Any]:
@@ -164,70 +128,71 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     for note in job.notes:
         engine.print(f"meshkit: {note}")
     check_layout(engine, job)
+    if s.tf32:
+        if engine.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        else:
+            engine.print("meshkit: tf32: true has no effect on a CPU (TF32 is a CUDA matmul mode)")
+    attention, attention_note = attention_implementation(s.attn_implementation)
+    if attention_note:
+        engine.print(f"meshkit: {attention_note}")
+    base = build_meta_model(s, attention)
     tokenizer = load_tokenizer(s)
-    datasets = [(entry.path, entry.type) for entry in s.datasets]
-    samples, report = load_samples(
-        datasets, tokenizer, sequence_len=cfg.train.seq_len, train_on_inputs=s.train_on_inputs
-    )
-    train_samples, val_samples = split_validation(samples, s.val_set_size, cfg.seed)
-    cp = engine.mesh.size("cp")
-    fixed = cfg.train.seq_len if engine.mesh.size("pp") > 1 else None
-    collate = PadCollate(tokenizer.pad_token_id, multiple_of=2 * cp if cp > 1 else 1, width=fixed)
-    dataset: PackedSamples | PaddedSamples = (
-        PackedSamples(train_samples, cfg.train.seq_len, tokenizer.pad_token_id)
-        if s.sample_packing
-        else PaddedSamples(train_samples)
-    )
-    per_window = cfg.train.global_micro_batch(engine.dp_size)
-    if len(dataset) < per_window:
-        raise FinetuneError(
-            f"{len(dataset)} training {'rows' if s.sample_packing else 'samples'} are fewer than one global "
-            f"micro-batch ({per_window}): lower micro_batch_size, or add data ({report.too_long} samples were "
-            f"longer than sequence_len={cfg.train.seq_len})"
-        )
-    loader = DataLoader(
-        dataset,
-        batch_size=cfg.train.largest_micro_batch,
-        shuffle=True,
-        drop_last=True,
-        collate_fn=None if s.sample_packing else collate,
-    )
-    base = build_meta_model(s)
+    added = add_tokens(tokenizer, s, base.get_input_embeddings().num_embeddings)
+    if added:
+        engine.print(f"meshkit: added tokens {added} (rows the embedding already holds)")
+    data = prepare_data(engine, s, tokenizer)
+    if s.unfrozen_parameters and s.adapter is None:
+        freeze_all_but(base, s.unfrozen_parameters)
     peft_model = apply_lora(base, s) if s.adapter == "lora" else None
     model = peft_model.get_base_model() if peft_model is not None else base
-    batches_per_epoch = len(dataset) // per_window
-    steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum_steps)
+    per_window = cfg.train.global_micro_batch(engine.dp_size)
+    steps_per_epoch = max(1, len(data.dataset) // per_window // cfg.grad_accum_steps)
     total_steps = cfg.train.steps if job.steps_given() else max(1, math.ceil(s.num_epochs * steps_per_epoch))
-    model_name = type(base).__name__
+    eval_every = s.eval_steps or per_epoch(steps_per_epoch, s.evals_per_epoch)
+    save_every = per_epoch(steps_per_epoch, s.saves_per_epoch)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    optimizer = make_optimizer(model, job, cfg.train.lr, cfg.train.weight_decay)
-    scheduler = lr_schedule(job, optimizer, cfg.train.warmup_steps, total_steps)
-    model, optimizer, loader, scheduler = engine.prepare(model, optimizer, loader, scheduler)
-    tokens_per_item = dataset.real_tokens / len(dataset)
-    tokens_per_step = tokens_per_item * per_window * cfg.grad_accum_steps
-    engine.print(
-        f"meshkit: fine-tuning {model_name} ({n_params / 1e6:.2f}M params, {n_trainable / 1e6:.3f}M "
-        f"trainable{', LoRA' if peft_model else ''}) on {engine.num_processes} rank(s), layout "
-        f"{engine.mesh.dims.describe()}; {len(train_samples)} train / {len(val_samples)} validation samples"
-        f"{f' packed into {len(dataset)} rows' if s.sample_packing else ''}, {total_steps} steps"
+    optimizer = make_optimizer(model, job, engine)
+    warmup = warmup_steps(cfg.train.warmup_steps, s.warmup_ratio, total_steps)
+    scheduler = build_schedule(
+        s.lr_scheduler,
+        optimizer,
+        warmup=warmup,
+        total=total_steps,
+        kwargs=s.lr_scheduler_kwargs,
+        min_lr_ratio=s.cosine_min_lr_ratio,
     )
-    if report.too_long or report.nothing_to_train:
+    model, optimizer, loader, scheduler = engine.prepare(model, optimizer, data.loader, scheduler)
+    _start_wandb(engine, s)
+    tokens_per_step = data.per_item_tokens * per_window * cfg.grad_accum_steps
+    engine.print(
+        f"meshkit: fine-tuning {type(base).__name__} ({n_params / 1e6:.2f}M params, {n_trainable / 1e6:.3f}M "
+        f"trainable{', LoRA' if peft_model else ''}) on {engine.num_processes} rank(s), layout "
+        f"{engine.mesh.dims.describe()}; {len(data.train)} train / {len(data.validation)} validation samples"
+        f"{f' packed into {len(data.dataset)} rows' if s.sample_packing else ''}, {total_steps} steps"
+    )
+    if data.report.too_long or data.report.nothing_to_train:
         engine.print(
-            f"meshkit: dropped {report.too_long} samples longer than sequence_len={cfg.train.seq_len} and "
-            f"{report.nothing_to_train} with no token to train on"
+            f"meshkit: dropped {data.report.too_long} samples longer than sequence_len={cfg.train.seq_len} and "
+            f"{data.report.nothing_to_train} with no token to train on"
         )
-    val = eval_batches(val_samples, engine, collate)
+    val = eval_batches(data.validation, engine, data.collate, s.eval_batch_size)
     resumed = engine.resume()
     losses: list[float] = list(resumed.get("losses", [])) if resumed else []
     evals: list[dict[str, float]] = list(resumed.get("evals", [])) if resumed else []
     first_step = len(losses)
     batches = endless(loader)
     window = WindowLoss(engine)
+    watchdog, early = (
+        LossWatchdog(s.loss_watchdog_threshold, s.loss_watchdog_patience),
+        EarlyStopping(s.early_stopping_patience),
+    )
+    stopped_early = False
     start = time.perf_counter()
     with TrainingProgress(total_steps, enabled=engine.is_main_process) as progress:
         progress.update(first_step, losses[-1] if losses else float("nan"), 0.0)
-        while len(losses) < total_steps:
+        while len(losses) < total_steps and not stopped_early:
             batch = next(batches)
             window.add(engine.train_step(batch), batch)
             if not engine.sync_gradients:
@@ -235,28 +200,40 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
             loss = window.mean()
             losses.append(loss)
             step = len(losses)
+            watchdog.check(step, loss)
             tokens_per_s = (step - first_step) * tokens_per_step / (time.perf_counter() - start)
             progress.update(step, loss, tokens_per_s)
             metrics = {"loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s}
-            if val and s.eval_steps and (step % s.eval_steps == 0 or step == total_steps):
+            if val and eval_every and (step % eval_every == 0 or step == total_steps):
                 evals.append({"step": step, **evaluate(engine, model, val)})
                 metrics.update(evals[-1])
-            if step % cfg.train.log_every == 0 or step == total_steps:
+                stopped_early = early.should_stop(evals[-1]["eval_loss"])
+            if step % cfg.train.log_every == 0 or step == total_steps or stopped_early:
                 engine.log(metrics, step)
-            final = step == total_steps and cfg.checkpoint.every_steps > 0
-            engine.save_checkpoint(extra={"losses": losses, "evals": evals}, force=final)
+            last = step == total_steps or stopped_early
+            due = (last and (cfg.checkpoint.every_steps > 0 or save_every)) or bool(
+                save_every and step % save_every == 0
+            )
+            engine.save_checkpoint(extra={"losses": losses, "evals": evals}, force=due)
+    if stopped_early:
+        engine.print(
+            f"meshkit: early stopping at step {len(losses)}: no better eval loss in {s.early_stopping_patience} "
+            f"evaluations (best {early.best:.4f})"
+        )
     engine.wait_for_checkpoint()
     wall = time.perf_counter() - start
     trained = len(losses) - first_step
     if val and (not evals or evals[-1]["step"] != len(losses)):
         evals.append({"step": len(losses), **evaluate(engine, model, val)})
     base.config.use_cache = True  # training turned it off; generation wants it
-    outputs = _write_outputs(engine, tokenizer, (lambda: apply_lora(build_meta_model(s), s)) if peft_model else None)
+    whole = (lambda: apply_lora(build_meta_model(s, attention), s)) if peft_model else None
+    outputs = _write_outputs(engine, tokenizer, whole)
     summary = {
         "final_loss": losses[-1],
         "first_loss": losses[0],
         "steps": len(losses),
         "resumed_at_step": first_step,
+        "stopped_early": stopped_early,
         "epochs": len(losses) / steps_per_epoch,
         "tokens_per_s": trained * tokens_per_step / wall if trained else 0.0,
         "wall_s": wall,
@@ -266,18 +243,20 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         "precision": cfg.precision,
         "zero_stage": engine.zero_stage,
         "adapter": s.adapter,
+        "optimizer": s.optimizer,
+        "warmup_steps": warmup,
         "parameters": n_params,
         "trainable_parameters": n_trainable,
-        "samples": {"train": len(train_samples), "validation": len(val_samples), "too_long": report.too_long},
-        "packed_rows": len(dataset) if s.sample_packing else None,
+        "samples": {"train": len(data.train), "validation": len(data.validation), "too_long": data.report.too_long},
+        "packed_rows": len(data.dataset) if s.sample_packing else None,
         "losses": losses,
         "evals": evals,
         "outputs": outputs,
         "memory": collectives.gather_object(engine.memory_report(), group=None),
     }
     if engine.is_main_process:
-        if s.generation_samples and val_samples:
-            prompts = [prompt_ids(x.input_ids, x.labels, IGNORE_INDEX) for x in val_samples[: s.generation_samples]]
+        if s.generation_samples and data.validation:
+            prompts = [prompt_ids(x.input_ids, x.labels, IGNORE_INDEX) for x in data.validation[: s.generation_samples]]
             summary["generations"] = generate_samples(
                 Path(outputs["merged"]), tokenizer, prompts, s.generation_max_new_tokens
             )
@@ -285,6 +264,14 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         _print(summary, run_dir, plot_losses(losses, run_dir / "loss.png"))
     return summary
+
+
+def _start_wandb(engine: Engine, s: Any) -> None:
+    """The wandb_* keys into the wandb tracker's start (when the tracker runs)."""
+    if "wandb" not in engine.config.logging.trackers:
+        return
+    options = {"entity": s.wandb_entity, "name": s.wandb_name, "id": s.wandb_run_id, "mode": s.wandb_mode}
+    engine.init_trackers(s.wandb_project or "meshkit", init_kwargs={"wandb": {k: v for k, v in options.items() if v}})
 
 
 def _write_outputs(engine: Engine, tokenizer: Any, lora_model: Any) -> dict[str, str]:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshkit.data.chat_templates import chat_template
 from meshkit.errors import MeshkitError
 
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
@@ -42,9 +43,10 @@ def load_tokenizer(settings: Any) -> Any:
 
     directory = Path(settings.tokenizer_config or settings.base_model)
     kind = settings.tokenizer_type
+    options = {"local_files_only": True, "use_fast": settings.tokenizer_use_fast}
     try:
         if kind in (None, "AutoTokenizer"):
-            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(directory, **options)
         else:
             import transformers
 
@@ -60,10 +62,43 @@ def load_tokenizer(settings: Any) -> Any:
         if tokenizer.eos_token_id is None:
             raise BaseModelError(f"the tokenizer in '{directory}' has neither a pad nor an eos token: add one")
         tokenizer.pad_token = tokenizer.eos_token  # padding never counts: its labels are -100
+    template = chat_template(settings.chat_template, settings.chat_template_jinja, tokenizer)
+    if template is not None:
+        tokenizer.chat_template = template
     return tokenizer
 
 
-def build_meta_model(settings: Any) -> nn.Module:
+def add_tokens(tokenizer: Any, settings: Any, embedding_rows: int) -> list[str]:
+    """`special_tokens` (bos/eos/pad/unk, ...) and `tokens` into the tokenizer; returns the tokens that were new.
+    New tokens take rows the embedding already has beyond the tokenizer's (most checkpoints keep spare rows)."""
+    before = len(tokenizer)
+    special = dict(settings.special_tokens or {})
+    if special:
+        tokenizer.add_special_tokens(special)
+    if settings.tokens:
+        tokenizer.add_tokens(list(settings.tokens))
+    added = [tokenizer.convert_ids_to_tokens(i) for i in range(before, len(tokenizer))]
+    if len(tokenizer) > embedding_rows:
+        raise BaseModelError(
+            f"special_tokens/tokens add {len(added)} tokens ({', '.join(added[:4])}): the vocabulary would have "
+            f"{len(tokenizer)} entries but the model's embedding has {embedding_rows} rows; growing the embedding "
+            "is not supported yet: use tokens the tokenizer already has (e.g. pad_token: its eos token)"
+        )
+    return added
+
+
+def attention_implementation(requested: str | None) -> tuple[str, str | None]:
+    """The attention the model runs, and a notice when it is not the one asked for (a kernel not installed)."""
+    import importlib.util
+
+    if requested in (None, "sdpa", "eager", "flex_attention"):
+        return requested or "sdpa", None
+    if requested.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
+        return "sdpa", f"attn_implementation: {requested} needs flash-attn (a CUDA kernel, not installed): runs sdpa"
+    return requested, None
+
+
+def build_meta_model(settings: Any, attention: str = "sdpa") -> nn.Module:
     """The base model's architecture on the meta device (no memory); `use_cache` off for training, so that
     packed rows keep attention inside each sample."""
     import transformers
@@ -75,12 +110,17 @@ def build_meta_model(settings: Any) -> nn.Module:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as err:
         raise BaseModelError(f"cannot read config.json in '{directory}': {str(err).splitlines()[0]}") from None
+    for key, value in (settings.overrides_of_model_config or {}).items():
+        setattr(config, key, value)
+    config._attn_implementation = attention
     kind = settings.model_type
     model_class = getattr(transformers, kind, None)
-    if model_class is None or not hasattr(model_class, "from_config"):
+    # Auto classes build through from_config, a model class (LlamaForCausalLM) through its own _from_config
+    build = getattr(model_class, "from_config", None) or getattr(model_class, "_from_config", None)
+    if model_class is None or build is None:
         raise BaseModelError(f"model_type '{kind}' is not a transformers model class (e.g. AutoModelForCausalLM)")
     with torch.device("meta"):
-        model = model_class.from_config(config)
+        model = build(config)
     model.config.use_cache = False
     if not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
         raise BaseModelError(f"meshkit finetune trains causal LMs; '{directory}' builds {type(model).__name__}")

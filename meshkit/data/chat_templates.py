@@ -1,0 +1,84 @@
+"""Chat templates by Axolotl's names, so a config's `chat_template: llama3` renders conversations the way that model
+family does. `tokenizer_default` keeps the tokenizer's own; `tokenizer_default_fallback_<name>` uses it where it has
+one, else `<name>`; `jinja` takes the template given (or a file holding it).
+
+Each template renders an assistant turn as its generation prompt followed by the answer, so a conversation renders
+turn by turn (what masking prompts needs: `Formatter.chat_template`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from meshkit.errors import MeshkitError
+
+
+class ChatTemplateError(MeshkitError):
+    """A chat template name meshkit does not know, or a tokenizer without the template asked for."""
+
+
+_CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + "
+    "m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+_PHI3 = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+_GEMMA = (
+    "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + m['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+_MISTRAL = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% else %}{{ m['content'] + '\\n\\n' }}"
+    "{% endif %}{% endfor %}"
+)
+_ALPACA = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '### Instruction: ' + m['content'] + '\\n\\n' }}"
+    "{% elif m['role'] == 'assistant' %}{{ '### Response: ' + m['content'] + eos_token + '\\n\\n' }}"
+    "{% else %}{{ m['content'] + '\\n\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### Response: ' }}{% endif %}"
+)
+TEMPLATES: dict[str, str] = {
+    "chatml": _CHATML,
+    "qwen_25": _CHATML,
+    "qwen3": _CHATML,
+    "llama3": _LLAMA3,
+    "phi_3": _PHI3,
+    "phi_35": _PHI3,
+    "gemma": _GEMMA,
+    "gemma3": _GEMMA,
+    "mistral": _MISTRAL,
+    "mistral_v1": _MISTRAL,
+    "mistral_v2v3": _MISTRAL,
+    "mistral_v3_tekken": _MISTRAL,
+    "alpaca": _ALPACA,
+}
+NAMES = ("tokenizer_default", *TEMPLATES, "tokenizer_default_fallback_<name>", "jinja")
+
+
+def chat_template(name: str | None, jinja: str | None, tokenizer: Any) -> str | None:
+    """The Jinja template `name` asks for (None: the tokenizer's own, possibly none)."""
+    if name is None and jinja:
+        name = "jinja"
+    if name in (None, "tokenizer_default"):
+        return tokenizer.chat_template
+    if name == "jinja":
+        if not jinja:
+            raise ChatTemplateError("chat_template: jinja needs chat_template_jinja (a template or a file)")
+        path = Path(jinja).expanduser()
+        return path.read_text() if "{" not in jinja and path.is_file() else jinja
+    if name.startswith("tokenizer_default_fallback_"):
+        fallback = name.removeprefix("tokenizer_default_fallback_")
+        return tokenizer.chat_template or chat_template(fallback, None, tokenizer)
+    if name not in TEMPLATES:
+        raise ChatTemplateError(f"chat_template: '{name}' is not one meshkit knows; choose one of {', '.join(NAMES)}")
+    return TEMPLATES[name]

@@ -1,0 +1,86 @@
+"""One entry of a fine-tune's `datasets:` list, with Axolotl's per-dataset keys: where the records are, their
+type, and how a record's fields map onto that type (`field_messages`, `message_property_mappings`, `roles`, ...).
+Empty values mean unset, as in Axolotl's configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from meshkit.config_base import Section
+
+ALPACA_VARIANTS = ("alpaca", "alpaca:chat", "alpaca_chat", "alpaca:phi", "alpaca_phi", "alpaca_w_system")
+DATASET_TYPES: tuple[str, ...] = (*ALPACA_VARIANTS, "chat_template", "sharegpt", "completion", "input_output")
+DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant", "model"], "system": ["system"]}
+
+
+class CustomPrompt(Section):
+    """Axolotl's user-defined prompt type: which fields hold what, and the prompt formats."""
+
+    field_instruction: str = "instruction"
+    field_input: str = "input"
+    field_output: str = "output"
+    field_system: str = "system"
+    format: str = Field("{instruction}\n{input}\n", description="prompt with an input")
+    no_input_format: str = Field("{instruction}\n", description="prompt without an input")
+    system_prompt: str = ""
+    system_format: str = "{system}\n"
+
+
+class DatasetEntry(Section):
+    path: Path = Field(description="a JSON Lines file")
+    type: str | CustomPrompt = Field(description="alpaca (and variants) | chat_template | completion | input_output")
+    split: str | None = Field(None, description="train (local files hold one split)")
+    field: str | None = Field(None, description="completion: the field holding the text; null = text")
+    field_messages: str | None = Field(None, description="chat_template: the field holding the turns; null = messages")
+    message_property_mappings: dict[str, str] | None = Field(None, description="{role: from, content: value}")
+    message_field_role: str | None = Field(None, description="older form of message_property_mappings.role")
+    message_field_content: str | None = Field(None, description="older form of message_property_mappings.content")
+    roles: dict[str, list[str]] | None = Field(None, description="{user: [human, user], assistant: [gpt], ...}")
+    roles_to_train: tuple[str, ...] | None = Field(None, description="roles whose turns train; null = [assistant]")
+    train_on_eos: Literal["turn", "all", "last", "none"] | None = Field(None, description="which EOS train")
+    drop_system_message: bool = Field(False, description="leave system turns out")
+    chat_template: str | None = Field(None, description="this dataset's chat template (a name, or jinja)")
+    chat_template_jinja: str | None = Field(None, description="the template for chat_template: jinja")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value not in (None, "", [], {})}
+        return data
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            base = value.split(".", 1)[0]  # Axolotl's `alpaca_w_system.load_open_orca` form
+            if base not in DATASET_TYPES:
+                raise ValueError(
+                    f"'{value}' is not a dataset type meshkit reads; choose one of {', '.join(DATASET_TYPES)}"
+                )
+            return base
+        return value
+
+    @field_validator("split")
+    @classmethod
+    def _local_files_hold_train(cls, value: str | None) -> str | None:
+        if value not in (None, "train"):
+            raise ValueError(f"split '{value}': a local JSON Lines file holds one split, 'train'; give its own file")
+        return value
+
+    def mappings(self) -> dict[str, str]:
+        """Message property -> record key (role, content)."""
+        out = {"role": "role", "content": "content"}
+        if self.message_field_role:
+            out["role"] = self.message_field_role
+        if self.message_field_content:
+            out["content"] = self.message_field_content
+        return {**out, **(self.message_property_mappings or {})}
+
+    def role_names(self) -> dict[str, str]:
+        """A record's role name -> the template's role."""
+        table = {**DEFAULT_ROLES, **(self.roles or {})}
+        return {source: target for target, sources in table.items() for source in sources}

@@ -1,0 +1,113 @@
+"""The fine-tuning recipe's own settings, under their Axolotl names (`meshkit.recipes.axolotl.keys` says which
+Axolotl keys land here and which become meshkit settings). Empty values mean unset (Axolotl writes `lora_r:`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from meshkit.config import Section
+from meshkit.data.formats import DatasetEntry
+from meshkit.recipes.optimizers import OPTIMIZERS
+from meshkit.recipes.schedules import SCHEDULERS
+
+
+class FinetuneSettings(Section):
+    """The recipe's own keys (Axolotl names)."""
+
+    # model and tokenizer
+    base_model: Path = Field(description="directory in save_pretrained layout: config.json, safetensors, tokenizer")
+    base_model_config: Path | None = Field(None, description="directory of config.json; null = base_model")
+    model_type: str = Field("AutoModelForCausalLM", description="AutoModelForCausalLM or a causal-LM class name")
+    tokenizer_type: str | None = Field(None, description="AutoTokenizer or a tokenizer class name; null = auto")
+    tokenizer_config: Path | None = Field(None, description="directory of the tokenizer files; null = base_model")
+    tokenizer_use_fast: bool = Field(True, description="the fast (tokenizers) tokenizer where one exists")
+    overrides_of_model_config: dict[str, Any] | None = Field(None, description="config.json values replaced")
+    attn_implementation: str | None = Field(None, description="sdpa | eager | flash_attention_2 | ...; null = sdpa")
+    special_tokens: dict[str, str] | None = Field(None, description="bos/eos/pad/unk tokens set (added if new)")
+    tokens: tuple[str, ...] | None = Field(None, description="tokens added to the vocabulary (embeddings grow)")
+    chat_template: str | None = Field(None, description="tokenizer_default | chatml | llama3 | ... | jinja")
+    chat_template_jinja: str | None = Field(
+        None, description="a Jinja chat template, or the path of a file holding one"
+    )
+    default_system_message: str | None = Field(None, description="system turn put first where a chat has none")
+    # data
+    datasets: tuple[DatasetEntry, ...] = Field(min_length=1, description="[{path, type, ...}]")
+    test_datasets: tuple[DatasetEntry, ...] | None = Field(None, description="validation data (instead of a split)")
+    val_set_size: float = Field(0.0, ge=0, description="held-out share (< 1) or count (>= 1) of the samples")
+    sample_packing: bool = Field(False, description="pack samples into sequence_len rows (no cross-sample attention)")
+    pad_to_sequence_len: bool = Field(False, description="pad every batch to sequence_len")
+    train_on_inputs: bool = Field(False, description="also train on prompt tokens")
+    # adapters
+    adapter: Literal["lora"] | None = Field(None, description="lora, or null for a full fine-tune")
+    lora_r: int = Field(8, ge=1, description="LoRA rank")
+    lora_alpha: float = Field(16, gt=0, description="LoRA scaling numerator (scaling = alpha / r)")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
+    lora_target_modules: tuple[str, ...] | None = Field(
+        None, description="module names to adapt, e.g. [q_proj, v_proj]"
+    )
+    lora_target_linear: bool = Field(False, description="adapt every Linear layer except the output head")
+    peft_use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
+    peft_layers_to_transform: tuple[int, ...] | None = Field(None, description="block indices adapted; null = all")
+    loraplus_lr_ratio: float | None = Field(None, gt=0, description="LoRA+: lr of the B matrices = ratio × lr")
+    unfrozen_parameters: tuple[str, ...] | None = Field(
+        None, description="full fine-tune of the parameters matching these regexes only"
+    )
+    # schedule and optimizer
+    num_epochs: float = Field(1.0, gt=0, description="epochs, when max_steps is not set")
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="warm-up share of the steps (or warmup_steps)")
+    lr_scheduler: str = Field("cosine", description="a transformers get_scheduler name, or one_cycle")
+    lr_scheduler_kwargs: dict[str, Any] | None = Field(None, description="the schedule's own arguments")
+    cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1, description="cosine floor as a share of the lr")
+    optimizer: str = Field("adamw_torch", description="adamw_torch | adamw_bnb_8bit | paged_adamw_8bit | sgd | ...")
+    optim_args: dict[str, Any] | None = Field(None, description="extra optimizer arguments")
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_epsilon: float = Field(1e-8, gt=0)
+    tf32: bool = Field(False, description="TF32 matmuls on CUDA (no effect on a CPU)")
+    # evaluation and stopping
+    eval_steps: int | None = Field(None, ge=1, description="evaluate every N steps; null = at the end only")
+    evals_per_epoch: int | None = Field(None, ge=1, description="evaluations per epoch (instead of eval_steps)")
+    eval_batch_size: int | None = Field(None, ge=1, description="validation micro-batch; null = micro_batch_size")
+    saves_per_epoch: int | None = Field(None, ge=1, description="checkpoints per epoch (instead of save_steps)")
+    early_stopping_patience: int | None = Field(None, ge=1, description="stop after N evaluations without a new best")
+    loss_watchdog_threshold: float | None = Field(None, gt=0, description="stop when the loss stays above this")
+    loss_watchdog_patience: int = Field(3, ge=1, description="steps above loss_watchdog_threshold before stopping")
+    # trackers
+    wandb_project: str | None = Field(None, description="wandb project (turns the wandb tracker on)")
+    wandb_entity: str | None = Field(None, description="wandb team or user")
+    wandb_name: str | None = Field(None, description="wandb run name; null = output_dir's name")
+    wandb_run_id: str | None = Field(None, description="wandb run id (resumes that run)")
+    wandb_mode: str | None = Field(None, description="online | offline | disabled; null = online with credentials")
+    # meshkit's own
+    generation_samples: int = Field(3, ge=0, description="validation prompts answered (greedy) in the summary")
+    generation_max_new_tokens: int = Field(24, ge=1, description="tokens generated per sample")
+
+    @field_validator("lora_target_modules", "unfrozen_parameters", "tokens", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("lr_scheduler")
+    @classmethod
+    def _known_scheduler(cls, value: str) -> str:
+        if value not in SCHEDULERS:
+            raise ValueError(f"'{value}' is not a schedule meshkit runs; choose one of {', '.join(SCHEDULERS)}")
+        return value
+
+    @field_validator("optimizer")
+    @classmethod
+    def _known_optimizer(cls, value: str) -> str:
+        if value not in OPTIMIZERS:
+            raise ValueError(f"'{value}' is not an optimizer meshkit runs; choose one of {', '.join(OPTIMIZERS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_way_each(self) -> FinetuneSettings:
+        if self.eval_steps is not None and self.evals_per_epoch is not None:
+            raise ValueError("set eval_steps or evals_per_epoch, not both")
+        if self.chat_template == "jinja" and not self.chat_template_jinja:
+            raise ValueError("chat_template: jinja needs chat_template_jinja (the template, or a file holding it)")
+        return self

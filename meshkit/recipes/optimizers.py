@@ -1,0 +1,99 @@
+"""The fine-tune's optimizer by its Axolotl / transformers name: torch's AdamW and SGD, transformers' Adafactor, and
+bitsandbytes' 8-bit optimizers, whose two Adam states take 1 byte per parameter each instead of 4 (blockwise
+quantised; tensors under 4096 elements keep 32-bit states, as bitsandbytes decides).
+
+Paged optimizers page their states to host memory through CUDA unified memory; on a CPU there is nothing to page,
+so they run as their unpaged twin (one notice line). bitsandbytes' kernels take plain, whole tensors: they run
+under DDP and pipeline stages; ZeRO's shards and tensor-parallel DTensors are refused (`check_layout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshkit.errors import MeshkitError
+
+
+class OptimizerError(MeshkitError):
+    """An optimizer that cannot run here; the message says what to install or choose."""
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    family: str  # adamw | sgd | adafactor | bnb
+    bnb_class: str | None = None  # bitsandbytes.optim class
+    unpaged: str | None = None  # the class a CPU runs instead of a paged one
+    state_bytes: int = 8  # optimizer state bytes per parameter (estimator)
+
+
+OPTIMIZERS: dict[str, OptimizerKind] = {
+    "adamw_torch": OptimizerKind("adamw"),
+    "adamw_torch_fused": OptimizerKind("adamw"),
+    "adamw_hf": OptimizerKind("adamw"),
+    "adamw": OptimizerKind("adamw"),
+    "sgd": OptimizerKind("sgd", state_bytes=0),
+    "adafactor": OptimizerKind("adafactor", state_bytes=4),
+    "adamw_bnb_8bit": OptimizerKind("bnb", "AdamW8bit", state_bytes=2),
+    "adamw_8bit": OptimizerKind("bnb", "AdamW8bit", state_bytes=2),
+    "paged_adamw_8bit": OptimizerKind("bnb", "PagedAdamW8bit", "AdamW8bit", state_bytes=2),
+    "paged_adamw_32bit": OptimizerKind("bnb", "PagedAdamW32bit", "AdamW32bit"),
+    "lion_8bit": OptimizerKind("bnb", "Lion8bit", state_bytes=1),
+    "paged_lion_8bit": OptimizerKind("bnb", "PagedLion8bit", "Lion8bit", state_bytes=1),
+}
+
+
+def build_optimizer(
+    name: str, groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float], eps: float, extra: dict[str, Any]
+) -> tuple[torch.optim.Optimizer, list[str]]:
+    """The optimizer `name` over `groups`, and the notices it gives (a paged optimizer on a CPU)."""
+    kind = OPTIMIZERS[name]
+    notes: list[str] = []
+    if kind.family == "sgd":
+        return torch.optim.SGD(groups, lr=lr, **extra), notes
+    if kind.family == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **extra), notes
+    if kind.family == "adafactor":
+        from transformers.optimization import Adafactor
+
+        options = {"scale_parameter": False, "relative_step": False, "warmup_init": False, **extra}
+        return Adafactor(groups, lr=lr, **options), notes
+    try:
+        import bitsandbytes.optim as bnb_optim
+    except ImportError:
+        raise OptimizerError(
+            f"optimizer: {name} needs bitsandbytes: pip install 'meshkit[hf]' (or choose adamw_torch)"
+        ) from None
+    class_name = kind.bnb_class
+    params = [p for group in groups for p in group["params"]]
+    on_cpu = all(p.device.type == "cpu" for p in params)
+    if kind.unpaged and on_cpu:
+        class_name = kind.unpaged
+        notes.append(f"optimizer: {name} pages states through CUDA memory; on a CPU it runs as {class_name}")
+    optimizer_class = getattr(bnb_optim, str(class_name))
+    options = {"lr": lr, **({"betas": betas} if "Lion" in str(class_name) else {"betas": betas, "eps": eps}), **extra}
+    return optimizer_class(groups, **options), notes
+
+
+def check_layout(name: str, zero_stage: int, tp: int) -> None:
+    """bitsandbytes optimizers step plain tensors and keep per-tensor quantization state: they run where each rank
+    holds whole parameters (DDP, pipeline stages); ZeRO's shards and tp's DTensors are refused in one line."""
+    if OPTIMIZERS[name].family == "bnb" and (zero_stage > 0 or tp > 1):
+        where = f"zero_stage {zero_stage}" if zero_stage else f"tp={tp}"
+        raise OptimizerError(
+            f"optimizer: {name} (bitsandbytes) runs on whole parameters, not on the shards of {where} yet: "
+            "use zero_stage 0 (DDP) or pp, or adamw_torch"
+        )
+
+
+def trainable_groups(parameters: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters in two groups: matrices with weight decay, biases and norm weights without."""
+    trainable = [p for p in parameters if p.requires_grad]
+    groups = [
+        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
