@@ -244,3 +244,17 @@ def test_full_fine_tunes_from_deepspeed_and_fsdp_keys_equal_one_process(tmp_path
     one = _train(tmp_path, material, 1, "one", micro_batch_size=4, **single)
     two = _train(tmp_path, material, 2, "two", **keys)
     _close(two["losses"], one["losses"], 1e-4)  # full fine-tune: reduction order differs at 1e-5
+
+
+def test_rslora_and_layers_to_transform_reach_peft(tmp_path, material) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from meshkit.recipes.lora import apply_lora
+
+    keys = axolotl_lora(material, tmp_path, peft_use_rslora=True, peft_layers_to_transform=[1], lora_target_linear=None,
+                        lora_target_modules=["q_proj"])  # fmt: skip
+    settings = resolve_finetune(_write(tmp_path / "r.yml", keys), [], env={}).settings
+    peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(material["base"]), settings)
+    adapted = [name for name, _ in peft_model.named_parameters() if "lora_A" in name]
+    assert adapted == ["base_model.model.model.layers.1.self_attn.q_proj.lora_A.default.weight"]
+    assert peft_model.base_model.model.model.layers[1].self_attn.q_proj.scaling["default"] == 8 / 4**0.5

@@ -47,6 +47,10 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
         lora_alpha=settings.lora_alpha,
         lora_dropout=settings.lora_dropout,
         target_modules=targets,
+        use_rslora=getattr(settings, "peft_use_rslora", False),
+        layers_to_transform=list(settings.peft_layers_to_transform)
+        if getattr(settings, "peft_layers_to_transform", None)
+        else None,
         task_type="CAUSAL_LM",
         base_model_name_or_path=str(settings.base_model),
     )
