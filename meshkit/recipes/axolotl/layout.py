@@ -79,15 +79,9 @@ def deepspeed(name: str, value: Any, sink: Sink) -> None:
                 raise ImportingError(f"deepspeed: {path} is not valid JSON: {err}") from None
             label = f"deepspeed: {path.name}"
     read_deepspeed(data, sink, prefix=f"{label}: ")
-    sink.notes.extend(f"{note}" for note in _drain_auto(sink))
+    # DeepSpeed's `auto` values are filled from the config's own keys, as the trainer fills them: not news
+    sink.notes[:] = [note for note in sink.notes if ": auto — " not in note]
     sink.skipped_note(label)
-
-
-def _drain_auto(sink: Sink) -> list[str]:
-    """DeepSpeed's `auto` values are filled from the config's own keys, as the trainer fills them: not news."""
-    kept = [note for note in sink.notes if ": auto — " not in note]
-    sink.notes.clear()
-    return kept
 
 
 def fsdp(name: str, value: Any, sink: Sink) -> None:
