@@ -38,3 +38,19 @@ def world8() -> list[dict]:
     from tests.distributed import run_world
 
     return run_world(_world8_rank, 8, timeout=400)
+
+
+@pytest.fixture(scope="session")
+def material(tmp_path_factory) -> dict:
+    """Fine-tuning material made once per session (tests/finetune_runs.make_material): JSONL data and a tiny Llama
+    base model with its tokenizer. Tests read it and never write into it."""
+    from tests.finetune_runs import make_material
+
+    return make_material(tmp_path_factory.mktemp("finetune-material"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(material):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(material["base"])

@@ -21,22 +21,10 @@ from meshkit.recipes.finetune_config import resolve_finetune  # noqa: E402
 from meshkit.recipes.finetune_settings import FinetuneSettings  # noqa: E402
 from meshkit.resolve import ConfigError, leaf_keys  # noqa: E402
 from tests.distributed import run_world  # noqa: E402
-from tests.finetune_runs import make_material, run_finetune, write_jsonl  # noqa: E402
+from tests.finetune_runs import run_finetune, write_jsonl  # noqa: E402
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 TIMEOUT = 240
-
-
-@pytest.fixture(scope="module")
-def material(tmp_path_factory):
-    return make_material(tmp_path_factory.mktemp("axolotl"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(material):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(material["base"])
 
 
 def axolotl_lora(material, out: Path, **keys) -> dict:
@@ -146,7 +134,8 @@ def test_trackers_and_schedules_by_their_axolotl_names(tmp_path, material) -> No
         ({"lora_dropuot": 0.1}, "unknown key 'lora_dropuot'.*did you mean 'lora_dropout'"),
         ({"optimizer": "adamw_apex_fused"}, "not an optimizer meshkit runs; choose one of adamw_torch"),
         ({"lr_scheduler": "rex"}, "not a schedule meshkit runs"),
-        ({"load_in_4bit": True, "adapter": "lora"}, "'load_in_4bit: True' .* is not supported"),
+        ({"load_in_4bit": True, "load_in_8bit": True}, "two quantizations: keep one"),
+        ({"peft_use_dora": True}, "'peft_use_dora: True' .* is not supported"),
         ({"rl": "dpo"}, "supervised fine-tuning"),
         ({"fsdp": ["full_shard", "sharded_everything"]}, "'sharded_everything' is not an FSDP option"),
     ],

@@ -17,19 +17,7 @@ from meshkit.loss import IGNORE_INDEX, split_causal_lm_batch  # noqa: E402
 from meshkit.recipes.finetune_config import resolve_finetune  # noqa: E402
 from meshkit.resolve import ConfigError  # noqa: E402
 from tests.cli import ROOT, meshkit  # noqa: E402
-from tests.finetune_runs import make_material, write_config, write_jsonl  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def material(tmp_path_factory):
-    return make_material(tmp_path_factory.mktemp("finetune"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(material):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(material["base"])
+from tests.finetune_runs import write_config, write_jsonl  # noqa: E402
 
 
 def test_axolotl_keys_map_to_meshkit_keys_with_their_source(tmp_path, material) -> None:
@@ -51,10 +39,10 @@ def test_axolotl_keys_map_to_meshkit_keys_with_their_source(tmp_path, material) 
     ("keys", "expected"),
     [
         ({"learnin_rate": 0.1}, "unknown key 'learnin_rate'.*did you mean 'learning_rate'"),
-        ({"load_in_4bit": True}, "Axolotl key 'load_in_4bit: True' .* is not supported"),
+        ({"peft_use_dora": True}, "Axolotl key 'peft_use_dora: True' .* is not supported"),
         ({"deepspeed": "ds.json"}, "deepspeed: ds.json: no such file"),
         ({"expert_parallel_size": 2}, "expert parallelism is not supported yet"),
-        ({"adapter": "qlora"}, "'adapter'"),
+        ({"adapter": "ia3"}, "'adapter'"),
         ({"learning_rate": 0.1, "meshkit": {"train": {"lr": 0.2}}}, "'train.lr' is set twice"),
     ],
 )

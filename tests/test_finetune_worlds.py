@@ -16,14 +16,9 @@ from safetensors.torch import load_file  # noqa: E402
 from meshkit.checkpoint.model_export import export_checkpoint  # noqa: E402
 from meshkit.models.adapters import base_checkpoint_name  # noqa: E402
 from tests.distributed import run_world  # noqa: E402
-from tests.finetune_runs import lora_keys, make_gpt2_base, make_material, run_finetune, write_config  # noqa: E402
+from tests.finetune_runs import lora_keys, make_gpt2_base, run_finetune, write_config  # noqa: E402
 
 TIMEOUT = 180
-
-
-@pytest.fixture(scope="module")
-def material(tmp_path_factory):
-    return make_material(tmp_path_factory.mktemp("finetune-worlds"))
 
 
 def _run(tmp_path, material, world: int, name: str, assignments: list[str], **keys):

@@ -21,6 +21,7 @@ from meshkit.checkpoint.storage import CheckpointError, load_tensors, stored_sha
 from meshkit.export import ShardStream, TensorInfo, parse_size, plan_shards, storage_identity
 from meshkit.mesh import ParallelMesh
 from meshkit.models.adapters import LoraMerge, base_checkpoint_name, is_adapter_parameter, merged_weight
+from meshkit.models.quantized import full_precision_state
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.tensor_auto import restore_fused_qkv
 
@@ -30,10 +31,12 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state dict without aliases (tied weights keep their first name)."""
+    """The module's state dict without aliases (tied weights keep their first name); quantized base weights in
+    full precision, without their quantization bookkeeping."""
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
     out = {}
-    for name, tensor in unwrap(model).state_dict().items():
+    module = unwrap(model)
+    for name, tensor in full_precision_state(module, module.state_dict()).items():
         if not isinstance(tensor, DTensor):
             identity = storage_identity(tensor)
             if identity in seen:

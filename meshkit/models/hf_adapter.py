@@ -7,6 +7,7 @@ the attention module in some families). Whatever a family does differently is sa
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,9 @@ def config_files(model: nn.Module) -> dict[str, str]:
     """`config.json` (and `generation_config.json`) of a transformers model, as text; {} for other models."""
     if not is_transformers_model(model):
         return {}
-    files = {"config.json": model.config.to_json_string()}
+    config = model.config.to_diff_dict()
+    config.pop("quantization_config", None)  # exports hold full-precision weights (a quantized base is dequantized)
+    files = {"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
     generation = getattr(model, "generation_config", None)
     if generation is not None:
         files["generation_config.json"] = generation.to_json_string()

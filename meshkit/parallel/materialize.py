@@ -106,6 +106,13 @@ def initialize(model: nn.Module) -> None:
         _reset_adapters(name, module)
 
 
+def reset_adapters(model: nn.Module) -> None:
+    """Every LoRA layer's adapters to their seeded initial values (see `_reset_adapters`): for a model built
+    whole rather than on the meta device, so that its adapters start as a meta-built model's do."""
+    for name, module in model.named_modules():
+        _reset_adapters(name, module)
+
+
 def _reset_adapters(name: str, module: nn.Module) -> None:
     """A LoRA layer's initial adapter weights, drawn from a generator seeded by the run seed and the layer's
     name: the same values whichever ranks or pipeline stages initialise which layers."""

@@ -25,6 +25,8 @@ from meshkit.data.loader import endless
 from meshkit.engine import Engine
 from meshkit.errors import MeshkitError
 from meshkit.loss import IGNORE_INDEX
+from meshkit.models.quantized import parameter_count
+from meshkit.parallel.materialize import reset_adapters
 from meshkit.recipes.finetune_config import FinetuneJob, resolve_finetune
 from meshkit.recipes.hf_base import (
     add_tokens,
@@ -40,6 +42,8 @@ from meshkit.recipes.instruction_data import prepare_data
 from meshkit.recipes.lora import apply_lora, save_adapter
 from meshkit.recipes.optimizers import build_optimizer, trainable_groups
 from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
+from meshkit.recipes.quantized_base import INT8_CAST_NOTE, load_quantized_base
+from meshkit.recipes.quantized_base import check_layout as check_quantized_layout
 from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
 from meshkit.recipes.schedules import build_schedule, warmup_steps
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
@@ -136,7 +140,10 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     attention, attention_note = attention_implementation(s.attn_implementation)
     if attention_note:
         engine.print(f"meshkit: {attention_note}")
-    base = build_meta_model(s, attention)
+    check_quantized_layout(s, engine.zero_stage, engine.mesh.size("tp"), engine.mesh.size("pp"))
+    base = load_quantized_base(s, attention, engine.device) if s.quantization else build_meta_model(s, attention)
+    if s.quantization == "8bit":
+        engine.print(f"meshkit: {INT8_CAST_NOTE}")
     tokenizer = load_tokenizer(s)
     added = add_tokens(tokenizer, s, base.get_input_embeddings().num_embeddings)
     if added:
@@ -144,14 +151,16 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     data = prepare_data(engine, s, tokenizer)
     if s.unfrozen_parameters and s.adapter is None:
         freeze_all_but(base, s.unfrozen_parameters)
-    peft_model = apply_lora(base, s) if s.adapter == "lora" else None
+    peft_model = apply_lora(base, s) if s.adapter else None
     model = peft_model.get_base_model() if peft_model is not None else base
+    if s.quantization and peft_model is not None:  # built whole: adapters seeded as a meta-built model's are
+        reset_adapters(model)
     per_window = cfg.train.global_micro_batch(engine.dp_size)
     steps_per_epoch = max(1, len(data.dataset) // per_window // cfg.grad_accum_steps)
     total_steps = cfg.train.steps if job.steps_given() else max(1, math.ceil(s.num_epochs * steps_per_epoch))
     eval_every = s.eval_steps or per_epoch(steps_per_epoch, s.evals_per_epoch)
     save_every = per_epoch(steps_per_epoch, s.saves_per_epoch)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = parameter_count(model)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     optimizer = make_optimizer(model, job, engine)
     warmup = warmup_steps(cfg.train.warmup_steps, s.warmup_ratio, total_steps)
@@ -168,7 +177,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     tokens_per_step = data.per_item_tokens * per_window * cfg.grad_accum_steps
     engine.print(
         f"meshkit: fine-tuning {type(base).__name__} ({n_params / 1e6:.2f}M params, {n_trainable / 1e6:.3f}M "
-        f"trainable{', LoRA' if peft_model else ''}) on {engine.num_processes} rank(s), layout "
+        f"trainable{_adapter_words(s)}) on {engine.num_processes} rank(s), layout "
         f"{engine.mesh.dims.describe()}; {len(data.train)} train / {len(data.validation)} validation samples"
         f"{f' packed into {len(data.dataset)} rows' if s.sample_packing else ''}, {total_steps} steps"
     )
@@ -264,6 +273,14 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         _print(summary, run_dir, plot_losses(losses, run_dir / "loss.png"))
     return summary
+
+
+def _adapter_words(s: Any) -> str:
+    if not s.adapter:
+        return ""
+    return {"8bit": ", LoRA over an int8 base", "4bit": f", QLoRA over a {s.bnb_4bit_quant_type} base"}.get(
+        s.quantization or "", ", LoRA"
+    )
 
 
 def _start_wandb(engine: Engine, s: Any) -> None:

@@ -41,7 +41,9 @@ class FinetuneSettings(Section):
     pad_to_sequence_len: bool = Field(False, description="pad every batch to sequence_len")
     train_on_inputs: bool = Field(False, description="also train on prompt tokens")
     # adapters
-    adapter: Literal["lora"] | None = Field(None, description="lora, or null for a full fine-tune")
+    adapter: Literal["lora", "qlora"] | None = Field(
+        None, description="lora, qlora (LoRA over a 4-bit base), or null for a full fine-tune"
+    )
     lora_r: int = Field(8, ge=1, description="LoRA rank")
     lora_alpha: float = Field(16, gt=0, description="LoRA scaling numerator (scaling = alpha / r)")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
@@ -51,6 +53,19 @@ class FinetuneSettings(Section):
     lora_target_linear: bool = Field(False, description="adapt every Linear layer except the output head")
     peft_use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
     peft_layers_to_transform: tuple[int, ...] | None = Field(None, description="block indices adapted; null = all")
+    # quantized base (bitsandbytes, through transformers' BitsAndBytesConfig)
+    load_in_8bit: bool = Field(False, description="the frozen base in int8 (LLM.int8 Linear8bitLt)")
+    load_in_4bit: bool = Field(False, description="the frozen base in 4 bits (Linear4bit; adapter: qlora)")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit code book")
+    bnb_4bit_use_double_quant: bool = Field(True, description="the block scales quantized too")
+    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="dtype 4-bit matmuls run in; null = float32 (the trained weights' dtype)"
+    )
+    bnb_4bit_quant_storage: Literal["uint8", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="dtype the packed 4-bit weights are stored in; null = uint8"
+    )
+    bnb_config_kwargs: dict[str, Any] | None = Field(None, description="further BitsAndBytesConfig arguments")
+    gptq: bool = Field(False, description="the base is a GPTQ checkpoint (its config.json says how)")
     loraplus_lr_ratio: float | None = Field(None, gt=0, description="LoRA+: lr of the B matrices = ratio × lr")
     unfrozen_parameters: tuple[str, ...] | None = Field(
         None, description="full fine-tune of the parameters matching these regexes only"
@@ -85,6 +100,16 @@ class FinetuneSettings(Section):
     generation_samples: int = Field(3, ge=0, description="validation prompts answered (greedy) in the summary")
     generation_max_new_tokens: int = Field(24, ge=1, description="tokens generated per sample")
 
+    @property
+    def quantization(self) -> Literal["8bit", "4bit", "gptq"] | None:
+        """How the (frozen) base model is quantized as it loads; None for a plain base. QLoRA is LoRA over the
+        4-bit base, with or without load_in_4bit written."""
+        if self.load_in_8bit:
+            return "8bit"
+        if self.load_in_4bit or self.adapter == "qlora":
+            return "4bit"
+        return "gptq" if self.gptq else None
+
     @field_validator("lora_target_modules", "unfrozen_parameters", "tokens", mode="before")
     @classmethod
     def _one_name_is_a_list(cls, value: Any) -> Any:
@@ -108,6 +133,15 @@ class FinetuneSettings(Section):
     def _one_way_each(self) -> FinetuneSettings:
         if self.eval_steps is not None and self.evals_per_epoch is not None:
             raise ValueError("set eval_steps or evals_per_epoch, not both")
+        if self.load_in_8bit and (self.load_in_4bit or self.adapter == "qlora"):
+            raise ValueError("load_in_8bit and load_in_4bit / adapter: qlora ask for two quantizations: keep one")
+        if self.gptq and (self.load_in_8bit or self.load_in_4bit or self.adapter == "qlora"):
+            raise ValueError("gptq: true loads an already quantized base: drop load_in_8bit / load_in_4bit / qlora")
+        if self.quantization and self.adapter is None:
+            raise ValueError(
+                "a quantized base is frozen: train adapters over it (adapter: lora, or qlora for 4 bits), or drop "
+                "load_in_8bit / load_in_4bit / gptq for a full fine-tune"
+            )
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("chat_template: jinja needs chat_template_jinja (the template, or a file holding it)")
         return self

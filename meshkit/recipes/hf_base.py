@@ -98,9 +98,8 @@ def attention_implementation(requested: str | None) -> tuple[str, str | None]:
     return requested, None
 
 
-def build_meta_model(settings: Any, attention: str = "sdpa") -> nn.Module:
-    """The base model's architecture on the meta device (no memory); `use_cache` off for training, so that
-    packed rows keep attention inside each sample."""
+def model_recipe(settings: Any, attention: str = "sdpa") -> tuple[Any, Any]:
+    """The model class `model_type` names and the base's config (overrides applied, attention set, no cache)."""
     import transformers
     from transformers import AutoConfig
 
@@ -113,18 +112,50 @@ def build_meta_model(settings: Any, attention: str = "sdpa") -> nn.Module:
     for key, value in (settings.overrides_of_model_config or {}).items():
         setattr(config, key, value)
     config._attn_implementation = attention
+    config.use_cache = False  # training: packed rows keep attention inside each sample
     kind = settings.model_type
     model_class = getattr(transformers, kind, None)
-    # Auto classes build through from_config, a model class (LlamaForCausalLM) through its own _from_config
-    build = getattr(model_class, "from_config", None) or getattr(model_class, "_from_config", None)
-    if model_class is None or build is None:
+    if model_class is None or not hasattr(model_class, "from_pretrained"):
         raise BaseModelError(f"model_type '{kind}' is not a transformers model class (e.g. AutoModelForCausalLM)")
-    with torch.device("meta"):
-        model = build(config)
+    return model_class, config
+
+
+def _causal_lm(model: nn.Module, settings: Any) -> nn.Module:
     model.config.use_cache = False
     if not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+        directory = settings.base_model_config or settings.base_model
         raise BaseModelError(f"meshkit finetune trains causal LMs; '{directory}' builds {type(model).__name__}")
     return model
+
+
+def build_meta_model(settings: Any, attention: str = "sdpa") -> nn.Module:
+    """The base model's architecture on the meta device (no memory); its weights stream in later."""
+    model_class, config = model_recipe(settings, attention)
+    # Auto classes build through from_config, a model class (LlamaForCausalLM) through its own _from_config
+    build = getattr(model_class, "from_config", None) or getattr(model_class, "_from_config", None)
+    if build is None:
+        raise BaseModelError(f"model_type '{settings.model_type}' cannot build a model from a config")
+    with torch.device("meta"):
+        model = build(config)
+    return _causal_lm(model, settings)
+
+
+def load_model(settings: Any, attention: str, device: torch.device, **options: Any) -> nn.Module:
+    """The base model loaded whole by transformers' `from_pretrained` onto `device` (a quantized base: its
+    `quantization_config` in `options` quantizes each weight as it loads); other parameters in float32."""
+    model_class, config = model_recipe(settings, attention)
+    try:
+        model = model_class.from_pretrained(
+            settings.base_model,
+            config=config,
+            dtype=torch.float32,
+            device_map={"": device},
+            local_files_only=True,
+            **options,
+        )
+    except (OSError, ValueError, ImportError) as err:
+        raise BaseModelError(f"cannot load '{settings.base_model}': {str(err).splitlines()[0]}") from None
+    return _causal_lm(model, settings)
 
 
 def write_tokenizer(tokenizer: Any, out_dir: Path) -> None:

@@ -131,7 +131,7 @@ _add(G, ("rl", "dpo_beta", "reward_model", "process_reward_model", "trl"),
      refused("meshkit finetune does supervised fine-tuning; preference and RL training are not supported"))
 
 G = "adapters"
-_add(G, "adapter", honoured("lora (peft), or empty for a full fine-tune"))
+_add(G, "adapter", honoured("lora (peft); qlora: LoRA over the 4-bit base; empty for a full fine-tune"))
 _add(G, ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear"),
      honoured("peft LoraConfig (lora_target_linear: every Linear but the head)"))
 _add(G, "peft_use_rslora", honoured("peft's rank-stabilised scaling alpha / sqrt(r)"))
@@ -144,9 +144,12 @@ _add(G, "loraplus_lr_embedding", noted("no embedding is adapted by lora_target_m
 _add(G, ("lora_model_dir", "lora_modules_to_save", "peft_use_dora"),
      refused("not supported yet: start a plain LoRA from base_model (DoRA, saved modules and continued adapters "
              "are planned)"))
-_add(G, ("load_in_8bit", "load_in_4bit", "gptq", "bnb_config_kwargs", "bnb_4bit_quant_type",
-         "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"),
-     refused("quantized bases are not supported yet: use adapter: lora on the bf16 or fp32 base"))
+_add(G, ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+         "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "bnb_config_kwargs"),
+     honoured("the frozen base quantized as it loads (bitsandbytes through transformers' BitsAndBytesConfig, "
+              "CPU too); adapters train over it in one process, DDP or ZeRO-1/2; merged/ is dequantized"))
+_add(G, "gptq", honoured("a GPTQ base loads through transformers where gptqmodel is installed; else refused in one "
+                         "line"))
 _add(G, ("peft_init_lora_weights", "relora", "peft_layer_replication", "lora_target_parameters"),
      refused("LoRA starts from peft's default initialisation on the listed modules: remove the key"))
 

@@ -1,0 +1,97 @@
+"""A quantized, frozen base for LoRA: `load_in_8bit` (LLM.int8), `load_in_4bit` / `adapter: qlora` (NF4 or FP4,
+double quantization, a compute dtype) through transformers' `BitsAndBytesConfig`, and `gptq: true` bases through
+transformers' GPTQ integration where its kernels are installed.
+
+transformers loads the base and quantizes each weight as it streams in; peft then wraps the quantized layers
+(`Linear4bit` / `Linear8bitLt`) in LoRA layers that train in float32. bitsandbytes 0.50 runs both kinds on a
+CPU. Each rank holds the whole quantized base (4 bits: about a quarter of bf16), so the adapters train in the
+layouts where every rank runs whole layers: one process, DDP, ZeRO-1/2 (their shards are the adapters' states).
+The merged export dequantizes the base and folds the adapters in (`meshkit.models.quantized`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshkit.errors import MeshkitError
+from meshkit.recipes.hf_base import load_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
+
+
+class _CastNotice(logging.Filter):
+    """bitsandbytes logs its int8 input cast on every matmul; the recipe says it once instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "inputs will be cast from" not in record.getMessage()
+
+
+INT8_CAST_NOTE = "load_in_8bit: LLM.int8 matmuls quantize their inputs through float16 (bitsandbytes)"
+
+
+class QuantizedBaseError(MeshkitError):
+    """A quantized base that cannot load or train here; the message says what to change."""
+
+
+def quantization_config(settings: Any) -> Any:
+    """transformers' `BitsAndBytesConfig` for the settings' `load_in_8bit` / 4-bit keys (None for gptq)."""
+    if settings.quantization == "gptq":
+        return None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise QuantizedBaseError(f"a {settings.quantization} base needs bitsandbytes: pip install 'meshkit[hf]'")
+    from transformers import BitsAndBytesConfig
+
+    options: dict[str, Any] = dict(settings.bnb_config_kwargs or {})
+    if settings.quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True, **options)
+    compute = _DTYPES[settings.bnb_4bit_compute_dtype or "float32"]
+    return BitsAndBytesConfig(
+        **{
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": settings.bnb_4bit_quant_type,
+            "bnb_4bit_use_double_quant": settings.bnb_4bit_use_double_quant,
+            "bnb_4bit_compute_dtype": compute,
+            "bnb_4bit_quant_storage": _DTYPES[settings.bnb_4bit_quant_storage or "uint8"],
+            **options,
+        }
+    )
+
+
+def check_layout(settings: Any, zero_stage: int, tp: int, pp: int) -> None:
+    """The layouts a quantized base trains in, said before it loads: each rank runs whole quantized layers."""
+    if not settings.quantization:
+        return
+    what = {"8bit": "load_in_8bit", "4bit": "load_in_4bit / qlora", "gptq": "gptq"}[settings.quantization]
+    if zero_stage == 3:
+        raise QuantizedBaseError(
+            f"{what}: every rank holds the whole quantized base (4 bits: a quarter of bf16), so ZeRO-3 has nothing "
+            "of it to shard: use zero_stage 1 or 2 (the adapters' optimizer states are sharded), or DDP"
+        )
+    if tp > 1 or pp > 1:
+        raise QuantizedBaseError(
+            f"{what}: quantized layers run whole on each rank, not split by tensor or pipeline parallel: "
+            "set tp=1 and pp=1 (data parallel and ZeRO-1/2 train the adapters)"
+        )
+
+
+def load_quantized_base(settings: Any, attention: str, device: torch.device) -> nn.Module:
+    """The base model, quantized as it loads onto `device`; every parameter frozen."""
+    if settings.quantization == "gptq" and importlib.util.find_spec("gptqmodel") is None:
+        raise QuantizedBaseError(
+            "gptq: true loads GPTQ checkpoints through the gptqmodel package, which is not installed: "
+            "pip install gptqmodel, or load the unquantized base with load_in_4bit: true (QLoRA)"
+        )
+    config = quantization_config(settings)
+    if settings.quantization == "8bit":
+        bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
+        if not any(isinstance(f, _CastNotice) for f in bnb_log.filters):
+            bnb_log.addFilter(_CastNotice())
+    model = load_model(settings, attention, device, **({"quantization_config": config} if config else {}))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
