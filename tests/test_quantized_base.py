@@ -1,6 +1,7 @@
 """Quantized bases (bitsandbytes on CPU): LoRA over an int8 base and QLoRA over a 4-bit one track LoRA on the
 dequantized base, train the same in two ranks as in one (DDP, ZeRO-2), export a merged model that `from_pretrained`
-loads with the adapter-on-base logits, and refuse in one line what cannot run."""
+loads with the adapter-on-base logits, and refuse in one line what cannot run. A 4-bit base also trains under
+ZeRO-3 (its packed weights sharded)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,9 @@ def test_lora_over_a_quantized_base_tracks_lora_on_its_dequantized_weights(tmp_p
     assert quantized["trainable_parameters"] == reference["trainable_parameters"]
 
 
-@pytest.mark.parametrize(("kind", "layout"), [("4bit", "zero_stage=0"), ("8bit", "zero_stage=2")])
+@pytest.mark.parametrize(
+    ("kind", "layout"), [("4bit", "zero_stage=0"), ("4bit", "zero_stage=3"), ("8bit", "zero_stage=2")]
+)
 def test_two_ranks_equal_one_and_the_merged_export_is_the_adapter_on_the_base(tmp_path, material, kind, layout):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -112,7 +115,12 @@ def test_quantization_settings_that_contradict_are_one_line(tmp_path, material, 
 @pytest.mark.parametrize(
     ("keys", "assignments", "expected"),
     [
-        ({"adapter": "qlora"}, ["zero_stage=3"], "ZeRO-3 has nothing of it to shard"),
+        ({"load_in_8bit": True}, ["zero_stage=3"], "ZeRO-3 shards 4-bit layers only"),
+        (
+            {"adapter": "qlora", "bnb_4bit_quant_storage": "float32"},
+            ["zero_stage=3", "precision=bf16"],
+            "garbles packed 4-bit weights",
+        ),
         ({"load_in_8bit": True}, ["tp=2"], "not split by tensor or pipeline parallel"),
         ({"gptq": True}, [], "pip install gptqmodel"),
     ],

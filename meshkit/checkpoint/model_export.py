@@ -21,7 +21,7 @@ from meshkit.checkpoint.storage import CheckpointError, load_tensors, stored_sha
 from meshkit.export import ShardStream, TensorInfo, parse_size, plan_shards, storage_identity
 from meshkit.mesh import ParallelMesh
 from meshkit.models.adapters import LoraMerge, base_checkpoint_name, is_adapter_parameter, merged_weight
-from meshkit.models.quantized import full_precision_state
+from meshkit.models.quantized import is_bookkeeping, quantized_weights
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.tensor_auto import restore_fused_qkv
 
@@ -31,12 +31,13 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state dict without aliases (tied weights keep their first name); quantized base weights in
-    full precision, without their quantization bookkeeping."""
+    """The module's state dict without aliases (tied weights keep their first name), and without a quantized
+    weight's bookkeeping (the weight is dequantized as it is exported)."""
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
     out = {}
-    module = unwrap(model)
-    for name, tensor in full_precision_state(module, module.state_dict()).items():
+    for name, tensor in unwrap(model).state_dict().items():
+        if is_bookkeeping(name):
+            continue
         if not isinstance(tensor, DTensor):
             identity = storage_identity(tensor)
             if identity in seen:
@@ -72,7 +73,14 @@ def save_model_weights(
     local = _local_tensors(model)
     merges = merges or {}
     exported = _exported_names(local, merges, set(aliases or {}))
-    mine = [(out, tuple(local[name].shape), str(local[name].dtype)) for out, name in exported.items()]
+    quantized = quantized_weights(unwrap(model))  # exported dequantized: their unquantized shape and dtype
+
+    def shape_and_dtype(name: str) -> tuple[tuple[int, ...], str]:
+        if name in quantized:
+            return quantized[name].shape, str(quantized[name].dtype)
+        return tuple(local[name].shape), str(local[name].dtype)
+
+    mine = [(out, *shape_and_dtype(name)) for out, name in exported.items()]
     pp = mesh.size("pp")
     stages = collectives.gather_object(mine, mesh.group("pp")) if pp > 1 else [mine]
     stage_of_rank = collectives.gather_object(mesh.coordinate("pp"), None) if pp > 1 else [0]
@@ -91,6 +99,8 @@ def save_model_weights(
     def full(name: str) -> torch.Tensor:  # collective over the tensor's mesh when it is sharded
         tensor = local[name]
         whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        if name in quantized:
+            return quantized[name].dequantize(whole)
         return restore_fused_qkv(whole, mesh.size("tp"), fused[name]) if name in fused else whole
 
     for shard in plan:

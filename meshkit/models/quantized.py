@@ -11,6 +11,7 @@ loads as an ordinary model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -71,23 +72,48 @@ def is_quantized(model: nn.Module) -> bool:
     return any(quantized_kind(module) is not None for module in model.modules())
 
 
-@torch.no_grad()
-def dequantized_weight(module: nn.Module) -> torch.Tensor:
-    """The full-precision weight of a quantized linear layer ([out, in], in the dtype it was quantized from)."""
-    import bitsandbytes.functional as bnb_functional
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized layer's weight as its unquantized model has it: shape, dtype, and how to get it back."""
 
-    kind = quantized_kind(module)
-    weight = module.weight
-    if kind == "4bit":
-        state = getattr(weight, "quant_state", None) or module.quant_state
-        module.state_dict()  # undoes bitsandbytes' CPU inference repacking (done in place by an eval forward)
-        state = getattr(module.weight, "quant_state", None) or state
-        full = bnb_functional.dequantize_4bit(module.weight.data, state)
-        return full.to(state.dtype).reshape(state.shape)
-    if kind == "8bit":
-        dtype = module.bias.dtype if getattr(module, "bias", None) is not None else torch.float32
-        return bnb_functional.int8_vectorwise_dequant(weight.data, _row_scales(module)).to(dtype)
-    raise TypeError(f"{type(module).__name__} is not a quantized linear layer")
+    module: nn.Module
+    kind: QuantKind
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @torch.no_grad()
+    def dequantize(self, stored: torch.Tensor) -> torch.Tensor:
+        """The full-precision weight from the whole stored one (under ZeRO-3: once gathered)."""
+        import bitsandbytes.functional as bnb_functional
+
+        if self.kind == "4bit":
+            state = getattr(self.module.weight, "quant_state", None) or self.module.quant_state
+            return bnb_functional.dequantize_4bit(stored, state).to(self.dtype).reshape(self.shape)
+        return bnb_functional.int8_vectorwise_dequant(stored, _row_scales(self.module)).to(self.dtype)
+
+
+def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
+    """State-dict name of each quantized weight -> what it dequantizes to."""
+    out = {}
+    for name, kind in quantized_layers(model).items():
+        module = model.get_submodule(name)
+        if kind == "4bit":
+            state = getattr(module.weight, "quant_state", None) or module.quant_state
+            shape, dtype = tuple(state.shape), state.dtype
+        else:
+            bias = getattr(module, "bias", None)
+            shape, dtype = tuple(module.weight.shape), bias.dtype if bias is not None else torch.float32
+        out[f"{name}.weight" if name else "weight"] = QuantizedWeight(module, kind, shape, dtype)
+    return out
+
+
+def keep_training_layout(model: nn.Module) -> None:
+    """bitsandbytes repacks a 4-bit weight in place for CPU inference (AVX512-BF16 hosts) on an eval forward;
+    a trained model (its weight sharded by ZeRO-3 or checkpointed) keeps the one layout it was loaded in."""
+    for name in quantized_layers(model):
+        module = model.get_submodule(name)
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def is_bookkeeping(name: str) -> bool:
@@ -96,14 +122,11 @@ def is_bookkeeping(name: str) -> bool:
 
 
 def full_precision_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` (the model's state dict) with each quantized weight dequantized and its bookkeeping left out."""
-    layers = quantized_layers(model)
-    if not layers:
-        return state
+    """`state` (the unsharded model's state dict) with each quantized weight dequantized and its bookkeeping left
+    out (all at once: for a model in one process; the export dequantizes one weight at a time)."""
+    weights = quantized_weights(model)
     out = {name: tensor for name, tensor in state.items() if not is_bookkeeping(name)}
-    modules = dict(model.named_modules())
-    for name in layers:
-        key = f"{name}.weight" if name else "weight"
-        if key in out:
-            out[key] = dequantized_weight(modules[name])
+    for name, weight in weights.items():
+        if name in out:
+            out[name] = weight.dequantize(out[name])
     return out

@@ -140,7 +140,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     attention, attention_note = attention_implementation(s.attn_implementation)
     if attention_note:
         engine.print(f"meshkit: {attention_note}")
-    check_quantized_layout(s, engine.zero_stage, engine.mesh.size("tp"), engine.mesh.size("pp"))
+    check_quantized_layout(s, engine.zero_stage, engine.mesh.size("tp"), engine.mesh.size("pp"), cfg.precision)
     base = load_quantized_base(s, attention, engine.device) if s.quantization else build_meta_model(s, attention)
     if s.quantization == "8bit":
         engine.print(f"meshkit: {INT8_CAST_NOTE}")

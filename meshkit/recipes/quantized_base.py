@@ -4,9 +4,12 @@ transformers' GPTQ integration where its kernels are installed.
 
 transformers loads the base and quantizes each weight as it streams in; peft then wraps the quantized layers
 (`Linear4bit` / `Linear8bitLt`) in LoRA layers that train in float32. bitsandbytes 0.50 runs both kinds on a
-CPU. Each rank holds the whole quantized base (4 bits: about a quarter of bf16), so the adapters train in the
-layouts where every rank runs whole layers: one process, DDP, ZeRO-1/2 (their shards are the adapters' states).
-The merged export dequantizes the base and folds the adapters in (`meshkit.models.quantized`).
+CPU. The adapters train in one process, DDP and ZeRO-1/2 (each rank holds the whole quantized base: 4 bits are
+about a quarter of bf16), and over a 4-bit base in ZeRO-3 too: FSDP2 shards the packed weights as they are (uint8
+storage; bitsandbytes re-attaches each layer's quantization state to the gathered weight), so each rank holds 1/n of
+the base (`bench/finetune.py` measures it), and neither a float storage dtype nor torchao's NF4 tensor is needed.
+An int8 layer keeps its scales on its weight, which a shard loses: int8 bases stop at ZeRO-2. The merged export
+dequantizes the base and folds the adapters in (`meshkit.models.quantized`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from meshkit.errors import MeshkitError
+from meshkit.models.quantized import keep_training_layout
 from meshkit.recipes.hf_base import load_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
@@ -62,15 +66,23 @@ def quantization_config(settings: Any) -> Any:
     )
 
 
-def check_layout(settings: Any, zero_stage: int, tp: int, pp: int) -> None:
-    """The layouts a quantized base trains in, said before it loads: each rank runs whole quantized layers."""
+def check_layout(settings: Any, zero_stage: int, tp: int, pp: int, precision: str = "no") -> None:
+    """The layouts a quantized base trains in, said before it loads."""
     if not settings.quantization:
         return
     what = {"8bit": "load_in_8bit", "4bit": "load_in_4bit / qlora", "gptq": "gptq"}[settings.quantization]
-    if zero_stage == 3:
+    if zero_stage == 3 and settings.quantization != "4bit":
         raise QuantizedBaseError(
-            f"{what}: every rank holds the whole quantized base (4 bits: a quarter of bf16), so ZeRO-3 has nothing "
-            "of it to shard: use zero_stage 1 or 2 (the adapters' optimizer states are sharded), or DDP"
+            f"{what}: ZeRO-3 shards 4-bit layers only (int8 layers keep their scales on the weight, which a shard "
+            "loses): use load_in_4bit / qlora, or zero_stage 1 or 2"
+        )
+    storage = settings.bnb_4bit_quant_storage or "uint8"
+    compute = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+    if zero_stage == 3 and storage not in ("uint8", compute):
+        raise QuantizedBaseError(
+            f"bnb_4bit_quant_storage: {storage} under ZeRO-3 with precision {precision}: FSDP casts floating "
+            f"parameters to {compute}, which garbles packed 4-bit weights: store them as uint8 (the default) or "
+            f"{compute}"
         )
     if tp > 1 or pp > 1:
         raise QuantizedBaseError(
@@ -94,4 +106,5 @@ def load_quantized_base(settings: Any, attention: str, device: torch.device) -> 
     model = load_model(settings, attention, device, **({"quantization_config": config} if config else {}))
     for param in model.parameters():
         param.requires_grad_(False)
+    keep_training_layout(model)
     return model

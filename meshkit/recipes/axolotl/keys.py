@@ -147,7 +147,8 @@ _add(G, ("lora_model_dir", "lora_modules_to_save", "peft_use_dora"),
 _add(G, ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
          "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "bnb_config_kwargs"),
      honoured("the frozen base quantized as it loads (bitsandbytes through transformers' BitsAndBytesConfig, "
-              "CPU too); adapters train over it in one process, DDP or ZeRO-1/2; merged/ is dequantized"))
+              "CPU too); adapters train over it in one process, DDP, ZeRO-1/2, and ZeRO-3 for 4 bits; merged/ is "
+              "dequantized"))
 _add(G, "gptq", honoured("a GPTQ base loads through transformers where gptqmodel is installed; else refused in one "
                          "line"))
 _add(G, ("peft_init_lora_weights", "relora", "peft_layer_replication", "lora_target_parameters"),
