@@ -26,7 +26,7 @@ from meshkit.errors import MeshkitError
 GB = 1e9
 ZERO_BUCKETS_IN_FLIGHT = 2  # meshkit's ZeRO-2 reduction buckets alive at once during backward
 Precision = Literal["fp32", "bf16", "fp16"]
-Optimizer = Literal["adam", "sgd"]
+Optimizer = Literal["adam", "adam8bit", "sgd"]
 Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "cpu", "nvme"]
 
@@ -138,7 +138,7 @@ class Estimate:
 def model_state_bytes(precision: Precision, optimizer: Optimizer) -> tuple[int, int, int]:
     """Bytes per parameter for (weights, gradients, optimizer states)."""
     mixed = precision != "fp32"
-    moments = 8 if optimizer == "adam" else 4
+    moments = {"adam": 8, "adam8bit": 2}.get(optimizer, 4)  # adam8bit: two 1-byte moments (bitsandbytes)
     if mixed:
         return 2, 2, 4 + moments  # fp32 master weights kept by the optimizer
     return 4, 4, moments

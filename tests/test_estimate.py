@@ -26,6 +26,15 @@ def test_fp32_adam_is_4_4_8_bytes_per_parameter_and_offload_moves_the_optimizer_
     assert offloaded["optimizer_gb"] == 0.0 and "offloaded to cpu" in offloaded["formulas"]["optimizer"]
 
 
+def test_8bit_adam_keeps_2_bytes_of_state_per_parameter_and_the_cli_takes_it() -> None:
+    out = estimate_memory(ModelShape(params=1e9), precision="fp32", optimizer="adam8bit").as_json()
+    assert out["optimizer_gb"] == pytest.approx(2.0)
+    mixed = estimate_memory(ModelShape(params=1e9), precision="bf16", optimizer="adam8bit").as_json()
+    assert mixed["optimizer_gb"] == pytest.approx(6.0)  # fp32 master weights + two 1-byte moments
+    proc = meshkit("estimate", "--params", "1e9", "--precision", "fp32", "--optimizer", "adam8bit", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["optimizer_gb"] == pytest.approx(2.0)
+
+
 # s = 4, b = 2, h = 8, a = 2: sbh = 64, as²b = 64
 CASE = {"s": 4, "b": 2, "h": 8, "a": 2}
 

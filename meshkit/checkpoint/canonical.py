@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshkit import collectives
 from meshkit.accumulation import PreparedOptimizer
+from meshkit.checkpoint.optimizer_states import from_canonical, to_canonical
 from meshkit.mesh import ParallelMesh
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.nvme import NVMeOptimizer
@@ -152,22 +153,17 @@ class TrainingState:
             inner = _inner(optimizer)
             if isinstance(inner, ZeroOptimizer):
                 for number, shard in enumerate(inner.shards):
-                    for state, value in inner.state.get(shard.shard, {}).items():
+                    for state, value in to_canonical(inner.state.get(shard.shard, {})).items():
                         if isinstance(value, torch.Tensor):
                             out[self._flat_key(index, number, state)] = self._flat_piece(shard, value)
                 continue
             prefix = _prefix("optim", index)
-            shared: set[int] = set()  # e.g. bitsandbytes' quantization maps: one tensor in every parameter's state
             for param, states in inner.state.items():
                 name = self.parameters[id(param)]
-                for state, value in states.items():
+                for state, value in to_canonical(states).items():
                     if isinstance(value, torch.Tensor):
                         key = f"{prefix}.{name.partition('.')[2]}.{state}"
-                        if value.shape == param.shape:
-                            out[key] = self.names.to_canonical(name, value)
-                        else:
-                            out[key] = value.clone() if value.data_ptr() in shared else value
-                            shared.add(value.data_ptr())
+                        out[key] = self.names.to_canonical(name, value) if value.shape == param.shape else value
         return out
 
     def _flat_piece(self, shard: FlatShard, value: torch.Tensor) -> torch.Tensor:
@@ -253,7 +249,7 @@ class TrainingState:
                     tensor = self.names.from_canonical(name, tensor, param)
                 states[state] = tensor
             if states:
-                inner.state[param] = states
+                inner.state[param] = from_canonical(inner, param, states)
 
     def _read_flat_as_full(self, index: int, stored: StoredShapes, read: Reader) -> dict[str, dict[str, Any]]:
         """flat ZeRO-1/2 states -> {param name: {state: full tensor}} for this rank's parameters."""
@@ -292,7 +288,8 @@ class TrainingState:
                         # under tensor parallel the chunks hold this rank's shards, not the full states
                         piece = _local(tensor) if shard.distributed else _full(tensor)
                         states.setdefault(key[head:], []).append(piece)
-                inner.state[shard.shard] = {state: _chunk_of(shard, values) for state, values in states.items()}
+                chunk_states = {state: _chunk_of(shard, values) for state, values in states.items()}
+                inner.state[shard.shard] = from_canonical(inner.inner, shard.shard, chunk_states)
             return
         self._refuse_flat_tp_crossing(index, stored, into_flat=True)
         targets: dict[str, torch.Tensor] = {}
@@ -312,6 +309,8 @@ class TrainingState:
                 else:
                     state[name] = targets[key] = torch.empty(shape, dtype=dtype)
         read(targets)
+        for shard in inner.shards:
+            inner.state[shard.shard] = from_canonical(inner.inner, shard.shard, inner.state[shard.shard])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""bitsandbytes' 8-bit AdamW under ZeRO-2: its states stepped on a rank's flat chunk, checkpointed dequantized
+(requantized exactly on load), so a run resumes exactly in its layout and reshards to another."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("bitsandbytes", reason="the hf extra (bitsandbytes) is not installed")
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+from meshkit.checkpoint.optimizer_states import from_canonical, to_canonical  # noqa: E402
+from tests.distributed import run_world  # noqa: E402
+from tests.finetune_runs import run_finetune, write_config  # noqa: E402
+
+TIMEOUT = 240
+FULL_8BIT = {"optimizer": "adamw_8bit", "learning_rate": 1e-3, "max_steps": 6, "save_steps": 2}
+
+
+def test_8bit_states_round_trip_through_their_checkpoint_form_exactly() -> None:
+    import bitsandbytes.optim as bnb_optim
+
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(10_000))
+    optimizer = bnb_optim.AdamW8bit([param], lr=1e-2)
+    for _ in range(3):
+        param.grad = torch.randn(10_000)
+        optimizer.step()
+    before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[param].items()}
+    stored = to_canonical(optimizer.state[param])
+    assert set(stored) == {"step", "exp_avg", "exp_avg_sq"} and stored["exp_avg"].dtype == torch.float32
+    fresh = bnb_optim.AdamW8bit([param], lr=1e-2)
+    after = from_canonical(fresh, param, stored)
+    assert after["step"] == before["step"] == 3
+    for key in ("state1", "state2", "absmax1", "absmax2"):
+        assert torch.equal(after[key], before[key]), key
+
+
+def _run(tmp_path: Path, material: dict, name: str, world: int, *args: str, out: Path | None = None) -> dict:
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    config = write_config(folder / "c.yml", material, **FULL_8BIT)
+    assignments = [f"output_dir={out or folder / 'out'}", *args]
+    return run_world(run_finetune, world, str(config), assignments, timeout=TIMEOUT)[0]
+
+
+def _losses(summary: dict) -> torch.Tensor:
+    return torch.tensor(summary["losses"])
+
+
+def test_zero2_with_8bit_adamw_tracks_one_process_and_resumes_exactly_and_resharded(tmp_path, material) -> None:
+    whole = _run(tmp_path, material, "zero2", 2, "zero_stage=2")
+    one = _run(tmp_path, material, "one", 1, "micro_batch_size=4")
+    # blocks of 256 follow each rank's flat chunk under ZeRO-2 and each parameter in one process
+    torch.testing.assert_close(_losses(whole), _losses(one), rtol=1e-3, atol=0)
+    checkpoints = tmp_path / "zero2" / "out" / "checkpoints"
+    at_step_2 = tmp_path / "at-step-2"
+    shutil.copytree(checkpoints / "step-000002", at_step_2 / "checkpoints" / "step-000002")
+    for late in ("step-000004", "step-000006"):
+        shutil.rmtree(checkpoints / late)
+    same = _run(tmp_path, material, "zero2", 2, "zero_stage=2", "auto_resume_from_checkpoints=true")
+    assert same["resumed_at_step"] == 2
+    # requantized codes and scales equal the saved ones up to float rounding at bin edges
+    torch.testing.assert_close(_losses(same), _losses(whole), rtol=1e-5, atol=0)
+    resharded = _run(
+        tmp_path, material, "ddp1", 1, "micro_batch_size=4", "auto_resume_from_checkpoints=true", out=at_step_2
+    )
+    assert resharded["resumed_at_step"] == 2
+    torch.testing.assert_close(_losses(resharded), _losses(whole), rtol=1e-3, atol=0)
