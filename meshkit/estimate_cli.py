@@ -58,7 +58,9 @@ def estimate_command(
     seq_len: Annotated[int, typer.Option("--seq-len")] = 2048,
     micro_batch: Annotated[int, typer.Option("--micro-batch")] = 1,
     precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "bf16",
-    optimizer: Annotated[str, typer.Option("--optimizer", help="adam, adam8bit (bitsandbytes' 8-bit states) or sgd")] = "adam",
+    optimizer: Annotated[
+        str, typer.Option("--optimizer", help="adam, adam8bit (bitsandbytes' 8-bit states) or sgd")
+    ] = "adam",
     zero_stage: Annotated[int, typer.Option("--zero-stage")] = 0,
     dp: Annotated[int, typer.Option("--dp")] = 1,
     tp: Annotated[int, typer.Option("--tp")] = 1,

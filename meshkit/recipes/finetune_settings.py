@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from meshkit.config import Section
 from meshkit.data.formats import DatasetEntry
@@ -115,18 +115,12 @@ class FinetuneSettings(Section):
     def _one_name_is_a_list(cls, value: Any) -> Any:
         return (value,) if isinstance(value, str) else value
 
-    @field_validator("lr_scheduler")
+    @field_validator("lr_scheduler", "optimizer")
     @classmethod
-    def _known_scheduler(cls, value: str) -> str:
-        if value not in SCHEDULERS:
-            raise ValueError(f"'{value}' is not a schedule meshkit runs; choose one of {', '.join(SCHEDULERS)}")
-        return value
-
-    @field_validator("optimizer")
-    @classmethod
-    def _known_optimizer(cls, value: str) -> str:
-        if value not in OPTIMIZERS:
-            raise ValueError(f"'{value}' is not an optimizer meshkit runs; choose one of {', '.join(OPTIMIZERS)}")
+    def _one_meshkit_runs(cls, value: str, info: ValidationInfo) -> str:
+        known, what = (SCHEDULERS, "a schedule") if info.field_name == "lr_scheduler" else (OPTIMIZERS, "an optimizer")
+        if value not in known:
+            raise ValueError(f"'{value}' is not {what} meshkit runs; choose one of {', '.join(known)}")
         return value
 
     @model_validator(mode="after")

@@ -41,7 +41,8 @@ def _precision(flag: str) -> Callable[[Any], Any]:
         if value == "auto":  # Axolotl: on where the device supports it; elsewhere left to other keys
             import torch
 
-            return flag if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else None
+            supported = torch.cuda.is_available() and (flag == "fp16" or torch.cuda.is_bf16_supported())
+            return flag if supported else None
         return flag if _on(value) else None
 
     return convert
