@@ -68,10 +68,6 @@ def parameter_count(model: nn.Module) -> int:
     return total
 
 
-def is_quantized(model: nn.Module) -> bool:
-    return any(quantized_kind(module) is not None for module in model.modules())
-
-
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A quantized layer's weight as its unquantized model has it: shape, dtype, and how to get it back."""
