@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from meshkit import Engine
 from meshkit.config import LaunchSettings
-from meshkit.data.formats import TokenizedSample, load_samples
+from meshkit.data.formats import TokenizedSample
 from meshkit.data.packing import PackedSamples, PadCollate, PaddedSamples
+from meshkit.data.tokenized import load_samples
 from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.recipes.tiny_model import make_tiny_base_model, texts_of_jsonl
 

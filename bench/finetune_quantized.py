@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from meshkit import Engine
 from meshkit.config import LaunchSettings
-from meshkit.data.formats import load_samples
 from meshkit.data.packing import PadCollate, PaddedSamples
+from meshkit.data.tokenized import load_samples
 from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.models.adapters import is_adapter_parameter
 from meshkit.recipes.tiny_model import make_tiny_base_model, texts_of_jsonl

@@ -1,8 +1,28 @@
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 
 WORLD8_LAYOUTS = {"pp2_dp2_tp2": ("gpt4", {"pp": 2, "dp_replicate": 2, "tp": 2})}
+
+
+def pytest_configure(config) -> None:
+    """No hub access (there is none here: fail at once rather than retry), and Hugging Face datasets' cache in a
+    directory of this session's own (set before `datasets` is imported: it reads the variable once)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="meshkit-test-datasets-")
+    config.stash[_DATASETS_CACHE] = os.environ["HF_DATASETS_CACHE"]
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(config.stash.get(_DATASETS_CACHE, ""), ignore_errors=True)
+
+
+_DATASETS_CACHE = pytest.StashKey[str]()
 
 
 @pytest.fixture(autouse=True)

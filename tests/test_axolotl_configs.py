@@ -14,7 +14,7 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
 
 from meshkit.data.dataset_entry import DatasetEntry  # noqa: E402
-from meshkit.data.formats import load_samples  # noqa: E402
+from meshkit.data.tokenized import load_samples  # noqa: E402
 from meshkit.loss import IGNORE_INDEX  # noqa: E402
 from meshkit.recipes.axolotl.keys import AXOLOTL_KEYS, render_table  # noqa: E402
 from meshkit.recipes.finetune_config import resolve_finetune  # noqa: E402
@@ -196,8 +196,10 @@ def test_alpaca_variants_completion_field_input_output_and_custom_types(tmp_path
     assert _trained(tokenizer, body).startswith("the apple")
     assert _trained(tokenizer, io) == " A: b"
     assert "[apple]" in tokenizer.decode(q.input_ids)
-    with pytest.raises(ValueError, match="split 'test'"):
-        DatasetEntry(path=alpaca, type="alpaca", split="test")
+    with pytest.raises(ValueError, match="has no split 'test' \\(it has train\\)"):
+        load_samples(
+            [DatasetEntry(path=alpaca, type="alpaca", split="test")], tokenizer, sequence_len=64, train_on_inputs=False
+        )
 
 
 # ------------------------------------------------------------------ trained as written

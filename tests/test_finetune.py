@@ -10,9 +10,9 @@ import torch
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
 
-from meshkit.data.formats import load_samples  # noqa: E402
 from meshkit.data.jsonl import DataFormatError  # noqa: E402
 from meshkit.data.packing import PackedSamples, PadCollate, PaddedSamples, pack  # noqa: E402
+from meshkit.data.tokenized import load_samples  # noqa: E402
 from meshkit.loss import IGNORE_INDEX, split_causal_lm_batch  # noqa: E402
 from meshkit.recipes.finetune_config import resolve_finetune  # noqa: E402
 from meshkit.resolve import ConfigError  # noqa: E402

@@ -4,7 +4,7 @@ Empty values mean unset, as in Axolotl's configs."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -30,9 +30,15 @@ class CustomPrompt(Section):
 
 
 class DatasetEntry(Section):
-    path: Path = Field(description="a JSON Lines file")
+    path: str = Field(description="a local file or directory, or a hub dataset name found in this machine's caches")
     type: str | CustomPrompt = Field(description="alpaca (and variants) | chat_template | completion | input_output")
-    split: str | None = Field(None, description="train (local files hold one split)")
+    split: str = Field("train", description="the split read (a file alone holds 'train')")
+    name: str | None = Field(None, description="the dataset's configuration (subset) name")
+    data_files: str | tuple[str, ...] | None = Field(None, description="files within a directory or hub dataset")
+    ds_type: Literal["json", "parquet", "csv", "arrow", "text"] | None = Field(
+        None, description="the files' format where their suffix does not say"
+    )
+    revision: str | None = Field(None, description="the hub dataset's revision")
     field: str | None = Field(None, description="completion: the field holding the text; null = text")
     field_messages: str | None = Field(None, description="chat_template: the field holding the turns; null = messages")
     message_property_mappings: dict[str, str] | None = Field(None, description="{role: from, content: value}")
@@ -64,12 +70,10 @@ class DatasetEntry(Section):
             return base
         return value
 
-    @field_validator("split")
+    @field_validator("path", mode="before")
     @classmethod
-    def _local_files_hold_train(cls, value: str | None) -> str | None:
-        if value not in (None, "train"):
-            raise ValueError(f"split '{value}': a local JSON Lines file holds one split, 'train'; give its own file")
-        return value
+    def _path_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     def mappings(self) -> dict[str, str]:
         """Message property -> record key (role, content)."""

@@ -9,20 +9,19 @@
 - `completion`: `text` (or `field`); every token is trained on.
 - `input_output`: `segments` of `{text, label}`; the segments with `label: true` are trained on.
 
-Without `train_on_inputs` the prompt tokens get label -100 (no loss). A sample longer than `sequence_len`
-or with no token to train on is dropped and counted (as Axolotl does).
+Without `train_on_inputs` the prompt tokens get label -100 (no loss). `meshkit.data.tokenized` runs a `Formatter`
+over whole datasets; a record's `where` (file and line) is formatted only into error messages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from meshkit.data.chat_templates import chat_template
 from meshkit.data.dataset_entry import CustomPrompt, DatasetEntry
-from meshkit.data.jsonl import DataFormatError, read_jsonl, record_field
+from meshkit.data.jsonl import DataFormatError, record_field
 from meshkit.loss import IGNORE_INDEX
 
 ALPACA_WITH_INPUT = (
@@ -49,16 +48,6 @@ ALPACA_VARIANT_PROMPTS["alpaca_phi"] = ALPACA_VARIANT_PROMPTS["alpaca:phi"]
 class TokenizedSample:
     input_ids: tuple[int, ...]
     labels: tuple[int, ...]  # IGNORE_INDEX where the token does not count
-
-
-@dataclass
-class LoadReport:
-    """What became of the records: kept, dropped as too long, dropped with nothing to train on."""
-
-    kept: int = 0
-    too_long: int = 0
-    nothing_to_train: int = 0
-    per_file: dict[str, int] = field(default_factory=dict)
 
 
 class Formatter:
@@ -93,7 +82,7 @@ class Formatter:
             labels.append(specials.eos_token_id)
         return TokenizedSample(tuple(ids), tuple(labels))
 
-    def alpaca(self, record: dict[str, Any], where: str, variant: str = "alpaca") -> TokenizedSample:
+    def alpaca(self, record: dict[str, Any], where: object, variant: str = "alpaca") -> TokenizedSample:
         instruction = record_field(record, "instruction", where)
         extra = record_field(record, "input", where, required=False) or ""
         output = record_field(record, "output", where)
@@ -108,7 +97,7 @@ class Formatter:
                 prompt = f"{system}\n\n" + prompt.split("\n\n", 1)[1]
         return self._sample([(prompt, False), (output, True)], bos=True, eos=True)
 
-    def custom(self, record: dict[str, Any], where: str, spec: CustomPrompt) -> TokenizedSample:
+    def custom(self, record: dict[str, Any], where: object, spec: CustomPrompt) -> TokenizedSample:
         instruction = record_field(record, spec.field_instruction, where)
         extra = record_field(record, spec.field_input, where, required=False) or ""
         output = record_field(record, spec.field_output, where)
@@ -118,11 +107,11 @@ class Formatter:
             prompt = spec.system_format.format(system=system) + prompt
         return self._sample([(prompt, False), (output, True)], bos=True, eos=True)
 
-    def completion(self, record: dict[str, Any], where: str) -> TokenizedSample:
+    def completion(self, record: dict[str, Any], where: object) -> TokenizedSample:
         text = record_field(record, (self.entry.field if self.entry else None) or "text", where)
         return self._sample([(text, True)], bos=True, eos=True)
 
-    def input_output(self, record: dict[str, Any], where: str) -> TokenizedSample:
+    def input_output(self, record: dict[str, Any], where: object) -> TokenizedSample:
         segments = record_field(record, "segments", where, kind=list)
         pieces = []
         for index, segment in enumerate(segments):
@@ -132,8 +121,8 @@ class Formatter:
             pieces.append((record_field(segment, "text", place), bool(segment.get("label", True))))
         return self._sample(pieces, bos=False, eos=False)
 
-    def _messages(self, record: dict[str, Any], where: str, sharegpt: bool) -> list[dict[str, str]]:
-        entry = self.entry or DatasetEntry(path=Path("."), type="chat_template")
+    def _messages(self, record: dict[str, Any], where: object, sharegpt: bool) -> list[dict[str, str]]:
+        entry = self.entry or DatasetEntry(path=".", type="chat_template")
         key = entry.field_messages or ("conversations" if sharegpt and "conversations" in record else "messages")
         mapping = entry.mappings()
         if sharegpt and not entry.message_property_mappings and "from" in str(record.get(key)):
@@ -153,7 +142,7 @@ class Formatter:
             messages.insert(0, {"role": "system", "content": self.default_system_message})
         return messages
 
-    def chat_template(self, record: dict[str, Any], where: str, sharegpt: bool = False) -> TokenizedSample:
+    def chat_template(self, record: dict[str, Any], where: object, sharegpt: bool = False) -> TokenizedSample:
         messages = self._messages(record, where, sharegpt)
         if (self.template or self.tokenizer.chat_template) is None:
             raise DataFormatError(
@@ -190,7 +179,7 @@ class Formatter:
             labels[i] = eos if mode == "all" or (mode == "last" and i == positions[-1]) else IGNORE_INDEX
         return TokenizedSample(sample.input_ids, tuple(labels))
 
-    def _render(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], where: object, generation_prompt: bool) -> str:
         if not messages:
             return ""
         try:
@@ -202,7 +191,7 @@ class Formatter:
         except Exception as err:  # jinja raises its own errors for templates that reject a conversation
             raise DataFormatError(f"{where}: the chat template rejects this conversation: {err}") from None
 
-    def convert(self, record: dict[str, Any], where: str, kind: str | CustomPrompt) -> TokenizedSample:
+    def convert(self, record: dict[str, Any], where: object, kind: str | CustomPrompt) -> TokenizedSample:
         if isinstance(kind, CustomPrompt):
             return self.custom(record, where, kind)
         if kind.startswith("alpaca"):
@@ -210,35 +199,3 @@ class Formatter:
         if kind in ("chat_template", "sharegpt"):
             return self.chat_template(record, where, sharegpt=kind == "sharegpt")
         return getattr(self, kind)(record, where)
-
-
-def load_samples(
-    datasets: Sequence[tuple[Path, str] | DatasetEntry],
-    tokenizer: Any,
-    *,
-    sequence_len: int,
-    train_on_inputs: bool,
-    default_system_message: str | None = None,
-) -> tuple[list[TokenizedSample], LoadReport]:
-    """Every dataset's records, tokenized, in file order; over-long and untrainable samples are dropped."""
-    samples: list[TokenizedSample] = []
-    report = LoadReport()
-    for item in datasets:
-        try:
-            entry = item if isinstance(item, DatasetEntry) else DatasetEntry(path=item[0], type=item[1])
-        except ValueError as err:
-            raise DataFormatError(f"dataset '{item[0]}': {str(err).splitlines()[-1].strip()}") from None
-        formatter = Formatter(tokenizer, train_on_inputs, entry, default_system_message=default_system_message)
-        count = 0
-        for number, record in read_jsonl(entry.path):
-            sample = formatter.convert(record, f"{entry.path}:{number}", entry.type)
-            if len(sample.input_ids) > sequence_len:
-                report.too_long += 1
-            elif all(label == IGNORE_INDEX for label in sample.labels[1:]):
-                report.nothing_to_train += 1
-            else:
-                samples.append(sample)
-                count += 1
-        report.per_file[str(entry.path)] = count
-    report.kept = len(samples)
-    return samples, report

@@ -39,7 +39,7 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise DataFormatError(f"{file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
-def record_field(record: dict[str, Any], name: str, where: str, *, kind: type = str, required: bool = True) -> Any:
+def record_field(record: dict[str, Any], name: str, where: object, *, kind: type = str, required: bool = True) -> Any:
     """`record[name]`, checked: a missing or mistyped field is one line naming it and the record's place."""
     if name not in record or record[name] is None:
         if not required:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from meshkit.data.formats import TokenizedSample
+from meshkit.data.tokenized import TokenizedRows
 from meshkit.loss import IGNORE_INDEX
 
 OPEN_ROWS = 64  # rows still open for first-fit packing (bounds the work per sample on large datasets)
@@ -46,11 +47,18 @@ def pack(lengths: Sequence[int], sequence_len: int) -> list[PackedRow]:
     return [PackedRow(tuple(row), total) for row, total in zip(rows, used, strict=True)]
 
 
+def sample_lengths(samples: Sequence[TokenizedSample]) -> list[int]:
+    """Tokens per sample; a tokenized table answers from its length column without reading the samples."""
+    if isinstance(samples, TokenizedRows):
+        return samples.lengths()
+    return [len(sample.input_ids) for sample in samples]
+
+
 class PaddedSamples(Dataset):
     """One sample per item; `pad_collate` pads a batch on the right."""
 
     def __init__(self, samples: Sequence[TokenizedSample]) -> None:
-        self.samples = list(samples)
+        self.samples = samples
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -58,7 +66,7 @@ class PaddedSamples(Dataset):
     @property
     def real_tokens(self) -> int:
         """Tokens of all items, padding excluded."""
-        return sum(len(sample.input_ids) for sample in self.samples)
+        return sum(sample_lengths(self.samples))
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         sample = self.samples[index]
@@ -93,10 +101,10 @@ class PackedSamples(Dataset):
     """Rows of `sequence_len` tokens, each packing several samples (see the module docstring)."""
 
     def __init__(self, samples: Sequence[TokenizedSample], sequence_len: int, pad_id: int) -> None:
-        self.samples = list(samples)
+        self.samples = samples
         self.sequence_len = sequence_len
         self.pad_id = pad_id
-        self.rows = pack([len(s.input_ids) for s in self.samples], sequence_len)
+        self.rows = pack(sample_lengths(samples), sequence_len)
 
     def __len__(self) -> int:
         return len(self.rows)

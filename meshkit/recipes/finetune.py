@@ -181,6 +181,8 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         f"{engine.mesh.dims.describe()}; {len(data.train)} train / {len(data.validation)} validation samples"
         f"{f' packed into {len(data.dataset)} rows' if s.sample_packing else ''}, {total_steps} steps"
     )
+    if data.report.reused:
+        engine.print(f"meshkit: reusing tokenized {', '.join(data.report.reused)} from {s.dataset_prepared_path}")
     if data.report.too_long or data.report.nothing_to_train:
         engine.print(
             f"meshkit: dropped {data.report.too_long} samples longer than sequence_len={cfg.train.seq_len} and "

@@ -40,6 +40,12 @@ class FinetuneSettings(Section):
     sample_packing: bool = Field(False, description="pack samples into sequence_len rows (no cross-sample attention)")
     pad_to_sequence_len: bool = Field(False, description="pad every batch to sequence_len")
     train_on_inputs: bool = Field(False, description="also train on prompt tokens")
+    dataset_prepared_path: str | None = Field(
+        None, description="directory keeping tokenized datasets for later runs; null = datasets' own cache only"
+    )
+    dataset_processes: int | None = Field(None, ge=1, description="tokenizing processes; null = this rank's CPUs")
+    shuffle_merged_datasets: bool = Field(True, description="several datasets merged in a seeded random order")
+    dataset_keep_in_memory: bool = Field(False, description="hold the datasets in memory, not memory-mapped")
     # adapters
     adapter: Literal["lora", "qlora"] | None = Field(
         None, description="lora, qlora (LoRA over a 4-bit base), or null for a full fine-tune"

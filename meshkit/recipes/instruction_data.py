@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader
 
-from meshkit.data.formats import LoadReport, TokenizedSample, load_samples
 from meshkit.data.packing import PackedSamples, PadCollate, PaddedSamples
+from meshkit.data.sources import cpu_share
+from meshkit.data.tokenized import LoadReport, TokenizedRows, load_samples
 from meshkit.engine import Engine
 from meshkit.errors import MeshkitError
 
@@ -19,25 +23,30 @@ class InstructionDataError(MeshkitError):
     """Data that cannot fill the run's batches; the message says what to change."""
 
 
-def split_validation(
-    samples: list[TokenizedSample], size: float, seed: int
-) -> tuple[list[TokenizedSample], list[TokenizedSample]]:
+def split_validation(samples: TokenizedRows, size: float, seed: int) -> tuple[TokenizedRows, TokenizedRows]:
     """(train, validation): `size` < 1 is a share, >= 1 a count; chosen by a seeded shuffle."""
     count = int(size) if size >= 1 else int(round(size * len(samples)))
     if count == 0:
-        return samples, []
+        return samples, samples.take([])
     if count >= len(samples):
         raise InstructionDataError(f"val_set_size={size} leaves no training samples out of {len(samples)}: lower it")
     order = list(range(len(samples)))
     random.Random(seed).shuffle(order)
     held = set(order[:count])
-    return [s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)]
+    return samples.take([i for i in range(len(samples)) if i not in held]), samples.take(sorted(held))
+
+
+def shuffled(samples: TokenizedRows, seed: int) -> TokenizedRows:
+    """The merged datasets in a seeded random order (Axolotl's shuffle_merged_datasets)."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    return samples.take(order)
 
 
 @dataclass
 class InstructionData:
-    train: list[TokenizedSample]
-    validation: list[TokenizedSample]
+    train: TokenizedRows
+    validation: TokenizedRows
     report: LoadReport
     dataset: PackedSamples | PaddedSamples
     collate: PadCollate
@@ -54,10 +63,17 @@ def prepare_data(engine: Engine, settings: Any, tokenizer: Any) -> InstructionDa
         "sequence_len": cfg.train.seq_len,
         "train_on_inputs": settings.train_on_inputs,
         "default_system_message": settings.default_system_message,
+        "prepared": Path(settings.dataset_prepared_path) if settings.dataset_prepared_path else None,
+        "num_proc": settings.dataset_processes or cpu_share(engine.info.local_world_size),
+        "keep_in_memory": settings.dataset_keep_in_memory,
     }
-    samples, report = load_samples(settings.datasets, tokenizer, **options)
-    if settings.test_datasets:
-        train, (validation, _) = samples, load_samples(settings.test_datasets, tokenizer, **options)
+    with engine.local_main_process_first(), _progress_bars(engine.info.local_rank == 0):
+        samples, report = load_samples(settings.datasets, tokenizer, **options)
+        validation = load_samples(settings.test_datasets, tokenizer, **options)[0] if settings.test_datasets else None
+    if settings.shuffle_merged_datasets and len(settings.datasets) > 1:
+        samples = shuffled(samples, cfg.seed)
+    if validation is not None:
+        train = samples
     else:
         train, validation = split_validation(samples, settings.val_set_size, cfg.seed)
     cp = engine.mesh.size("cp")
@@ -83,3 +99,18 @@ def prepare_data(engine: Engine, settings: Any, tokenizer: Any) -> InstructionDa
         collate_fn=None if settings.sample_packing else collate,
     )
     return InstructionData(train, validation, report, dataset, collate, loader)
+
+
+@contextlib.contextmanager
+def _progress_bars(shown: bool) -> Iterator[None]:
+    """`datasets`' progress bars on each node's first rank only (the others read what it prepared)."""
+    import datasets
+
+    was_shown = datasets.is_progress_bar_enabled()
+    if not shown:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_shown and not shown:
+            datasets.enable_progress_bars()

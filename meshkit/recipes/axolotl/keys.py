@@ -111,8 +111,10 @@ _add(G, ("processor_type", "image_size", "image_resize_algorithm"),
      refused("multimodal processors are not supported: fine-tune the text model"))
 
 G = "data"
-_add(G, "datasets", honoured("local json/jsonl files: alpaca (and its variants), chat_template (field mappings, "
-                             "roles_to_train, train_on_eos), completion (field)"))
+_add(G, "datasets", honoured("through Hugging Face datasets: local json/jsonl/parquet/csv/arrow files and directories "
+                             "(data_files, split, name, ds_type), hub names from this machine's caches; alpaca (and "
+                             "its variants), chat_template (field mappings, roles_to_train, train_on_eos), completion "
+                             "(field), input_output"))
 _add(G, "test_datasets", honoured("validation data read like datasets (instead of val_set_size)"))
 _add(G, "val_set_size", honoured("a share (< 1) or count (>= 1) of the samples held out, seeded"))
 _add(G, "sequence_len", honoured("train.seq_len", "train.seq_len"))
@@ -121,9 +123,14 @@ _add(G, ("sample_packing", "train_on_inputs", "pad_to_sequence_len"),
 _add(G, ("eval_sample_packing", "sample_packing_group_size", "sample_packing_bin_size",
          "sample_packing_sequentially", "multipack_real_batches", "batch_flattening"),
      noted("packing is first-fit in order; evaluation runs unpacked (the same loss per sample)"))
-_add(G, ("dataset_prepared_path", "dataset_processes", "dataset_num_proc", "skip_prepare_dataset",
-         "shuffle_merged_datasets", "dataset_keep_in_memory"),
-     noted("datasets are tokenized at start, in this process; the sampler shuffles every epoch, seeded"))
+_add(G, "dataset_prepared_path",
+     honoured("tokenized datasets kept there, reused while data, tokenizer and settings are unchanged"))
+_add(G, ("dataset_processes", "dataset_num_proc"),
+     honoured("processes tokenizing (datasets.map num_proc); default: the rank's share of the CPUs",
+              "recipe.dataset_processes"))
+_add(G, ("shuffle_merged_datasets", "dataset_keep_in_memory"),
+     honoured("several datasets merged in a seeded random order / datasets held in memory"))
+_add(G, "skip_prepare_dataset", noted("datasets are tokenized once at start (and kept at dataset_prepared_path)"))
 _add(G, ("push_dataset_to_hub", "hf_use_auth_token"), noted(_NO_HUB))
 _add(G, "group_by_length", noted("batches are drawn shuffled; grouping by length would only save padding"))
 _add(G, ("pretraining_dataset", "streaming"),

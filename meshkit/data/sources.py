@@ -1,0 +1,226 @@
+"""Where a fine-tune's records come from, read through Hugging Face `datasets`: a local file (json, jsonl, parquet,
+csv, arrow, text), a local directory (its data files, split by name as `datasets` infers them, or a dataset saved
+with `save_to_disk`), or a hub dataset name resolved from this machine's caches (a `huggingface-cli download`
+snapshot, or `datasets`' own cache of an earlier download).
+
+`RecordSource.where(index)` names a record's file and line (json lines) or row, so a record that does not fit its
+dataset type is reported where the user can find it; a file `datasets` cannot parse is scanned to name the bad
+line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshkit.data.dataset_entry import DatasetEntry
+from meshkit.data.jsonl import DataFormatError, read_jsonl
+from meshkit.errors import one_line
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow", ".txt": "text"}
+
+
+@dataclass
+class RecordSource:
+    """One entry's records (`dataset`, a `datasets.Dataset`), the files they were read from, in order."""
+
+    label: str
+    dataset: Any
+    files: tuple[str, ...] = ()
+    _counts: list[int] | None = field(default=None, repr=False)
+
+    def where(self, index: int) -> str:
+        """'file:line' for a json-lines record, 'file: row n' for other files, 'label: row n' otherwise."""
+        if not self.files:
+            return f"{self.label}: row {index + 1}"
+        if self._counts is None:
+            self._counts = [_row_count(name) for name in self.files]
+        for name, count in zip(self.files, self._counts, strict=True):
+            if index < count:
+                return _place(name, index)
+            index -= count
+        return f"{self.label}: row {index + 1}"
+
+
+def load_source(entry: DatasetEntry, keep_in_memory: bool = False) -> RecordSource:
+    """The records of `entry`'s split; every failure is one line naming the dataset and what to do."""
+    local = Path(entry.path).expanduser()
+    if local.exists():
+        return _local(entry, local, keep_in_memory)
+    if _looks_local(entry.path):
+        raise DataFormatError(f"dataset '{entry.path}' does not exist: fix datasets[].path")
+    snapshot = _hub_snapshot(entry)
+    if snapshot is not None:
+        return _local(entry, snapshot, keep_in_memory, label=entry.path)
+    return _from_datasets_cache(entry, keep_in_memory)
+
+
+def _local(entry: DatasetEntry, local: Path, keep_in_memory: bool, label: str | None = None) -> RecordSource:
+    label = label or str(local)
+    if local.is_dir() and ((local / "state.json").is_file() or (local / "dataset_dict.json").is_file()):
+        return _saved(entry, local, label)
+    if local.is_file():
+        builder = entry.ds_type or BUILDERS.get(local.suffix.lower())
+        if builder is None:
+            raise DataFormatError(
+                f"dataset '{local}': meshkit cannot tell the format of a '{local.suffix}' file: set ds_type "
+                f"({', '.join(sorted(set(BUILDERS.values())))})"
+            )
+        return _build(entry, label, keep_in_memory, builder, data_files={"train": [str(local)]})
+    files = _data_files(entry, local)
+    return _build(entry, label, keep_in_memory, entry.ds_type or str(local), data_files=files)
+
+
+def _data_files(entry: DatasetEntry, directory: Path) -> Any:
+    if entry.data_files is None:
+        return None
+    names = [entry.data_files] if isinstance(entry.data_files, str) else list(entry.data_files)
+    return {entry.split: [str(directory / name) for name in names]}
+
+
+def _build(entry: DatasetEntry, label: str, keep_in_memory: bool, builder: str, **options: Any) -> RecordSource:
+    from datasets import load_dataset_builder
+
+    try:
+        with _quiet_datasets():  # a file it cannot parse is reported below, in one line
+            made = load_dataset_builder(builder, name=entry.name, revision=entry.revision, **options)
+            made.download_and_prepare()
+    except Exception as err:
+        raise _unreadable(label, _files_of(options.get("data_files")), err) from None
+    splits = made.config.data_files or {}
+    if splits and entry.split not in splits:
+        raise DataFormatError(
+            f"dataset '{label}' has no split '{entry.split}' (it has {', '.join(map(str, splits))}): fix split"
+        )
+    files = tuple(str(name) for name in splits.get(entry.split, ()))
+    return RecordSource(label, made.as_dataset(split=entry.split, in_memory=keep_in_memory), files)
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _saved(entry: DatasetEntry, local: Path, label: str) -> RecordSource:
+    from datasets import DatasetDict, load_from_disk
+
+    dataset = load_from_disk(str(local))
+    if isinstance(dataset, DatasetDict):
+        if entry.split not in dataset:
+            raise DataFormatError(
+                f"dataset '{label}' has no split '{entry.split}' (it has {', '.join(dataset)}): fix split"
+            )
+        dataset = dataset[entry.split]
+    return RecordSource(label, dataset)
+
+
+def _hub_snapshot(entry: DatasetEntry) -> Path | None:
+    """The local copy `huggingface-cli download --repo-type dataset` left in the hub cache, if any."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(entry.path, repo_type="dataset", revision=entry.revision, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError):
+        return None
+
+
+def _from_datasets_cache(entry: DatasetEntry, keep_in_memory: bool) -> RecordSource:
+    from datasets import config as datasets_config
+    from datasets import load_dataset
+
+    try:
+        dataset = load_dataset(
+            entry.path,
+            name=entry.name,
+            data_files=entry.data_files,
+            revision=entry.revision,
+            split=entry.split,
+            keep_in_memory=keep_in_memory,
+        )
+    except Exception as err:
+        from huggingface_hub import constants
+
+        raise DataFormatError(
+            f"dataset '{entry.path}' is not a local path, and the hub has it neither in this machine's caches "
+            f"(HF_HUB_CACHE={constants.HF_HUB_CACHE}, HF_DATASETS_CACHE={datasets_config.HF_DATASETS_CACHE}) nor "
+            f"within reach ({one_line(str(err), 160)}): download it where the hub is reachable "
+            f"(huggingface-cli download --repo-type dataset {entry.path}) or point path at local files"
+        ) from None
+    return RecordSource(entry.path, dataset)
+
+
+def _unreadable(label: str, files: list[str], err: Exception) -> DataFormatError:
+    """The first bad line of a json-lines file that `datasets` could not parse, else `datasets`' own reason."""
+    for name in files:
+        if Path(name).suffix.lower() == ".jsonl":
+            for _ in read_jsonl(name):  # raises DataFormatError naming the file and line
+                pass
+    cause = err.__cause__ or err.__context__ or err
+    return DataFormatError(f"dataset '{label}' cannot be read: {one_line(str(cause) or type(cause).__name__, 300)}")
+
+
+def _files_of(data_files: Any) -> list[str]:
+    if data_files is None:
+        return []
+    return [str(name) for names in data_files.values() for name in names]
+
+
+def _looks_local(path: str) -> bool:
+    """A path a hub name cannot be: absolute, relative with ./ or ~, more than one slash, or a file suffix."""
+    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or Path(path).suffix.lower() in BUILDERS
+
+
+def _row_count(name: str) -> int:
+    suffix = Path(name).suffix.lower()
+    if suffix == ".jsonl":
+        return sum(1 for _ in read_jsonl(name))
+    if suffix == ".json":
+        with open(name, encoding="utf-8") as handle:
+            head = handle.read(1)
+            handle.seek(0)
+            return len(json.load(handle)) if head == "[" else sum(1 for line in handle if line.strip())
+    from datasets import Dataset
+
+    builder = BUILDERS.get(suffix, "arrow")
+    if builder == "arrow":
+        return len(Dataset.from_file(name))
+    from datasets import load_dataset
+
+    return len(load_dataset(builder, data_files=name, split="train"))
+
+
+def _place(name: str, index: int) -> str:
+    if Path(name).suffix.lower() == ".jsonl" or _is_json_lines(name):
+        for count, (number, _) in enumerate(read_jsonl(name)):
+            if count == index:
+                return f"{name}:{number}"
+    return f"{name}: row {index + 1}"
+
+
+def _is_json_lines(name: str) -> bool:
+    if Path(name).suffix.lower() != ".json":
+        return False
+    with open(name, encoding="utf-8") as handle:
+        return handle.read(1) != "["
+
+
+def cpu_share(local_world: int) -> int:
+    """Processes a node's rank may use for tokenizing: the CPUs it may run on, shared with its node's ranks."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not every platform has affinity
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, local_world))
