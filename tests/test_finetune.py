@@ -168,6 +168,9 @@ def test_meshkit_finetune_launches_itself_on_two_ranks(tmp_path, material) -> No
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2 and len(summary["generations"]) == 1
+    (answer,) = summary["generations"]  # beside the answer it was trained for, judged
+    outputs = {json.loads(line)["output"] for line in material["alpaca"].read_text().splitlines()}
+    assert answer["expected"] in outputs and answer["right"] == (answer["answer"].strip() == answer["expected"])
     assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "config.json").is_file()
     assert "fine-tuning LlamaForCausalLM" in proc.stdout + proc.stderr
 
@@ -191,3 +194,11 @@ def test_lora_layers_are_split_piece_by_piece_and_sequence_parallel_is_refused(m
     assert f"{q}.lora_A.default" not in split.kinds and q not in split.kinds
     with pytest.raises(TensorParallelError, match="sequence parallel"):
         split_lora_layers(model, named_plan(model, TensorParallelConfig()), sequence_parallel=True)
+
+
+def test_the_loss_plot_draws_train_and_eval_loss(tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    from meshkit.recipes.report import plot_losses
+
+    path = plot_losses([3.0, 2.0, 1.5, 1.0], tmp_path / "loss.png", [(2, 2.5), (4, 2.1)])
+    assert path is not None and path.read_bytes()[:4] == b"\x89PNG"

@@ -267,14 +267,23 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     }
     if engine.is_main_process:
         if s.generation_samples and data.validation:
-            prompts = [prompt_ids(x.input_ids, x.labels, IGNORE_INDEX) for x in data.validation[: s.generation_samples]]
-            summary["generations"] = generate_samples(
-                Path(outputs["merged"]), tokenizer, prompts, s.generation_max_new_tokens
-            )
+            summary["generations"] = _answers(data.validation[: s.generation_samples], outputs, tokenizer, s)
         run_dir = Path(cfg.logging.dir)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _print(summary, run_dir, plot_losses(losses, run_dir / "loss.png"))
+        curve = [(record["step"], record["eval_loss"]) for record in evals]
+        _print(summary, run_dir, plot_losses(losses, run_dir / "loss.png", curve))
     return summary
+
+
+def _answers(samples: list[Any], outputs: dict[str, str], tokenizer: Any, s: Any) -> list[dict[str, Any]]:
+    """Greedy answers of the exported model to validation prompts, each beside the answer it was trained for."""
+    prompts = [prompt_ids(x.input_ids, x.labels, IGNORE_INDEX) for x in samples]
+    answers = generate_samples(Path(outputs["merged"]), tokenizer, prompts, s.generation_max_new_tokens)
+    for answer, sample in zip(answers, samples, strict=True):
+        trained = [t for t, label in zip(sample.input_ids, sample.labels, strict=True) if label != IGNORE_INDEX]
+        answer["expected"] = tokenizer.decode(trained, skip_special_tokens=True)
+        answer["right"] = answer["answer"].strip() == answer["expected"].strip()
+    return answers
 
 
 def _adapter_words(s: Any) -> str:
@@ -322,8 +331,12 @@ def _print(summary: dict[str, Any], run_dir: Path, plot: Path | None) -> None:
         table.add_row("eval", f"loss {record['eval_loss']:.4f}, perplexity {record['eval_perplexity']:.2f}")
     for name, path in summary["outputs"].items():
         table.add_row(name, path)
-    for sample in summary.get("generations", []):
-        table.add_row("sample", f"{sample['prompt'][-60:]!r} -> {sample['answer']!r}")
+    generations = summary.get("generations", [])
+    for sample in generations:
+        verdict = "right" if sample["right"] else f"wrong, trained answer {sample['expected'].strip()!r}"
+        table.add_row("sample", f"{sample['prompt'][-60:]!r} -> {sample['answer']!r} ({verdict})")
+    if generations:
+        table.add_row("answers right", f"{sum(g['right'] for g in generations)} of {len(generations)}")
     Console().print(table)
 
 

@@ -48,8 +48,9 @@ class TrainingProgress:
             self._progress.stop()
 
 
-def plot_losses(losses: list[float], path: Path) -> Path | None:
-    """Loss per step as a PNG; None when matplotlib is not installed (pip install 'meshkit[plot]')."""
+def plot_losses(losses: list[float], path: Path, evals: list[tuple[int, float]] | None = None) -> Path | None:
+    """Loss per step (and the evaluation loss at its steps) as a PNG; None when matplotlib is not installed
+    (pip install 'meshkit[plot]')."""
     try:
         import matplotlib
 
@@ -58,7 +59,10 @@ def plot_losses(losses: list[float], path: Path) -> Path | None:
     except ImportError:
         return None
     figure, axes = plt.subplots(figsize=(7, 4))
-    axes.plot(range(1, len(losses) + 1), losses, linewidth=1.2)
+    axes.plot(range(1, len(losses) + 1), losses, linewidth=1.2, label="train")
+    if evals:
+        axes.plot([step for step, _ in evals], [loss for _, loss in evals], marker="o", linewidth=1.2, label="eval")
+        axes.legend()
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss (mean over dp ranks)")
     axes.set_title("meshkit training loss")
