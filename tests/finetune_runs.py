@@ -94,7 +94,8 @@ def run_finetune(rank: int, config: str, assignments: list[str]) -> dict[str, An
     from meshkit.recipes.finetune_config import resolve_finetune
 
     summary = finetune(resolve_finetune(config, assignments))
-    return {key: summary[key] for key in ("losses", "evals", "outputs", "trainable_parameters", "resumed_at_step")}
+    keep = ("losses", "evals", "outputs", "trainable_parameters", "resumed_at_step", "layout")
+    return {key: summary[key] for key in keep}
 
 
 def lora_keys(**extra: Any) -> dict[str, Any]:

@@ -249,3 +249,32 @@ def test_rslora_and_layers_to_transform_reach_peft(tmp_path, material) -> None:
     adapted = [name for name, _ in peft_model.named_parameters() if "lora_A" in name]
     assert adapted == ["base_model.model.model.layers.1.self_attn.q_proj.lora_A.default.weight"]
     assert peft_model.base_model.model.model.layers[1].self_attn.q_proj.scaling["default"] == 8 / 4**0.5
+
+
+AXOLOTL_PARALLEL = {  # Axolotl's distributed-parallel examples: their size keys, at world 4 (and 8)
+    "fsdp_x_tp": {"dp_shard_size": 2, "tensor_parallel_size": 2},
+    "fsdp_x_cp": {"dp_shard_size": 2, "context_parallel_size": 2},
+}
+
+
+def test_axolotl_parallel_size_keys_train_at_world_four_as_one_process(tmp_path, material) -> None:
+    keys = {"optimizer": "adamw_torch", "evals_per_epoch": None, "saves_per_epoch": None}
+    one = _train(tmp_path, material, 1, "one", micro_batch_size=4, **keys)  # dp 2 in each layout below
+    for name, sizes in AXOLOTL_PARALLEL.items():
+        got = _train(tmp_path, material, 4, name, **keys, **sizes)
+        expected = {
+            "dp_shard": 2,
+            "tp": sizes.get("tensor_parallel_size", 1),
+            "cp": sizes.get("context_parallel_size", 1),
+        }
+        assert {key: got["layout"].get(key, 1) for key in expected} == expected
+        _close(got["losses"], one["losses"], 1e-4)
+
+
+@pytest.mark.slow
+def test_axolotl_hsdp_x_tp_sizes_train_at_world_eight_as_one_process(tmp_path, material) -> None:
+    keys = {"optimizer": "adamw_torch", "evals_per_epoch": None, "saves_per_epoch": None}
+    one = _train(tmp_path, material, 1, "one", micro_batch_size=8, **keys)  # dp 4: 2 replicas x 2 shards
+    sizes = {"dp_replicate_size": 2, "dp_shard_size": 2, "tensor_parallel_size": 2}
+    got = _train(tmp_path, material, 8, "hsdp_x_tp", **keys, **sizes)
+    _close(got["losses"], one["losses"], 1e-4)
