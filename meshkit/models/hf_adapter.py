@@ -125,6 +125,8 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
     if head is not None and head is not base and id(head) in names:
         last.append(names[id(head)])
     causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocabulary = tuple(f"{names[id(m)]}.weight" for m in (embedding, head) if m is not None and id(m) in names)
     return ModelStructure(
         family=family,
         blocks=path,
@@ -136,4 +138,5 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
         tied=tied_parameters(model),
         causal_lm=causal,
         notes=_cannot(config, family),
+        vocabulary=tuple(dict.fromkeys(vocabulary)),
     )

@@ -55,6 +55,7 @@ class ModelStructure:
     position_argument: str | None = None  # forward keyword that takes global token positions
     tied: tuple[tuple[str, ...], ...] = ()  # parameter names that share one tensor
     causal_lm: bool = False  # forward returns next-token logits (with .logits / a tensor)
+    vocabulary: tuple[str, ...] = ()  # parameters with one row per token (input embedding, output head)
     notes: dict[str, str] = field(default_factory=dict)  # layout -> why this model cannot run it
 
     def aliases(self) -> dict[str, str]:
@@ -122,6 +123,7 @@ def _gpt(model: GPT) -> ModelStructure:
         position_argument="positions",
         tied=tied_parameters(model),
         causal_lm=True,
+        vocabulary=("tok_embeddings.weight", "output.weight"),
     )
 
 

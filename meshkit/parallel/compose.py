@@ -92,7 +92,13 @@ def _parallelize_one(
     if not on_meta:
         model = model.to(mesh.device)
         if sharding.init_from is not None:
-            load_safetensors(model, sharding.init_from, stage_only=in_pipeline, aliases=structure.aliases())
+            load_safetensors(
+                model,
+                sharding.init_from,
+                stage_only=in_pipeline,
+                aliases=structure.aliases(),
+                vocabulary=structure.vocabulary,
+            )
     result = Parallelized(model, structure)
     tp = mesh.size("tp")
     if tp > 1:
@@ -116,6 +122,7 @@ def _parallelize_one(
             aliases=structure.aliases(),
             fused=result.fused_qkv,  # split while on meta: the file's q/k/v are reordered as they stream in
             tp=tp,
+            vocabulary=structure.vocabulary,
         )
     if zero_stage == 0 and mesh.grad_size > 1 and config.strategy != "parameter_server":  # servers average
         # DDP cannot wrap DTensor parameters, and a pipeline schedule runs several backward passes per step

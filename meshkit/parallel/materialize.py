@@ -144,6 +144,7 @@ def load_safetensors(
     aliases: dict[str, str] | None = None,
     fused: dict[str, int] | None = None,
     tp: int = 1,
+    vocabulary: tuple[str, ...] = (),
 ) -> None:
     """Stream tensors from safetensors into the (sharded) model, one full tensor in memory at a time.
 
@@ -152,7 +153,9 @@ def load_safetensors(
     `stage_only`: the model is one pipeline stage, so the file holds other stages' tensors too. `aliases`: tied
     parameter name -> the name it is stored under (a checkpoint holds a tied weight once, e.g. GPT-2's head as
     its token embedding), also for a pipeline stage that holds only the alias. `fused`: q/k/v weights that tensor
-    parallel keeps interleaved (name -> stacking dim), reordered the same way as they stream in.
+    parallel keeps interleaved (name -> stacking dim), reordered the same way as they stream in. `vocabulary`:
+    parameters with one row per token; where the model has more rows than the file (tokens added to the
+    tokenizer), the extra rows start as the mean of the file's rows (transformers' resize_token_embeddings).
     """
     files = safetensors_files(source)
     targets = model.state_dict(keep_vars=True)  # parameters and persistent buffers, as the model holds them
@@ -176,6 +179,8 @@ def load_safetensors(
         with safe_open(str(file), framework="pt") as handle:
             for name in names:
                 full, target = handle.get_tensor(stored_as[name]), targets[name]
+                if name in vocabulary:
+                    full = grown_rows(full, target.shape[0])
                 if tuple(full.shape) != tuple(target.shape):
                     raise MaterializeError(
                         f"'{name}' has shape {tuple(full.shape)} in {file.name}; the model has {tuple(target.shape)}"
@@ -192,6 +197,14 @@ def load_safetensors(
             init(name, module)
 
 
+def grown_rows(stored: torch.Tensor, rows: int) -> torch.Tensor:
+    """`stored` with rows appended up to `rows`, each the mean of the stored rows (unchanged if not fewer)."""
+    if stored.dim() == 0 or stored.shape[0] >= rows:
+        return stored
+    mean = stored.float().mean(dim=0, keepdim=True).to(stored.dtype)
+    return torch.cat([stored, mean.expand(rows - stored.shape[0], *stored.shape[1:])])
+
+
 def materialize(
     model: nn.Module,
     device: torch.device,
@@ -200,10 +213,11 @@ def materialize(
     aliases: dict[str, str] | None = None,
     fused: dict[str, int] | None = None,
     tp: int = 1,
+    vocabulary: tuple[str, ...] = (),
 ) -> None:
     """Allocate the meta-device model's (local) tensors on `device` and fill them (see `load_safetensors`)."""
     model.to_empty(device=device)
     if source is not None:
-        load_safetensors(model, source, stage_only, aliases, fused, tp)
+        load_safetensors(model, source, stage_only, aliases, fused, tp, vocabulary)
     else:
         initialize(model)

@@ -33,6 +33,7 @@ from meshkit.recipes.hf_base import (
     attention_implementation,
     build_meta_model,
     generate_samples,
+    grow_vocabulary,
     load_tokenizer,
     prompt_ids,
     replace_directory,
@@ -145,9 +146,12 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     if s.quantization == "8bit":
         engine.print(f"meshkit: {INT8_CAST_NOTE}")
     tokenizer = load_tokenizer(s)
-    added = add_tokens(tokenizer, s, base.get_input_embeddings().num_embeddings)
+    added = add_tokens(tokenizer, s)
+    rows = grow_vocabulary(base, len(tokenizer))
     if added:
-        engine.print(f"meshkit: added tokens {added} (rows the embedding already holds)")
+        grown = f"; the embedding grows from {rows} to {len(tokenizer)} rows, new ones at the mean of the others"
+        frozen = " (frozen under LoRA: merged/ holds them)" if s.adapter else ""
+        engine.print(f"meshkit: added tokens {added}{grown if len(tokenizer) > rows else ''}{frozen}")
     data = prepare_data(engine, s, tokenizer)
     if s.unfrozen_parameters and s.adapter is None:
         freeze_all_but(base, s.unfrozen_parameters)

@@ -68,23 +68,32 @@ def load_tokenizer(settings: Any) -> Any:
     return tokenizer
 
 
-def add_tokens(tokenizer: Any, settings: Any, embedding_rows: int) -> list[str]:
-    """`special_tokens` (bos/eos/pad/unk, ...) and `tokens` into the tokenizer; returns the tokens that were new.
-    New tokens take rows the embedding already has beyond the tokenizer's (most checkpoints keep spare rows)."""
+def add_tokens(tokenizer: Any, settings: Any) -> list[str]:
+    """`special_tokens` (bos/eos/pad/unk, ...) and `tokens` into the tokenizer; returns the tokens that were new."""
     before = len(tokenizer)
     special = dict(settings.special_tokens or {})
     if special:
         tokenizer.add_special_tokens(special)
     if settings.tokens:
         tokenizer.add_tokens(list(settings.tokens))
-    added = [tokenizer.convert_ids_to_tokens(i) for i in range(before, len(tokenizer))]
-    if len(tokenizer) > embedding_rows:
-        raise BaseModelError(
-            f"special_tokens/tokens add {len(added)} tokens ({', '.join(added[:4])}): the vocabulary would have "
-            f"{len(tokenizer)} entries but the model's embedding has {embedding_rows} rows; growing the embedding "
-            "is not supported yet: use tokens the tokenizer already has (e.g. pad_token: its eos token)"
-        )
-    return added
+    return [tokenizer.convert_ids_to_tokens(i) for i in range(before, len(tokenizer))]
+
+
+def grow_vocabulary(model: nn.Module, rows: int) -> int:
+    """Embedding (and untied head) rows up to `rows` for tokens added to the tokenizer; returns the rows it had.
+    The new rows start as the mean of the others: here for a model built whole, as the weights stream in for one
+    built on the meta device (`meshkit.parallel.materialize.grown_rows`)."""
+    from meshkit.parallel.materialize import grown_rows
+
+    before = model.get_input_embeddings().num_embeddings
+    if rows <= before:
+        return before
+    model.resize_token_embeddings(rows, mean_resizing=False)
+    for layer in {id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m}.values():
+        if not layer.weight.is_meta:
+            with torch.no_grad():
+                layer.weight.copy_(grown_rows(layer.weight[:before], rows))
+    return before
 
 
 def attention_implementation(requested: str | None) -> tuple[str, str | None]:

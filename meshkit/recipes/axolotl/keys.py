@@ -97,8 +97,8 @@ _add(G, ("xformers_attention", "flash_attn_cross_entropy", "flash_attn_rms_norm"
          "liger_fused_linear_cross_entropy", "cut_cross_entropy", "unsloth_lora_mlp", "unsloth_lora_qkv",
          "unsloth_lora_o", "unsloth_rms_norm", "unsloth_rope", "plugins", "kernels"), noted(_ATTENTION_KERNEL))
 _add(G, ("special_tokens", "tokens"),
-     honoured("bos/eos/pad/unk set on the tokenizer, tokens added to it, in the rows the embedding already has; "
-              "saved with the outputs"))
+     honoured("bos/eos/pad/unk set on the tokenizer, tokens added to it; the embedding (and head) grow, new rows "
+              "at the mean of the others; saved with the outputs"))
 _add(G, ("chat_template", "chat_template_jinja", "default_system_message"),
      honoured("the tokenizer's chat template: tokenizer_default, a built-in one by Axolotl's name, or jinja"))
 _add(G, "trust_remote_code", noted("transformers' own model classes load the model; no remote code runs"))
