@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from meshkit.export import write_atomically
 from meshkit.memory import memory_report
 from meshkit.models import hf_adapter
 from meshkit.parallel.compose import unwrap
+from meshkit.parallel.materialize import set_local
 from meshkit.parallel.tensor_auto import restore_fused_qkv
 
 
@@ -68,6 +69,24 @@ class WeightsMixin:
             for part in collectives.gather_object(full, self.mesh.group("pp")):
                 full.update(part)
         return full
+
+    @torch.no_grad()
+    def load_full_state_dict(self, tensors: Mapping[str, torch.Tensor], model: nn.Module | None = None) -> list[str]:
+        """Copy complete (unsharded) tensors into a prepared model, under the user's module's names: every rank
+        passes the same tensors and keeps its own part of each (a ZeRO-3 or tensor-parallel shard). Returns the
+        names this rank's model does not hold (another pipeline stage's, or none of the model's)."""
+        prepared = model if model is not None else self._only("model", self._models)
+        if self._fused_qkv.get(id(prepared)) and any(name in tensors for name in self._fused_qkv[id(prepared)]):
+            raise EngineError("load_full_state_dict cannot fill fused q/k/v weights split by tensor parallel")
+        held = dict(unwrap(prepared).named_parameters())
+        for name, full in tensors.items():
+            if name in held:
+                target = held[name]
+                if tuple(full.shape) != tuple(target.shape):
+                    raise EngineError(f"'{name}' has shape {tuple(full.shape)}; the model has {tuple(target.shape)}")
+                local = target.to_local() if isinstance(target, DTensor) else target
+                set_local(target, full.to(device=local.device, dtype=local.dtype))
+        return sorted(set(tensors) - set(held))
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now for `params`, `grads` and `optimizer` state, and its `rss`/`peak_rss`."""

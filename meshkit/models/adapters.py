@@ -17,12 +17,19 @@ import torch
 from torch import nn
 
 _ADAPTER_PARAMETER = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
+_SAVED_ADAPTER_PART = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(\.|$)")
 _BASE_LAYER = ".base_layer."
 
 
 def is_adapter_parameter(name: str) -> bool:
     """A parameter an adapter added (no base checkpoint holds it)."""
     return _ADAPTER_PARAMETER.search(f".{name}") is not None
+
+
+def adapter_parameter_name(saved: str, adapter: str = "default") -> str:
+    """Where a weight of a peft adapter file (`base_model.model.<layer>.lora_A.weight`) sits in the adapted model,
+    relative to the model peft wraps (`<layer>.lora_A.<adapter>.weight`)."""
+    return _SAVED_ADAPTER_PART.sub(rf".\1.{adapter}\2", saved.removeprefix("base_model.model."))
 
 
 def base_checkpoint_name(name: str) -> str:

@@ -34,7 +34,7 @@ def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
-def _set_local(target: torch.Tensor, full: torch.Tensor) -> None:
+def set_local(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's part of the full tensor `full` into `target` (a DTensor shard or a plain tensor)."""
     if isinstance(target, DTensor):
         # src_data_rank=None: every rank holds the same full tensor and keeps its own slice, no communication
@@ -54,7 +54,7 @@ def _full_size(module: nn.Module) -> Iterator[None]:
     try:
         yield
         for name, param in sharded.items():
-            _set_local(param, module._parameters[name].detach())
+            set_local(param, module._parameters[name].detach())
     finally:
         module._parameters.update(sharded)
 
@@ -188,7 +188,7 @@ def load_safetensors(
                 if fused and name in fused:
                     full = interleave_fused_qkv(full, tp, fused[name])
                 device = (target.to_local() if isinstance(target, DTensor) else target).device
-                _set_local(target, full.to(device=device, dtype=target.dtype))
+                set_local(target, full.to(device=device, dtype=target.dtype))
     init = getattr(model, "init_module", None) or hf_adapter.module_initializer(model)
     for name, module in model.named_modules():
         _reset_adapters(name, module)

@@ -40,7 +40,7 @@ from meshkit.recipes.hf_base import (
     write_tokenizer,
 )
 from meshkit.recipes.instruction_data import prepare_data
-from meshkit.recipes.lora import apply_lora, save_adapter
+from meshkit.recipes.lora import apply_lora, continued_weights, save_adapter
 from meshkit.recipes.optimizers import build_optimizer, trainable_groups
 from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
 from meshkit.recipes.quantized_base import INT8_CAST_NOTE, load_quantized_base
@@ -176,7 +176,11 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         kwargs=s.lr_scheduler_kwargs,
         min_lr_ratio=s.cosine_min_lr_ratio,
     )
+    continued = continued_weights(s.lora_model_dir, model) if s.lora_model_dir and peft_model is not None else None
     model, optimizer, loader, scheduler = engine.prepare(model, optimizer, data.loader, scheduler)
+    if continued is not None:  # into this rank's shards; a resumed checkpoint (below) still comes last
+        engine.load_full_state_dict(continued)
+        engine.print(f"meshkit: continuing the adapter in {s.lora_model_dir} ({len(continued)} tensors)")
     _start_wandb(engine, s)
     tokens_per_step = data.per_item_tokens * per_window * cfg.grad_accum_steps
     engine.print(

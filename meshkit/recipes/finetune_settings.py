@@ -57,6 +57,9 @@ class FinetuneSettings(Section):
         None, description="module names to adapt, e.g. [q_proj, v_proj]"
     )
     lora_target_linear: bool = Field(False, description="adapt every Linear layer except the output head")
+    lora_model_dir: Path | None = Field(
+        None, description="continue the adapter a LoRA run wrote there (its settings and weights)"
+    )
     peft_use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
     peft_layers_to_transform: tuple[int, ...] | None = Field(None, description="block indices adapted; null = all")
     # quantized base (bitsandbytes, through transformers' BitsAndBytesConfig)
@@ -142,6 +145,8 @@ class FinetuneSettings(Section):
                 "a quantized base is frozen: train adapters over it (adapter: lora, or qlora for 4 bits), or drop "
                 "load_in_8bit / load_in_4bit / gptq for a full fine-tune"
             )
+        if self.lora_model_dir is not None and self.adapter is None:
+            raise ValueError("lora_model_dir continues an adapter: set adapter: lora (or qlora)")
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("chat_template: jinja needs chat_template_jinja (the template, or a file holding it)")
         return self

@@ -18,7 +18,7 @@ from torch import nn
 
 from meshkit.errors import MeshkitError
 from meshkit.export import write_atomically
-from meshkit.models.adapters import is_adapter_parameter
+from meshkit.models.adapters import adapter_parameter_name, is_adapter_parameter
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -34,6 +34,19 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise LoraSetupError("adapter: lora needs peft: pip install 'meshkit[hf]'") from None
+    if getattr(settings, "lora_model_dir", None) is not None:
+        config = continued_config(settings.lora_model_dir, str(settings.base_model))
+    else:
+        config = _new_config(settings, LoraConfig)
+    try:
+        with warnings.catch_warnings():  # peft reads a property transformers has deprecated: not the user's doing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, config)
+    except ValueError as err:  # e.g. a target module name the model does not have
+        raise LoraSetupError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
+
+
+def _new_config(settings: Any, LoraConfig: Any) -> Any:  # noqa: N803 (peft's class, imported lazily)
     if settings.lora_target_linear:
         targets: Any = "all-linear"
     elif settings.lora_target_modules:
@@ -54,12 +67,42 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
         task_type="CAUSAL_LM",
         base_model_name_or_path=str(settings.base_model),
     )
+    return config
+
+
+def continued_config(directory: Path, base_model: str) -> Any:
+    """`lora_model_dir`: the LoRA settings of the adapter being continued, from its adapter_config.json (the
+    config's own lora_* keys do not apply, as when peft loads an adapter)."""
+    from peft import LoraConfig
+
+    if not (directory / ADAPTER_CONFIG).is_file() or not (directory / ADAPTER_WEIGHTS).is_file():
+        raise LoraSetupError(
+            f"lora_model_dir '{directory}' holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}: point it at a "
+            "directory a LoRA run wrote (its output_dir)"
+        )
     try:
-        with warnings.catch_warnings():  # peft reads a property transformers has deprecated: not the user's doing
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return get_peft_model(model, config)
-    except ValueError as err:  # e.g. a target module name the model does not have
-        raise LoraSetupError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
+        config = LoraConfig.from_pretrained(str(directory))
+    except (TypeError, ValueError) as err:
+        raise LoraSetupError(f"lora_model_dir '{directory}': {ADAPTER_CONFIG} is not a LoRA config ({err})") from None
+    config.inference_mode = False
+    config.base_model_name_or_path = base_model
+    return config
+
+
+def continued_weights(directory: Path, model: nn.Module) -> dict[str, Any]:
+    """The adapter weights of `lora_model_dir` under `model`'s parameter names; they must be exactly the
+    adapter parameters `model` has."""
+    from safetensors.torch import load_file
+
+    weights = {adapter_parameter_name(k): v for k, v in load_file(str(directory / ADAPTER_WEIGHTS)).items()}
+    wanted = {name for name, _ in model.named_parameters() if is_adapter_parameter(name)}
+    missing, unknown = sorted(wanted - set(weights)), sorted(set(weights) - wanted)
+    if missing or unknown:
+        raise LoraSetupError(
+            f"lora_model_dir '{directory}' does not fit this model: missing {missing[:3]}, unexpected "
+            f"{unknown[:3]}; was it trained on another base model?"
+        )
+    return weights
 
 
 def save_adapter(engine: Any, whole_model: Callable[[], Any], out_dir: Path) -> Path | None:

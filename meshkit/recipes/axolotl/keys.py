@@ -149,9 +149,9 @@ _add(G, "unfrozen_parameters", honoured("full fine-tune of the parameters matchi
 _add(G, "lora_fan_in_fan_out", noted("set from the layer type (GPT-2's Conv1D) by peft"))
 _add(G, ("merge_lora", "merge_method"), noted("the merged model is always written to output_dir/merged"))
 _add(G, "loraplus_lr_embedding", noted("no embedding is adapted by lora_target_modules here"))
-_add(G, ("lora_model_dir", "lora_modules_to_save", "peft_use_dora"),
-     refused("not supported yet: start a plain LoRA from base_model (DoRA, saved modules and continued adapters "
-             "are planned)"))
+_add(G, "lora_model_dir", honoured("continue that adapter: its adapter_config.json and weights, in any layout"))
+_add(G, ("lora_modules_to_save", "peft_use_dora"),
+     refused("not supported yet: start a plain LoRA from base_model (DoRA and saved modules are planned)"))
 _add(G, ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
          "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "bnb_config_kwargs"),
      honoured("the frozen base quantized as it loads (bitsandbytes through transformers' BitsAndBytesConfig, "
