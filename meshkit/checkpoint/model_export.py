@@ -111,7 +111,8 @@ def save_model_weights(
                 tensor = full(exported[info.name])
                 merge = merges.get(info.name)
                 if merge is not None:
-                    tensor = merged_weight(tensor, full(merge.a), full(merge.b), merge)
+                    magnitude = full(merge.magnitude) if merge.magnitude else None
+                    tensor = merged_weight(tensor, full(merge.a), full(merge.b), merge, magnitude)
                 if rank == leads[stage] and rank != 0:
                     dist.send(tensor.to("cpu").contiguous(), dst=0)
             elif rank == 0:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 _ADAPTER_PARAMETER = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
 _SAVED_ADAPTER_PART = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(\.|$)")
@@ -28,8 +29,10 @@ def is_adapter_parameter(name: str) -> bool:
 
 def adapter_parameter_name(saved: str, adapter: str = "default") -> str:
     """Where a weight of a peft adapter file (`base_model.model.<layer>.lora_A.weight`) sits in the adapted model,
-    relative to the model peft wraps (`<layer>.lora_A.<adapter>.weight`)."""
-    return _SAVED_ADAPTER_PART.sub(rf".\1.{adapter}\2", saved.removeprefix("base_model.model."))
+    relative to the model peft wraps (`<layer>.lora_A.<adapter>.weight`; peft saves a DoRA magnitude without
+    `.weight`)."""
+    name = _SAVED_ADAPTER_PART.sub(rf".\1.{adapter}\2", saved.removeprefix("base_model.model."))
+    return f"{name}.weight" if name.endswith(f"lora_magnitude_vector.{adapter}") else name
 
 
 def base_checkpoint_name(name: str) -> str:
@@ -90,7 +93,19 @@ def reset_adapter(module: nn.Module) -> bool:
         return False
     for adapter in lora_a:
         module.reset_lora_parameters(adapter, True)  # peft's own initialisation of that adapter
+        magnitudes = getattr(module, "lora_magnitude_vector", None)  # DoRA's (peft keeps it empty otherwise)
+        if magnitudes is not None and adapter in magnitudes:
+            _reset_magnitude(module.base_layer.weight, magnitudes[adapter].weight)
     return True
+
+
+def _reset_magnitude(base: torch.Tensor, magnitude: torch.Tensor) -> None:
+    """DoRA's magnitude starts as the row norms of the base weight (B = 0, so the adapted layer equals the base).
+    Rows are computed where they are held: a ZeRO-3 shard of the base weight and of the magnitude cover the same
+    output rows (both are split along their first dimension, of the same length)."""
+    local_base = base.to_local() if isinstance(base, DTensor) else base
+    local_magnitude = magnitude.to_local() if isinstance(magnitude, DTensor) else magnitude
+    local_magnitude.copy_(local_base.float().norm(p=2, dim=1).to(local_magnitude.dtype))
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,7 @@ class LoraMerge:
     b: str
     scaling: float
     transpose: bool  # GPT-2 style Conv1D weights are stored [in, out]
+    magnitude: str | None = None  # DoRA: the magnitude vector rescaling each output row
 
 
 def lora_merges(model: nn.Module, adapter: str = "default") -> dict[str, LoraMerge]:
@@ -117,13 +133,20 @@ def lora_merges(model: nn.Module, adapter: str = "default") -> dict[str, LoraMer
             b=f"{prefix}lora_B.{adapter}.weight",
             scaling=float(module.scaling[adapter]),
             transpose=bool(getattr(module, "fan_in_fan_out", False)),
+            magnitude=f"{prefix}lora_magnitude_vector.{adapter}.weight"
+            if adapter in getattr(module, "lora_magnitude_vector", {})
+            else None,
         )
     return merges
 
 
-def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, merge: LoraMerge) -> torch.Tensor:
-    """The base weight with the adapter folded in, in the base weight's dtype."""
-    delta = (b.float() @ a.float()) * merge.scaling  # [out, r] @ [r, in] -> [out, in]
-    if merge.transpose:
-        delta = delta.T
-    return (base.float() + delta).to(base.dtype)
+def merged_weight(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, merge: LoraMerge, magnitude: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The base weight with the adapter folded in, in the base weight's dtype; with DoRA's `magnitude`, each output
+    row of W + scaling · B @ A rescaled to that magnitude."""
+    weight = base.float().T if merge.transpose else base.float()  # [out, in]
+    weight = weight + (b.float() @ a.float()) * merge.scaling  # [out, r] @ [r, in] -> [out, in]
+    if magnitude is not None:
+        weight = weight * (magnitude.float() / weight.norm(p=2, dim=1)).unsqueeze(1)
+    return (weight.T if merge.transpose else weight).to(base.dtype)

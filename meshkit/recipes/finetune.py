@@ -74,6 +74,10 @@ def check_layout(engine: Engine, job: FinetuneJob) -> None:
             "sample_packing keeps samples apart by position_ids, which ring attention does not: "
             "set cp=1 or sample_packing: false"
         )
+    if job.settings.peft_use_dora and engine.mesh.size("tp") > 1:
+        raise FinetuneError(
+            "DoRA rescales whole output rows, which tensor parallel splits: set tp=1 or peft_use_dora: false"
+        )
     if packing and cfg.train.seq_len % max(1, 2 * cp):
         raise FinetuneError(f"sequence_len={cfg.train.seq_len} must be a multiple of 2 × cp")
 

@@ -61,6 +61,7 @@ class FinetuneSettings(Section):
         None, description="continue the adapter a LoRA run wrote there (its settings and weights)"
     )
     peft_use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
+    peft_use_dora: bool = Field(False, description="DoRA: LoRA plus a trained magnitude per output row")
     peft_layers_to_transform: tuple[int, ...] | None = Field(None, description="block indices adapted; null = all")
     # quantized base (bitsandbytes, through transformers' BitsAndBytesConfig)
     load_in_8bit: bool = Field(False, description="the frozen base in int8 (LLM.int8 Linear8bitLt)")
@@ -145,6 +146,8 @@ class FinetuneSettings(Section):
                 "a quantized base is frozen: train adapters over it (adapter: lora, or qlora for 4 bits), or drop "
                 "load_in_8bit / load_in_4bit / gptq for a full fine-tune"
             )
+        if self.peft_use_dora and self.quantization:
+            raise ValueError("DoRA over a quantized base is not supported yet: drop peft_use_dora or the quantization")
         if self.lora_model_dir is not None and self.adapter is None:
             raise ValueError("lora_model_dir continues an adapter: set adapter: lora (or qlora)")
         if self.chat_template == "jinja" and not self.chat_template_jinja:

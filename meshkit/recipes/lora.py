@@ -61,6 +61,7 @@ def _new_config(settings: Any, LoraConfig: Any) -> Any:  # noqa: N803 (peft's cl
         lora_dropout=settings.lora_dropout,
         target_modules=targets,
         use_rslora=getattr(settings, "peft_use_rslora", False),
+        use_dora=getattr(settings, "peft_use_dora", False),
         layers_to_transform=list(settings.peft_layers_to_transform)
         if getattr(settings, "peft_layers_to_transform", None)
         else None,

@@ -150,8 +150,10 @@ _add(G, "lora_fan_in_fan_out", noted("set from the layer type (GPT-2's Conv1D) b
 _add(G, ("merge_lora", "merge_method"), noted("the merged model is always written to output_dir/merged"))
 _add(G, "loraplus_lr_embedding", noted("no embedding is adapted by lora_target_modules here"))
 _add(G, "lora_model_dir", honoured("continue that adapter: its adapter_config.json and weights, in any layout"))
-_add(G, ("lora_modules_to_save", "peft_use_dora"),
-     refused("not supported yet: start a plain LoRA from base_model (DoRA and saved modules are planned)"))
+_add(G, "peft_use_dora", honoured("DoRA through peft (magnitude per output row), in every layout but tp; "
+                                  "merged/ folds it"))
+_add(G, "lora_modules_to_save", refused("not supported yet: train those modules in a full fine-tune "
+                                        "(unfrozen_parameters), or leave them frozen"))
 _add(G, ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
          "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "bnb_config_kwargs"),
      honoured("the frozen base quantized as it loads (bitsandbytes through transformers' BitsAndBytesConfig, "
