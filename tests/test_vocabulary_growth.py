@@ -12,7 +12,7 @@ pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
 
 from meshkit.parallel.materialize import grown_rows  # noqa: E402
 from tests.distributed import run_world  # noqa: E402
-from tests.finetune_runs import run_finetune, write_config, write_jsonl  # noqa: E402
+from tests.finetune_runs import lora_keys, run_finetune, write_config, write_jsonl  # noqa: E402
 
 NEW_TOKENS = ["<|tool|>", "<|result|>"]
 
@@ -40,9 +40,7 @@ def _run(tmp_path, material, world: int, name: str, **keys) -> dict:
         datasets=[{"path": str(data), "type": "alpaca"}],
         tokens=NEW_TOKENS,
         special_tokens={"pad_token": "<pad>"},
-        learning_rate=1e-3,
-        max_steps=3,
-        **keys,
+        **{"learning_rate": 1e-3, "max_steps": 3, **keys},
     )
     return run_world(run_finetune, world, str(config), [f"output_dir={tmp_path / name}"], timeout=240)[0]
 
@@ -66,3 +64,30 @@ def test_added_tokens_grow_the_embedding_train_and_export(tmp_path, material) ->
     with torch.no_grad():
         logits = merged(torch.tensor([tokenizer("<|tool|> apple").input_ids])).logits
     assert logits.shape[-1] == rows + 2 and torch.isfinite(logits).all()
+
+
+def test_lora_trains_the_new_rows_through_modules_to_save_and_continues_them(tmp_path, material) -> None:
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    keys = lora_keys(lora_modules_to_save=["embed_tokens", "lm_head"])
+    one = _run(tmp_path, material, 1, "one", micro_batch_size=4, **keys)
+    two = _run(tmp_path, material, 2, "two", zero_stage=3, **keys)
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
+    adapter = two["outputs"]["adapter"]
+    with safe_open(f"{adapter}/adapter_model.safetensors", "pt") as handle:
+        assert {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"} <= set(handle.keys())
+    merged = AutoModelForCausalLM.from_pretrained(two["outputs"]["merged"])
+    base = AutoModelForCausalLM.from_pretrained(material["base"])
+    rows = base.get_input_embeddings().num_embeddings
+    assert not torch.allclose(merged.get_input_embeddings().weight[rows], base.get_input_embeddings().weight.mean(0))
+    base.resize_token_embeddings(rows + 2)
+    ids = torch.tensor([[1, rows, 40, rows + 1, 50]])
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(base, adapter)(ids).logits
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+    later = _run(tmp_path, material, 1, "later", learning_rate=1e-12, max_steps=1, lora_model_dir=adapter, **keys)
+    continued = AutoModelForCausalLM.from_pretrained(later["outputs"]["merged"]).get_input_embeddings().weight
+    torch.testing.assert_close(continued, merged.get_input_embeddings().weight, rtol=0, atol=1e-6)

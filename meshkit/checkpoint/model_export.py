@@ -20,7 +20,13 @@ from meshkit.checkpoint.directory import resolve_resume
 from meshkit.checkpoint.storage import CheckpointError, load_tensors, stored_shapes
 from meshkit.export import ShardStream, TensorInfo, parse_size, plan_shards, storage_identity
 from meshkit.mesh import ParallelMesh
-from meshkit.models.adapters import LoraMerge, base_checkpoint_name, is_adapter_parameter, merged_weight
+from meshkit.models.adapters import (
+    LoraMerge,
+    base_checkpoint_name,
+    is_adapter_parameter,
+    is_original_module_copy,
+    merged_weight,
+)
 from meshkit.models.quantized import is_bookkeeping, quantized_weights
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.tensor_auto import restore_fused_qkv
@@ -48,11 +54,16 @@ def _local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _exported_names(local: dict[str, torch.Tensor], merges: dict[str, LoraMerge], skip: set[str]) -> dict[str, str]:
-    """Exported name -> local name: adapter weights are folded into their base weights, and a wrapped layer's
-    tensors take their base names; `skip` (tied copies on another pipeline stage) is left out."""
+    """Exported name -> local name: adapter weights are folded into their base weights, a wrapped layer's
+    tensors take their base names (a saved module's trained copy, not its frozen original); `skip` (tied copies on
+    another pipeline stage) is left out."""
     if not merges:
         return {name: name for name in local if name not in skip}
-    return {base_checkpoint_name(name): name for name in local if not is_adapter_parameter(name) and name not in skip}
+    return {
+        base_checkpoint_name(name): name
+        for name in local
+        if not (is_adapter_parameter(name) or is_original_module_copy(name)) and name not in skip
+    }
 
 
 def save_model_weights(

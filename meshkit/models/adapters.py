@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor
 _ADAPTER_PARAMETER = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
 _SAVED_ADAPTER_PART = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(\.|$)")
 _BASE_LAYER = ".base_layer."
+_SAVED_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")
+_ORIGINAL_COPY = ".original_module."
 
 
 def is_adapter_parameter(name: str) -> bool:
@@ -27,17 +29,37 @@ def is_adapter_parameter(name: str) -> bool:
     return _ADAPTER_PARAMETER.search(f".{name}") is not None
 
 
+def is_saved_module_copy(name: str) -> bool:
+    """A parameter of the trained copy of a module peft's `modules_to_save` wraps (the base checkpoint holds
+    it under the module's own name; the adapter file holds the trained one)."""
+    return _SAVED_COPY.search(f".{name}") is not None
+
+
+def is_original_module_copy(name: str) -> bool:
+    """A parameter of the frozen original a `modules_to_save` wrapper keeps beside its trained copy."""
+    return _ORIGINAL_COPY in f".{name}"
+
+
+def is_adapter_state(name: str) -> bool:
+    """What an adapter file holds: the adapter's own parameters and the trained copies of saved modules."""
+    return is_adapter_parameter(name) or is_saved_module_copy(name)
+
+
 def adapter_parameter_name(saved: str, adapter: str = "default") -> str:
     """Where a weight of a peft adapter file (`base_model.model.<layer>.lora_A.weight`) sits in the adapted model,
     relative to the model peft wraps (`<layer>.lora_A.<adapter>.weight`; peft saves a DoRA magnitude without
     `.weight`)."""
-    name = _SAVED_ADAPTER_PART.sub(rf".\1.{adapter}\2", saved.removeprefix("base_model.model."))
+    name = saved.removeprefix("base_model.model.")
+    if not is_adapter_parameter(name):  # a saved module's trained copy
+        module, _, tensor = name.rpartition(".")
+        return f"{module}.modules_to_save.{adapter}.{tensor}"
+    name = _SAVED_ADAPTER_PART.sub(rf".\1.{adapter}\2", name)
     return f"{name}.weight" if name.endswith(f"lora_magnitude_vector.{adapter}") else name
 
 
 def base_checkpoint_name(name: str) -> str:
     """Where a (possibly adapter-wrapped) parameter sits in the base model's checkpoint."""
-    return name.replace(_BASE_LAYER, ".")
+    return _SAVED_COPY.sub(".", name.replace(_BASE_LAYER, ".").replace(_ORIGINAL_COPY, "."))
 
 
 def _lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -179,7 +179,7 @@ def load_safetensors(
         with safe_open(str(file), framework="pt") as handle:
             for name in names:
                 full, target = handle.get_tensor(stored_as[name]), targets[name]
-                if name in vocabulary:
+                if base_checkpoint_name(name) in vocabulary:
                     full = grown_rows(full, target.shape[0])
                 if tuple(full.shape) != tuple(target.shape):
                     raise MaterializeError(

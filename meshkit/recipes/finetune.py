@@ -74,6 +74,11 @@ def check_layout(engine: Engine, job: FinetuneJob) -> None:
             "sample_packing keeps samples apart by position_ids, which ring attention does not: "
             "set cp=1 or sample_packing: false"
         )
+    if job.settings.lora_modules_to_save and (engine.mesh.size("tp") > 1 or pp > 1):
+        raise FinetuneError(
+            "lora_modules_to_save wraps whole modules, which tensor and pipeline parallel do not split yet: set "
+            "tp=1 and pp=1, or drop lora_modules_to_save"
+        )
     if job.settings.peft_use_dora and engine.mesh.size("tp") > 1:
         raise FinetuneError(
             "DoRA rescales whole output rows, which tensor parallel splits: set tp=1 or peft_use_dora: false"
@@ -154,7 +159,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     rows = grow_vocabulary(base, len(tokenizer))
     if added:
         grown = f"; the embedding grows from {rows} to {len(tokenizer)} rows, new ones at the mean of the others"
-        frozen = " (frozen under LoRA: merged/ holds them)" if s.adapter else ""
+        frozen = " (frozen under LoRA: merged/ holds them)" if s.adapter and not s.lora_modules_to_save else ""
         engine.print(f"meshkit: added tokens {added}{grown if len(tokenizer) > rows else ''}{frozen}")
     data = prepare_data(engine, s, tokenizer)
     if s.unfrozen_parameters and s.adapter is None:

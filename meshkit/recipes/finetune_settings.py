@@ -62,6 +62,9 @@ class FinetuneSettings(Section):
     )
     peft_use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
     peft_use_dora: bool = Field(False, description="DoRA: LoRA plus a trained magnitude per output row")
+    lora_modules_to_save: tuple[str, ...] | None = Field(
+        None, description="modules trained whole beside the adapters and saved with them, e.g. [embed_tokens, lm_head]"
+    )
     peft_layers_to_transform: tuple[int, ...] | None = Field(None, description="block indices adapted; null = all")
     # quantized base (bitsandbytes, through transformers' BitsAndBytesConfig)
     load_in_8bit: bool = Field(False, description="the frozen base in int8 (LLM.int8 Linear8bitLt)")
@@ -120,7 +123,7 @@ class FinetuneSettings(Section):
             return "4bit"
         return "gptq" if self.gptq else None
 
-    @field_validator("lora_target_modules", "unfrozen_parameters", "tokens", mode="before")
+    @field_validator("lora_target_modules", "lora_modules_to_save", "unfrozen_parameters", "tokens", mode="before")
     @classmethod
     def _one_name_is_a_list(cls, value: Any) -> Any:
         return (value,) if isinstance(value, str) else value

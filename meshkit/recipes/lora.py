@@ -18,7 +18,7 @@ from torch import nn
 
 from meshkit.errors import MeshkitError
 from meshkit.export import write_atomically
-from meshkit.models.adapters import adapter_parameter_name, is_adapter_parameter
+from meshkit.models.adapters import adapter_parameter_name, is_adapter_state
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -55,6 +55,7 @@ def _new_config(settings: Any, LoraConfig: Any) -> Any:  # noqa: N803 (peft's cl
         raise LoraSetupError(
             "adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]) or lora_target_linear: true"
         )
+    saved = getattr(settings, "lora_modules_to_save", None)
     config = LoraConfig(
         r=settings.lora_r,
         lora_alpha=settings.lora_alpha,
@@ -62,6 +63,7 @@ def _new_config(settings: Any, LoraConfig: Any) -> Any:  # noqa: N803 (peft's cl
         target_modules=targets,
         use_rslora=getattr(settings, "peft_use_rslora", False),
         use_dora=getattr(settings, "peft_use_dora", False),
+        modules_to_save=list(saved) if saved else None,
         layers_to_transform=list(settings.peft_layers_to_transform)
         if getattr(settings, "peft_layers_to_transform", None)
         else None,
@@ -96,7 +98,7 @@ def continued_weights(directory: Path, model: nn.Module) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     weights = {adapter_parameter_name(k): v for k, v in load_file(str(directory / ADAPTER_WEIGHTS)).items()}
-    wanted = {name for name, _ in model.named_parameters() if is_adapter_parameter(name)}
+    wanted = {name for name, _ in model.named_parameters() if is_adapter_state(name)}
     missing, unknown = sorted(wanted - set(weights)), sorted(set(weights) - wanted)
     if missing or unknown:
         raise LoraSetupError(
@@ -114,7 +116,7 @@ def save_adapter(engine: Any, whole_model: Callable[[], Any], out_dir: Path) -> 
     """
     from peft import get_peft_model_state_dict
 
-    adapter = engine.full_state_dict(keys=is_adapter_parameter)
+    adapter = engine.full_state_dict(keys=is_adapter_state)
     if not engine.is_main_process:
         return None
     peft_model = whole_model()

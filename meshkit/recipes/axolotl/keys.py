@@ -152,8 +152,8 @@ _add(G, "loraplus_lr_embedding", noted("no embedding is adapted by lora_target_m
 _add(G, "lora_model_dir", honoured("continue that adapter: its adapter_config.json and weights, in any layout"))
 _add(G, "peft_use_dora", honoured("DoRA through peft (magnitude per output row), in every layout but tp; "
                                   "merged/ folds it"))
-_add(G, "lora_modules_to_save", refused("not supported yet: train those modules in a full fine-tune "
-                                        "(unfrozen_parameters), or leave them frozen"))
+_add(G, "lora_modules_to_save", honoured("peft modules_to_save: those modules train whole beside the adapters "
+                                         "(e.g. the embedding and head for added tokens); not with tp or pp"))
 _add(G, ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
          "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "bnb_config_kwargs"),
      honoured("the frozen base quantized as it loads (bitsandbytes through transformers' BitsAndBytesConfig, "
