@@ -12,7 +12,7 @@ loads as an ordinary model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -33,13 +33,21 @@ def quantized_kind(module: nn.Module) -> QuantKind | None:
     weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
     if weight is None:
         return None
-    if getattr(weight, "quant_state", None) is not None or (
-        weight.dtype == torch.uint8 and getattr(module, "quant_state", None) is not None
-    ):
+    if _quant_state(module) is not None:
         return "4bit"
     if weight.dtype == torch.int8 and _row_scales(module) is not None:
         return "8bit"
     return None
+
+
+def _quant_state(module: nn.Module) -> Any:
+    """A 4-bit layer's quantization state: on its weight, or on the layer once FSDP re-wrapped the packed weight
+    (bitsandbytes keeps a copy there); None for any other layer."""
+    weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+    if weight is None:
+        return None
+    state = getattr(weight, "quant_state", None)
+    return state if state is not None else getattr(module, "quant_state", None)
 
 
 def _row_scales(module: nn.Module) -> torch.Tensor | None:
@@ -62,9 +70,9 @@ def parameter_count(model: nn.Module) -> int:
     """Parameters of `model` as its unquantized form has them (a packed 4-bit weight counts its full shape)."""
     total = 0
     for module in model.modules():
+        state = _quant_state(module)
         for name, param in module.named_parameters(recurse=False):
-            state = getattr(param, "quant_state", None) if name == "weight" else None
-            total += state.shape.numel() if state is not None else param.numel()
+            total += state.shape.numel() if state is not None and name == "weight" else param.numel()
     return total
 
 
@@ -83,7 +91,7 @@ class QuantizedWeight:
         import bitsandbytes.functional as bnb_functional
 
         if self.kind == "4bit":
-            state = getattr(self.module.weight, "quant_state", None) or self.module.quant_state
+            state = _quant_state(self.module)
             return bnb_functional.dequantize_4bit(stored, state).to(self.dtype).reshape(self.shape)
         return bnb_functional.int8_vectorwise_dequant(stored, _row_scales(self.module)).to(self.dtype)
 
@@ -94,7 +102,7 @@ def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
     for name, kind in quantized_layers(model).items():
         module = model.get_submodule(name)
         if kind == "4bit":
-            state = getattr(module.weight, "quant_state", None) or module.quant_state
+            state = _quant_state(module)
             shape, dtype = tuple(state.shape), state.dtype
         else:
             bias = getattr(module, "bias", None)
