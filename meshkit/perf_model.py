@@ -38,7 +38,9 @@ from typing import Any
 from meshkit.estimate import ModelShape, model_state_bytes
 from meshkit.hardware import Hardware
 
-ADAM_BYTES_PER_PARAM = 30  # read grad, read+write fp32 master, m and v, write the low-precision copy
+# bytes an optimizer step moves per parameter: read the gradient, read+write the fp32 master and the states,
+# write the low-precision copy (AdamW: two fp32 moments; 8-bit AdamW: two 1-byte moments; SGD: one momentum)
+OPTIMIZER_BYTES_PER_PARAM = {"adam": 30, "adam8bit": 16, "sgd": 22}
 HOST_MEMORY_GBPS = 50.0  # a CPU optimizer's share of host memory bandwidth
 DDP_BUCKET_BYTES = 25 * 2**20
 TP_BACKWARD_REDUCES = 5  # column-parallel linears per block whose input gradients are all-reduced (q, k, v, gate, up)
@@ -139,6 +141,7 @@ def predict(
     global_batch: int,
     micro_batch: int = 1,
     precision: str = "bf16",
+    optimizer: str = "adam",
 ) -> StepTime:
     """Seconds per optimizer step of `global_batch` sequences of `seq_len` tokens on this layout."""
     gpus = topology.gpus
@@ -216,17 +219,18 @@ def predict(
         hidden_behind = max(0.0, step_comm - step_attention) + max(0.0, 2 * step_comm - 2 * step_attention)
         comm["cp"] = (layout.cp - 1) * hidden_behind * layers / pp * m
     optimizer_params = local_params / (shards if layout.zero_stage >= 1 else 1)
-    optimizer = optimizer_params * ADAM_BYTES_PER_PARAM / (hardware.memory_tbps * 1e12)
+    step_bytes = OPTIMIZER_BYTES_PER_PARAM[optimizer]
+    optimizer_s = optimizer_params * step_bytes / (hardware.memory_tbps * 1e12)
     offload = 0.0
     if layout.offload != "none":
         transfer = optimizer_params * (grad_b + weight_b) / (hardware.host_gbps * 1e9)
-        offload = transfer + optimizer_params * ADAM_BYTES_PER_PARAM / (HOST_MEMORY_GBPS * 1e9) - optimizer
-    step = compute + recompute + bubble + sum(comm.values()) + overhead + optimizer + offload
+        offload = transfer + optimizer_params * step_bytes / (HOST_MEMORY_GBPS * 1e9) - optimizer_s
+    step = compute + recompute + bubble + sum(comm.values()) + overhead + optimizer_s + offload
     return StepTime(
         compute_s=compute,
         recompute_s=recompute,
         bubble_s=bubble,
-        optimizer_s=optimizer,
+        optimizer_s=optimizer_s,
         offload_s=max(0.0, offload),
         overhead_s=overhead,
         comm_s=comm,

@@ -130,7 +130,15 @@ def candidates(model: ModelShape, cluster: Cluster, seq_len: int, global_batch: 
     return out
 
 
-def cost(layout: Layout, model: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, precision: str) -> None:
+def cost(
+    layout: Layout,
+    model: ModelShape,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    precision: str,
+    optimizer: str = "adam",
+) -> None:
     """Fill memory, communication volume, bubble and modelled step time (micro-batches of one sequence)."""
     micro_batch = 1
     estimate = estimate_memory(
@@ -138,6 +146,7 @@ def cost(layout: Layout, model: ModelShape, cluster: Cluster, seq_len: int, glob
         seq_len=seq_len,
         micro_batch=micro_batch,
         precision=precision,  # type: ignore[arg-type]
+        optimizer=optimizer,  # type: ignore[arg-type]
         zero_stage=layout.zero_stage,
         dp=layout.dp,
         tp=layout.tp,
@@ -160,7 +169,7 @@ def cost(layout: Layout, model: ModelShape, cluster: Cluster, seq_len: int, glob
     )
     layout.time = predict(
         model, layout.shape(), cluster.topology(), cluster.hardware,
-        seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, precision=precision,
+        seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, precision=precision, optimizer=optimizer,
     )  # fmt: skip
     layout.step_s = layout.time.step_s
 
@@ -226,7 +235,17 @@ class Plan:
     suggestion: str = ""
 
 
-def plan(model: ModelShape, cluster: Cluster, *, seq_len: int, global_batch: int, precision: str = "bf16") -> Plan:
+def plan(
+    model: ModelShape,
+    cluster: Cluster,
+    *,
+    seq_len: int,
+    global_batch: int,
+    precision: str = "bf16",
+    optimizer: str = "adam",
+) -> Plan:
+    """Every layout that fits, fastest first; `optimizer` (adam, adam8bit, sgd) sets the state bytes and step
+    traffic per parameter."""
     if cluster.intra_node not in (None, *INTRA_LINKS) or cluster.inter_node not in (None, *INTER_LINKS):
         raise PlanError(
             f"--intra-node is one of {', '.join(INTRA_LINKS)}; --inter-node one of {', '.join(INTER_LINKS)}"
@@ -242,7 +261,7 @@ def plan(model: ModelShape, cluster: Cluster, *, seq_len: int, global_batch: int
         )
     for layout in layouts:
         try:
-            cost(layout, model, cluster, seq_len, global_batch, precision)
+            cost(layout, model, cluster, seq_len, global_batch, precision, optimizer)
         except EstimateError:
             layout.memory_gb = float("inf")
     budget = cluster.gpu_mem_gb * HEADROOM
@@ -254,7 +273,7 @@ def plan(model: ModelShape, cluster: Cluster, *, seq_len: int, global_batch: int
     result = Plan(fitting, smallest)
     if not fitting:
         need = smallest.memory_gb / HEADROOM
-        more_nodes = _nodes_that_fit(model, cluster, seq_len, global_batch, precision)
+        more_nodes = _nodes_that_fit(model, cluster, seq_len, global_batch, precision, optimizer)
         result.suggestion = (
             f"nothing fits in {cluster.gpu_mem_gb:g} GB per GPU: the smallest layout ({smallest.describe()}) needs "
             f"{smallest.memory_gb:.1f} GB; use GPUs with at least {need:.0f} GB"
@@ -263,7 +282,9 @@ def plan(model: ModelShape, cluster: Cluster, *, seq_len: int, global_batch: int
     return result
 
 
-def _nodes_that_fit(model: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, precision: str) -> int:
+def _nodes_that_fit(
+    model: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, precision: str, optimizer: str
+) -> int:
     nodes = cluster.nodes
     while nodes < cluster.nodes * 64:
         nodes *= 2
@@ -271,7 +292,7 @@ def _nodes_that_fit(model: ModelShape, cluster: Cluster, seq_len: int, global_ba
         batch = max(global_batch, bigger.gpus)
         for layout in candidates(model, bigger, seq_len, batch):
             try:
-                cost(layout, model, bigger, seq_len, batch, precision)
+                cost(layout, model, bigger, seq_len, batch, precision, optimizer)
             except EstimateError:
                 continue
             if layout.memory_gb <= bigger.gpu_mem_gb * HEADROOM:

@@ -42,6 +42,9 @@ def plan_command(
     seq_len: Annotated[int, typer.Option("--seq-len")] = 2048,
     global_batch: Annotated[int, typer.Option("--global-batch", help="sequences per optimizer step")] = 64,
     precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "bf16",
+    optimizer: Annotated[
+        str, typer.Option("--optimizer", help="adam, adam8bit (bitsandbytes' 8-bit states) or sgd")
+    ] = "adam",
     top: Annotated[int, typer.Option("--top", help="layouts shown")] = 8,
     stragglers: Annotated[
         bool,
@@ -65,7 +68,9 @@ def plan_command(
     device = load_profile(profile) if profile is not None else preset(gpu or "a100")
     memory = gpu_mem_gb if gpu_mem_gb is not None else device.memory_gb
     cluster = Cluster(gpus_per_node, memory, nodes, intra_node, inter_node, device)
-    result = plan(shape, cluster, seq_len=seq_len, global_batch=global_batch, precision=precision)
+    if optimizer not in ("adam", "adam8bit", "sgd"):
+        raise PlanError(f"--optimizer {optimizer!r} is not one the planner knows: adam, adam8bit or sgd")
+    result = plan(shape, cluster, seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer)
     if not result.fitting:
         raise PlanError(result.suggestion)
     shown = result.fitting[:top]

@@ -100,3 +100,21 @@ def test_the_slow_link_rule_layout_is_emitted_and_meshkit_accepts_it() -> None:
     config = RunConfig(**to_config(layout, Cluster(4, 24.0, nodes=2), seq_len=2048, global_batch=8, precision="bf16"))
     dims = ParallelDims.from_config(config.parallel, 8)
     assert (dims.pp, dims.tp, dims.dp_replicate * dims.dp_shard, config.sharding.zero_stage) == (2, 2, 2, 1)
+
+
+def test_eight_bit_adam_lets_the_planner_keep_more_layouts_and_step_faster() -> None:
+    model = ModelShape.transformer(layers=32, hidden=4096, heads=32, vocab=32000)  # ~7B
+    cluster = Cluster(8, 40.0)
+    adam = plan(model, cluster, seq_len=2048, global_batch=64)
+    eight = plan(model, cluster, seq_len=2048, global_batch=64, optimizer="adam8bit")
+    assert len(eight.fitting) > len(adam.fitting)  # 2 bytes of state per parameter instead of 8
+    shared = {layout.describe(): layout for layout in adam.fitting}
+    for layout in eight.fitting:
+        if layout.describe() in shared:
+            on_device = layout.offload == "none"  # offloaded states cost no device memory either way
+            assert layout.memory_gb < shared[layout.describe()].memory_gb or not on_device
+            assert layout.time.step_s < shared[layout.describe()].time.step_s
+    proc = meshkit(
+        "plan", "--params", "1e9", "--layers", "8", "--hidden", "2048", "--heads", "16", "--optimizer", "lion"
+    )
+    assert proc.returncode == 2 and "--optimizer 'lion' is not one the planner knows" in proc.stderr
