@@ -1,6 +1,7 @@
 """Tokens added by `special_tokens` / `tokens` beyond the embedding's rows: the embedding and head grow, the new
 rows start as the mean of the checkpoint's (as the weights stream into a meta-built, sharded model), they train
-in a full fine-tune, ZeRO-3 at world 2 equals one process, and the merged export loads with the grown vocabulary."""
+in a full fine-tune and, through lora_modules_to_save, under LoRA, where ZeRO-3 at world 2 equals one process; the
+merged export loads with the grown vocabulary."""
 
 from __future__ import annotations
 
@@ -50,9 +51,7 @@ def test_added_tokens_grow_the_embedding_train_and_export(tmp_path, material) ->
 
     base = AutoModelForCausalLM.from_pretrained(material["base"])
     rows = base.get_input_embeddings().num_embeddings
-    one = _run(tmp_path, material, 1, "one", micro_batch_size=4)
-    two = _run(tmp_path, material, 2, "two", zero_stage=3)
-    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-4, atol=0)
+    two = _run(tmp_path, material, 2, "two", zero_stage=3)  # world 2 = world 1: the LoRA test below
     merged = AutoModelForCausalLM.from_pretrained(two["outputs"]["merged"])
     tokenizer = AutoTokenizer.from_pretrained(two["outputs"]["merged"])
     assert merged.get_input_embeddings().num_embeddings == rows + 2 == len(tokenizer)
