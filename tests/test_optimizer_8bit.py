@@ -1,5 +1,6 @@
-"""bitsandbytes' 8-bit AdamW under ZeRO-2: its states stepped on a rank's flat chunk, checkpointed dequantized
-(requantized exactly on load), so a run resumes exactly in its layout and reshards to another."""
+"""bitsandbytes' 8-bit AdamW under ZeRO-2 (its states stepped on a rank's flat chunk), ZeRO-3 and tp (on the local
+pieces of the DTensor shards), checkpointed dequantized (requantized exactly on load), so a run resumes exactly in
+its layout and reshards to another."""
 
 from __future__ import annotations
 
@@ -70,3 +71,34 @@ def test_zero2_with_8bit_adamw_tracks_one_process_and_resumes_exactly_and_reshar
     )
     assert resharded["resumed_at_step"] == 2
     torch.testing.assert_close(_losses(resharded), _losses(whole), rtol=1e-3, atol=0)
+
+
+def test_zero3_and_tp_step_8bit_adamw_on_local_shards_and_zero3_resumes_and_reshards(tmp_path, material) -> None:
+    one = _run(tmp_path, material, "one", 1, "micro_batch_size=4")
+    zero3 = _run(tmp_path, material, "zero3", 2, "zero_stage=3")
+    tp = _run(tmp_path, material, "tp", 2, "tp=2", "micro_batch_size=4")
+    # each rank quantizes the states of its own shard (blocks of 256 follow the shard, not the whole parameter)
+    torch.testing.assert_close(_losses(zero3), _losses(one), rtol=1e-3, atol=0)
+    torch.testing.assert_close(_losses(tp), _losses(one), rtol=1e-3, atol=0)
+    checkpoints = tmp_path / "zero3" / "out" / "checkpoints"
+    at_step_2 = tmp_path / "at-step-2"
+    shutil.copytree(checkpoints / "step-000002", at_step_2 / "checkpoints" / "step-000002")
+    for late in ("step-000004", "step-000006"):
+        shutil.rmtree(checkpoints / late)
+    same = _run(tmp_path, material, "zero3", 2, "zero_stage=3", "auto_resume_from_checkpoints=true")
+    assert same["resumed_at_step"] == 2
+    torch.testing.assert_close(_losses(same), _losses(zero3), rtol=1e-5, atol=0)
+    resharded = _run(
+        tmp_path, material, "ddp1", 1, "micro_batch_size=4", "auto_resume_from_checkpoints=true", out=at_step_2
+    )
+    assert resharded["resumed_at_step"] == 2
+    torch.testing.assert_close(_losses(resharded), _losses(zero3), rtol=1e-3, atol=0)
+
+
+def test_only_zero12_chunks_of_tp_shards_are_refused() -> None:
+    from meshkit.recipes.optimizers import OptimizerError, check_layout
+
+    for zero_stage, tp in ((0, 1), (2, 1), (3, 1), (3, 2), (0, 2)):
+        check_layout("adamw_8bit", zero_stage, tp)
+    with pytest.raises(OptimizerError, match="zero_stage 2 and tp=2 is not supported: use zero_stage 3 or 0"):
+        check_layout("adamw_8bit", 2, 2)

@@ -162,6 +162,7 @@ class TrainingState:
                 name = self.parameters[id(param)]
                 for state, value in to_canonical(states).items():
                     if isinstance(value, torch.Tensor):
+                        value = _as_laid_out(value, param)
                         key = f"{prefix}.{name.partition('.')[2]}.{state}"
                         out[key] = self.names.to_canonical(name, value) if value.shape == param.shape else value
         return out
@@ -311,6 +312,16 @@ class TrainingState:
         read(targets)
         for shard in inner.shards:
             inner.state[shard.shard] = from_canonical(inner.inner, shard.shard, inner.state[shard.shard])
+
+
+def _as_laid_out(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A state of this rank's local piece of a DTensor parameter (an optimizer stepping plain pieces) as a DTensor
+    laid out like the parameter; any other value unchanged."""
+    if not isinstance(param, DTensor) or isinstance(value, DTensor) or value.shape != param.to_local().shape:
+        return value
+    return DTensor.from_local(
+        value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from meshkit.parallel.local_shards import local_pieces
 
 BLOCK = 256  # bitsandbytes' blockwise optimizer kernels quantize states in blocks of 256
 _CANONICAL = {1: "exp_avg", 2: "exp_avg_sq"}
@@ -43,9 +46,16 @@ def to_canonical(states: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def from_canonical(optimizer: torch.optim.Optimizer, param: torch.Tensor, states: dict[str, Any]) -> dict[str, Any]:
-    """Loaded checkpoint states for `param` in the form `optimizer` keeps (quantized for bitsandbytes)."""
+    """Loaded checkpoint states for `param` in the form `optimizer` keeps (quantized for bitsandbytes; for a DTensor
+    parameter, the states of this rank's local piece, as `LocalShardOptimizer` steps it)."""
     if not hasattr(optimizer, "init_state") or not hasattr(optimizer, "name2qmap"):  # not bitsandbytes'
         return states
+    local = {key: value.to_local() if isinstance(value, DTensor) else value for key, value in states.items()}
+    with local_pieces(optimizer, only={id(param)}) as pieces:
+        return _quantized(optimizer, pieces.get(id(param), param), local)
+
+
+def _quantized(optimizer: Any, param: torch.Tensor, states: dict[str, Any]) -> dict[str, Any]:
     for group_index, group in enumerate(optimizer.param_groups):
         for param_index, candidate in enumerate(group["params"]):
             if candidate is param:

@@ -1,4 +1,5 @@
-"""Which ZeRO stage a run really gets, and the optimizer side of sharding (rebinding, ZeRO-1/2, NVMe)."""
+"""Which ZeRO stage a run really gets, and the optimizer side of sharding (rebinding, ZeRO-1/2, plain-tensor
+optimizers over DTensor shards, NVMe)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshkit.config import RunConfig, ShardingConfig
 from meshkit.errors import MeshkitError
 from meshkit.mesh import ParallelMesh
+from meshkit.parallel.local_shards import LocalShardOptimizer, steps_plain_tensors
 from meshkit.parallel.nvme import NVMeOptimizer, block_pages
 from meshkit.parallel.zero import ZeroOptimizer
 
@@ -100,9 +103,11 @@ def shard_optimizer(
         overlap = (bucket, per_micro_step, reduced_elsewhere or set()) if mesh.size("pp") == 1 else None
         wrap = offload if cfg.offload == "nvme" else None
         return ZeroOptimizer(optimizer, mesh.grad_group, stage, wrap, tp_group, overlap)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if steps_plain_tensors(optimizer) and any(isinstance(p, DTensor) for p in params):
+        optimizer = LocalShardOptimizer(optimizer)  # ZeRO-3 and tp shards, stepped as plain local pieces
     if cfg.offload != "nvme":
         return optimizer
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     pages: list[list[nn.Parameter]] = []
     for model in models:
         pages.extend(block_pages(model, params, blocks))

@@ -4,8 +4,8 @@ quantised; tensors under 4096 elements keep 32-bit states, as bitsandbytes decid
 
 Paged optimizers page their states to host memory through CUDA unified memory; on a CPU there is nothing to page,
 so they run as their unpaged twin (one notice line). bitsandbytes' kernels take plain tensors: they run under DDP,
-pipeline stages and ZeRO-1/2 (a rank's flat chunk); ZeRO-3's and tensor parallel's DTensors are refused
-(`check_layout`). Checkpoints hold their states dequantized (`meshkit.checkpoint.optimizer_states`).
+pipeline stages, ZeRO-1/2 (a rank's flat chunk) and on the local pieces of ZeRO-3's and tensor parallel's DTensors
+(`meshkit.parallel.local_shards`). Checkpoints hold their states dequantized (`meshkit.checkpoint.optimizer_states`).
 """
 
 from __future__ import annotations
@@ -80,13 +80,13 @@ def build_optimizer(
 
 
 def check_layout(name: str, zero_stage: int, tp: int) -> None:
-    """bitsandbytes optimizers step plain tensors: whole parameters (DDP, pipeline stages) or ZeRO-1/2's flat
-    chunks; ZeRO-3's and tp's DTensors are refused in one line."""
-    if OPTIMIZERS[name].family == "bnb" and (zero_stage == 3 or tp > 1):
-        where = f"zero_stage {zero_stage}" if zero_stage == 3 else f"tp={tp}"
+    """bitsandbytes optimizers step plain tensors: whole parameters (DDP, pipeline stages), ZeRO-1/2's flat
+    chunks, or the local pieces of ZeRO-3's and tp's DTensors (`meshkit.parallel.local_shards`); ZeRO-1/2's flat
+    chunks of tp shards are refused in one line."""
+    if OPTIMIZERS[name].family == "bnb" and zero_stage in (1, 2) and tp > 1:
         raise OptimizerError(
-            f"optimizer: {name} (bitsandbytes) steps plain tensors, not the DTensor shards of {where}: use "
-            "zero_stage 1 or 2 (its chunks are plain tensors), DDP or pp, or adamw_torch"
+            f"optimizer: {name} (bitsandbytes) with zero_stage {zero_stage} and tp={tp} is not supported: use "
+            "zero_stage 3 or 0 with tp (each rank steps its local shards), or adamw_torch"
         )
 
 
