@@ -272,9 +272,16 @@ def test_axolotl_parallel_size_keys_train_at_world_four_as_one_process(tmp_path,
 
 
 @pytest.mark.slow
-def test_axolotl_hsdp_x_tp_sizes_train_at_world_eight_as_one_process(tmp_path, material) -> None:
+@pytest.mark.parametrize(
+    ("sizes", "dp"),
+    [
+        ({"dp_replicate_size": 2, "dp_shard_size": 2, "tensor_parallel_size": 2}, 4),  # HSDP x TP
+        ({"dp_shard_size": 2, "tensor_parallel_size": 2, "context_parallel_size": 2}, 2),  # FSDP x TP x CP
+    ],
+    ids=["hsdp_x_tp", "fsdp_x_tp_x_cp"],
+)
+def test_axolotl_parallel_sizes_train_at_world_eight_as_one_process(tmp_path, material, sizes, dp) -> None:
     keys = {"optimizer": "adamw_torch", "evals_per_epoch": None, "saves_per_epoch": None}
-    one = _train(tmp_path, material, 1, "one", micro_batch_size=8, **keys)  # dp 4: 2 replicas x 2 shards
-    sizes = {"dp_replicate_size": 2, "dp_shard_size": 2, "tensor_parallel_size": 2}
-    got = _train(tmp_path, material, 8, "hsdp_x_tp", **keys, **sizes)
+    one = _train(tmp_path, material, 1, "one", micro_batch_size=2 * dp, **keys)
+    got = _train(tmp_path, material, 8, "eight", **keys, **sizes)
     _close(got["losses"], one["losses"], 1e-4)
