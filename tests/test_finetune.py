@@ -39,7 +39,7 @@ def test_axolotl_keys_map_to_meshkit_keys_with_their_source(tmp_path, material) 
     ("keys", "expected"),
     [
         ({"learnin_rate": 0.1}, "unknown key 'learnin_rate'.*did you mean 'learning_rate'"),
-        ({"peft_use_dora": True}, "Axolotl key 'peft_use_dora: True' .* is not supported"),
+        ({"processor_type": "AutoProcessor"}, "Axolotl key processor_type: 'AutoProcessor' .* is not supported"),
         ({"deepspeed": "ds.json"}, "deepspeed: ds.json: no such file"),
         ({"expert_parallel_size": 2}, "expert parallelism is not supported yet"),
         ({"adapter": "ia3"}, "'adapter'"),

@@ -50,7 +50,7 @@ def adapter_parameter_name(saved: str, adapter: str = "default") -> str:
     relative to the model peft wraps (`<layer>.lora_A.<adapter>.weight`; peft saves a DoRA magnitude without
     `.weight`)."""
     name = saved.removeprefix("base_model.model.")
-    if not is_adapter_parameter(name):  # a saved module's trained copy
+    if _SAVED_ADAPTER_PART.search(name) is None:  # a saved module's trained copy
         module, _, tensor = name.rpartition(".")
         return f"{module}.modules_to_save.{adapter}.{tensor}"
     name = _SAVED_ADAPTER_PART.sub(rf".\1.{adapter}\2", name)

@@ -80,7 +80,7 @@ class _Split:
             return
         if is_empty(value):
             return  # Axolotl writes `key:` for unset
-        shown = f"'{name}: {brief(value, 40)}' ({self.source})"
+        shown = f"{name}: {brief(value, 40)} ({self.source})"
         if rule.kind == "refused":
             if not (is_off(value) or value in rule.off):
                 raise ConfigError(f"Axolotl key {shown} is not supported: {rule.effect}")
