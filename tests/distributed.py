@@ -23,11 +23,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Imported once by the fork server, not by every rank: torch and meshkit (~3 s a rank), and where the hf extra is
+# installed transformers, peft, datasets and bitsandbytes (~4 s more; the server skips a module it cannot import).
+PRELOADED = [
+    "torch",
+    "torch.distributed",
+    "meshkit",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "peft",
+    "peft.tuners.lora",
+    "datasets",
+    "bitsandbytes",
+]
+
+
 def _context() -> Any:
-    """Ranks fork from a server that has imported torch and meshkit once (a spawned rank spends ~3 s importing
-    them); each rank then takes the test's environment and working directory as they are now, as spawn would."""
+    """Ranks fork from a server that has imported the PRELOADED modules once; each rank then takes the test's
+    environment and working directory as they are now, as spawn would."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "meshkit"])
+    ctx.set_forkserver_preload(PRELOADED)
     return ctx
 
 
