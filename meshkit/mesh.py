@@ -171,7 +171,14 @@ class ParallelMesh:
         # Context-parallel ranks hold other tokens of the same samples: gradients are averaged over dp × cp,
         # and FSDP shards over dp_shard × cp.
         self.grad_mesh: DeviceMesh = self.device_mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        self.device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        # FSDP's mesh, kept here: torch deprecates slicing a flattened dimension back out of the root mesh.
+        shard_cp = self.device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        replicas = dims.dp_replicate
+        self.fsdp_mesh: DeviceMesh = (
+            self.grad_mesh._unflatten(0, (replicas, self.grad_mesh.size() // replicas), ("dp_replicate", "dp_shard_cp"))
+            if replicas > 1
+            else shard_cp
+        )
 
     # ranks of the whole world
     @property

@@ -100,3 +100,9 @@ def test_model_state_bytes_follow_the_zero_formulas(results, layout) -> None:
 
 def test_cpu_offload_on_a_cpu_host_says_there_is_nothing_to_move(results) -> None:
     assert any("nothing to move" in w for w in results[0]["zero3_cpu_offload"]["warnings"])
+
+
+@pytest.mark.parametrize("layout", ["zero3", "hsdp"])
+def test_sharded_layouts_use_no_deprecated_device_mesh_api(results, layout) -> None:
+    deprecated = [w for rank in results for w in rank[layout]["warnings"] if "deprecated" in w.lower()]
+    assert deprecated == [], deprecated

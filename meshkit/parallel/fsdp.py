@@ -27,9 +27,7 @@ class OffloadNotice(UserWarning):
 
 def fsdp_mesh(mesh: ParallelMesh) -> DeviceMesh:
     """(dp_replicate, dp_shard × cp) for HSDP, dp_shard × cp alone otherwise (cp ranks share the shards)."""
-    if mesh.size("dp_replicate") > 1:
-        return mesh.device_mesh["dp_replicate", "dp_shard_cp"]
-    return mesh.device_mesh["dp_shard_cp"]
+    return mesh.fsdp_mesh
 
 
 def mixed_precision_policy(cfg: ShardingConfig, precision: str) -> MixedPrecisionPolicy:
