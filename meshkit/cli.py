@@ -21,7 +21,7 @@ from meshkit.errors import MeshkitError, one_line
 from meshkit.estimate_cli import estimate_command
 from meshkit.launching.cluster import cluster_settings
 from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
-from meshkit.launching.preflight import check_job, check_layout, check_recipe, check_resume_path
+from meshkit.launching.preflight import check_job, check_layout, check_recipe, check_resume_path, idle_settings
 from meshkit.mesh import ProcessInfo
 from meshkit.plan_cli import plan_command
 from meshkit.resolve import ResolvedConfig, default_config_path, parse_assignments, resolve
@@ -144,8 +144,11 @@ def launch_command(
         },
         set_ or [],
     )
-    resolved = resolve(flags=flags, flag_labels=labels, file=config_file, cluster=cluster_settings(os.environ))
+    cluster = cluster_settings(os.environ)
+    resolved = resolve(flags=flags, flag_labels=labels, file=config_file, cluster=cluster)
     check_job(resolved.config, dict(resolved.sources))
+    for note in idle_settings(resolved.config, dict(resolved.sources), set(cluster[1].values())):
+        print(f"meshkit launch: {note}", file=sys.stderr, flush=True)
     plan = LaunchPlan.from_config(
         resolved.config, config_file=str(config_file) if config_file else None, flags=flags, flag_labels=labels
     )

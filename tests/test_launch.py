@@ -49,6 +49,7 @@ def test_launch_runs_every_rank_with_the_resolved_settings(script, tmp_path) -> 
         "launch", "--nproc-per-node", "2", "--precision", "bf16", "--config-file", str(config), str(script), "--x", "1"
     )
     assert proc.returncode == 0, proc.stderr
+    assert "has no effect" not in proc.stderr  # every setting given here is used
     rows = results(proc.stdout)
     assert [row["rank"] for row in rows] == [0, 1]
     for row in rows:
@@ -57,6 +58,17 @@ def test_launch_runs_every_rank_with_the_resolved_settings(script, tmp_path) -> 
         assert row["precision"] == "bf16" and row["precision_source"] == "flag --precision"
         assert row["seed"] == 11 and row["seed_source"].startswith("file ")
         assert row["threads"] >= 1
+
+
+def test_an_address_that_changes_nothing_on_one_node_is_one_notice(script) -> None:
+    proc = meshkit("launch", "--nproc-per-node", "1", "--master-addr", "10.255.255.1", str(script))
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if "has no effect" in line]
+    assert notes == [
+        "meshkit launch: master_addr=10.255.255.1 (flag --master-addr) has no effect on one node: its ranks meet on "
+        "loopback (it is used with nnodes > 1)"
+    ], proc.stderr
+    assert [row["world"] for row in results(proc.stdout)] == [1]
 
 
 def test_a_failing_rank_gives_a_nonzero_exit_naming_its_error(script) -> None:
