@@ -165,7 +165,7 @@ def _from_datasets_cache(entry: DatasetEntry, keep_in_memory: bool) -> RecordSou
 def _unreadable(label: str, files: list[str], err: Exception) -> DataFormatError:
     """The first bad line of a json-lines file that `datasets` could not parse, else `datasets`' own reason."""
     for name in files:
-        if Path(name).suffix.lower() == ".jsonl":
+        if _is_json_lines(name):
             for _ in read_jsonl(name):  # raises DataFormatError naming the file and line
                 pass
     cause = err.__cause__ or err.__context__ or err
@@ -184,14 +184,12 @@ def _looks_local(path: str) -> bool:
 
 
 def _row_count(name: str) -> int:
-    suffix = Path(name).suffix.lower()
-    if suffix == ".jsonl":
+    if _is_json_lines(name):
         return sum(1 for _ in read_jsonl(name))
+    suffix = Path(name).suffix.lower()
     if suffix == ".json":
         with open(name, encoding="utf-8") as handle:
-            head = handle.read(1)
-            handle.seek(0)
-            return len(json.load(handle)) if head == "[" else sum(1 for line in handle if line.strip())
+            return len(json.load(handle))
     from datasets import Dataset
 
     builder = BUILDERS.get(suffix, "arrow")
@@ -203,7 +201,7 @@ def _row_count(name: str) -> int:
 
 
 def _place(name: str, index: int) -> str:
-    if Path(name).suffix.lower() == ".jsonl" or _is_json_lines(name):
+    if _is_json_lines(name):
         for count, (number, _) in enumerate(read_jsonl(name)):
             if count == index:
                 return f"{name}:{number}"
@@ -211,8 +209,10 @@ def _place(name: str, index: int) -> str:
 
 
 def _is_json_lines(name: str) -> bool:
-    if Path(name).suffix.lower() != ".json":
-        return False
+    """A .jsonl file, or a .json file holding one object per line rather than one array."""
+    suffix = Path(name).suffix.lower()
+    if suffix != ".json":
+        return suffix == ".jsonl"
     with open(name, encoding="utf-8") as handle:
         return handle.read(1) != "["
 

@@ -99,7 +99,7 @@ class _Tokenize:
         self.formatter, self.entry, self.source, self.sequence_len = formatter, entry, source, sequence_len
 
     def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
-        sample = self.formatter.convert(record, _Place(self.source, index), self.entry.type)  # type: ignore[arg-type]
+        sample = self.formatter.convert(record, _Place(self.source, index), self.entry.type)
         fate = KEPT
         if len(sample.input_ids) > self.sequence_len:
             fate = TOO_LONG

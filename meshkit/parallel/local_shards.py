@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshkit.parallel.wrapped_optimizer import WrappedOptimizer
+
 
 def steps_plain_tensors(optimizer: torch.optim.Optimizer) -> bool:
     """An optimizer whose kernels cannot take DTensors (bitsandbytes')."""
@@ -52,25 +54,9 @@ def local_pieces(optimizer: Any, only: set[int] | None = None) -> Iterator[dict[
                 optimizer.state[param] = optimizer.state.pop(piece)
 
 
-class LocalShardOptimizer(torch.optim.Optimizer):
+class LocalShardOptimizer(WrappedOptimizer):
     """Steps `optimizer` on the local pieces of its DTensor parameters (see the module docstring); anything else
     (param groups, state, bitsandbytes' own methods) is the wrapped optimizer's."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        # Deliberately no super().__init__: `optimizer` keeps the hyper-parameters and the state.
-        self.optimizer = optimizer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
 
     def __getattr__(self, name: str) -> Any:  # e.g. bitsandbytes' init_state, for loading checkpoints
         if name == "optimizer":

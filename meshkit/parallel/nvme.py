@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from meshkit.errors import MeshkitError
 from meshkit.models.blocks import BlockError, find_blocks
+from meshkit.parallel.wrapped_optimizer import WrappedOptimizer
 
 
 class OffloadDirError(MeshkitError):
@@ -73,12 +74,11 @@ def _like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return local
 
 
-class NVMeOptimizer(torch.optim.Optimizer):
+class NVMeOptimizer(WrappedOptimizer):
     """Wraps an optimizer so that its per-parameter states live in files between steps."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, directory: Path, pages: list[list[nn.Parameter]]) -> None:
-        # Deliberately no super().__init__: `optimizer` keeps the hyper-parameters and scalar state.
-        self.optimizer = optimizer
+        super().__init__(optimizer)  # `optimizer` keeps the hyper-parameters and scalar state
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -88,18 +88,6 @@ class NVMeOptimizer(torch.optim.Optimizer):
         self.number = {id(p): index for index, p in enumerate(params)}
         self.files: dict[int, dict[str, tuple[Path, torch.dtype, torch.Size]]] = {}
         self.mapped: dict[tuple[int, str], torch.Tensor] = {}  # file mappings of the page being stepped
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
 
     @contextlib.contextmanager
     def _only(self, page: list[nn.Parameter]) -> Iterator[None]:
