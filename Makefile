@@ -5,12 +5,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: install demo finetune-demo test test-quick lint bench clean
+.PHONY: install demo finetune-demo test test-quick test-fast lint docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[dev,hf]'
+	$(BIN)/pip install --quiet -e '.[dev,hf,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -29,6 +29,12 @@ test: $(STAMP)
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not world and not slow"
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: $(STAMP)
 	$(BIN)/ruff check meshkit tests bench
@@ -53,4 +59,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/report.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

@@ -30,13 +30,13 @@ import torch.distributed as dist
 
 from meshkit import Engine
 from meshkit.config import ActivationCheckpointConfig, DDPConfig, LaunchSettings, ShardingConfig
-from meshkit.estimate import layer_activation_bytes
 from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
-from meshkit.memory import current_rss_bytes
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
 from meshkit.parallel.activation import apply_activation_checkpointing
 from meshkit.parallel.ddp import apply_ddp
 from meshkit.parallel.fsdp import apply_fsdp
+from meshkit.planning.estimate import layer_activation_bytes
+from meshkit.runtime.memory import current_rss_bytes
 
 MODEL = GPTConfig(dim=512, n_layers=4, n_heads=8, max_seq_len=256)
 MICRO_BATCH, SEQ_LEN = 4, 256

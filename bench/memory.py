@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from meshkit import Engine
 from meshkit.config import LaunchSettings
-from meshkit.estimate import ModelShape, estimate_memory
 from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
-from meshkit.memory import current_rss_bytes
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
+from meshkit.planning.estimate import ModelShape, estimate_memory
+from meshkit.runtime.memory import current_rss_bytes
 
 MODEL = GPTConfig(dim=320, n_layers=8, n_heads=8, max_seq_len=128)
 TINY = GPTConfig(dim=32, n_layers=2, n_heads=2, max_seq_len=128)  # measures the runtime's own working set

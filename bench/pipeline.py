@@ -29,7 +29,7 @@ from torch import nn
 from meshkit import Engine
 from meshkit.config import LaunchSettings
 from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
-from meshkit.parallel.pipeline import SCHEDULE_CLASSES, SINGLE_STAGE, schedule_class
+from meshkit.parallel.pipeline.stages import SCHEDULE_CLASSES, SINGLE_STAGE, schedule_class
 
 DIM, BLOCKS, FORWARD_S, BACKWARD_S = 16, 8, 0.02, 0.04  # per block; a rank holds BLOCKS / p of them
 MICROBATCHES, STEPS, CHUNKS = (2, 4, 8, 16), 3, 2

@@ -3,8 +3,8 @@ fastest fitting candidate with the published tp/cp/pp/dp) next to the published 
 
     python bench/plan_published.py [--out bench/results/plan-published.json]
 
-The references and how their MFU is read are in `meshkit/published_runs.py`; the test holding each row within
-30 % is tests/test_plan_performance.py.
+The references and how their MFU is read are in `meshkit/planning/published_runs.py`; the test holding each row within
+30 % is tests/planning/test_plan_performance.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import datetime
 import json
 from pathlib import Path
 
-from meshkit.published_runs import PUBLISHED, compare
+from meshkit.planning.published_runs import PUBLISHED, compare
 
 
 def main() -> int:

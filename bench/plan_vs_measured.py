@@ -50,10 +50,10 @@ def rank_main(rank: int, port: int, steps: int, out: Any) -> None:
         }
     )  # fmt: skip
     torch.set_num_threads(1)
+    from meshkit.config.resolve import resolve
     from meshkit.engine import Engine
-    from meshkit.layout_probe import measure, propose
+    from meshkit.planning.layout_probe import measure, propose
     from meshkit.recipes.train import probe_step
-    from meshkit.resolve import resolve
 
     dist.init_process_group("gloo")
     config = {**CONFIG, "probe": {"top_k": 5, "steps": steps}, "logging": {"dir": "/tmp/meshkit-bench-plan"}}

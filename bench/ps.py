@@ -96,7 +96,8 @@ def rank_main(
         if over.item():
             break
     elapsed = time.perf_counter() - start
-    report = engine._ps.report if engine._ps is not None else None  # a server's: the staleness it applied
+    server = engine.parameter_server  # a server's report: the staleness it applied
+    report = server.report if server is not None else None
     staleness = dict(report.staleness) if report is not None else {}
     out.put((rank, engine.is_worker, steps, elapsed, curve, staleness))
     engine.end()

@@ -42,8 +42,8 @@ def isolated_config(tmp_path, monkeypatch):
 def _world8_rank(rank: int) -> dict:
     import torch.distributed as dist
 
-    from tests.layouts import run_layouts
-    from tests.test_mesh import mesh_answers
+    from tests.helpers.layouts import run_layouts
+    from tests.runtime.test_mesh import mesh_answers
 
     dist.init_process_group("gloo")
     try:
@@ -55,7 +55,7 @@ def _world8_rank(rank: int) -> dict:
 @pytest.fixture(scope="session")
 def world8() -> list[dict]:
     """One world of 8 ranks, shared by the tests that need 8 (starting 8 processes on a small host is slow)."""
-    from tests.distributed import run_world
+    from tests.helpers.distributed import run_world
 
     return run_world(_world8_rank, 8, timeout=400)
 
@@ -64,7 +64,7 @@ def world8() -> list[dict]:
 def material(tmp_path_factory) -> dict:
     """Fine-tuning material made once per session (tests/finetune_runs.make_material): JSONL data and a tiny Llama
     base model with its tokenizer. Tests read it and never write into it."""
-    from tests.finetune_runs import make_material
+    from tests.helpers.finetune_runs import make_material
 
     return make_material(tmp_path_factory.mktemp("finetune-material"))
 
@@ -74,3 +74,48 @@ def tokenizer(material):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(material["base"])
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests that start processes are marked `world`; `make test-fast` runs the rest (single process, seconds)."""
+    import inspect
+    import textwrap
+    from pathlib import Path
+
+    from tests.helpers.spawning import spawning_functions, spawns
+
+    spawning = spawning_functions(Path(__file__).parent)
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is None or item.get_closest_marker("world"):
+            continue
+        source = textwrap.dedent(inspect.getsource(function))
+        if spawns(source, list(item.fixturenames), spawning):
+            item.add_marker(pytest.mark.world)
+
+
+@pytest.fixture(autouse=True)
+def single_process_tests_stay_single(request, monkeypatch):
+    """A test not marked `world` that starts a Python process (a rank, a launcher, the meshkit command) fails: mark
+    it `@pytest.mark.world`. Tools libraries run on their own (ldconfig, git) are not counted."""
+    if request.node.get_closest_marker("world"):
+        return
+    import multiprocessing.process
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    message = f"{request.node.nodeid} starts a process but is not marked world: add @pytest.mark.world"
+    popen_init = subprocess.Popen.__init__
+
+    def checked_popen(self, args, *rest, **kwargs):
+        program = Path(str(args[0] if isinstance(args, (list, tuple)) else str(args).split()[0])).name
+        if program.startswith(("python", "meshkit")) or program == Path(sys.executable).name:
+            raise AssertionError(message)
+        popen_init(self, args, *rest, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(message)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

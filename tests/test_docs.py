@@ -1,18 +1,61 @@
-"""The README documents every config key and both set-up commands."""
+"""The README is the front door (short, two commands, links that land) and docs/ is a site that builds strictly:
+a broken link or anchor, or a page missing from the navigation, fails `mkdocs build --strict`."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
-from meshkit.resolve import leaf_keys
+import pytest
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+from meshkit.config.resolve import leaf_keys
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
 
 
-def test_every_config_key_is_in_the_readme() -> None:
-    missing = [key for key in leaf_keys() if f"`{key}`" not in README]
-    assert not missing, f"README config table lacks: {missing}"
+def heading_anchors(text: str) -> set[str]:
+    """Anchors of a page's headings, as the `toc` extension makes them."""
+    anchors = set()
+    for line in text.splitlines():
+        if line.startswith("#"):
+            title = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower())
+            anchors.add(re.sub(r"\s", "-", title))
+    return anchors
 
 
-def test_readme_shows_the_two_commands() -> None:
+def test_the_readme_is_a_front_door_with_the_two_commands() -> None:
+    assert len(README.splitlines()) <= 250
     assert "make demo" in README and "make test" in README
+
+
+def test_every_readme_link_lands_on_a_page_and_heading() -> None:
+    links = re.findall(r"\]\(((?:docs/)?[\w\-./]+\.md)(?:#([\w\-]+))?\)", README)
+    assert len(links) >= 10
+    for page, anchor in links:
+        target = ROOT / page
+        assert target.is_file(), f"README links to {page}, which does not exist"
+        if anchor:
+            assert anchor in heading_anchors(target.read_text()), f"README links to {page}#{anchor}: no such heading"
+
+
+def test_every_config_key_is_in_the_configuration_page() -> None:
+    page = (DOCS / "configuration.md").read_text()
+    missing = [key for key in leaf_keys() if f"`{key}`" not in page]
+    assert not missing, f"docs/configuration.md lacks: {missing}"
+
+
+def test_the_docs_site_builds_strictly(tmp_path) -> None:
+    pytest.importorskip("mkdocs", reason="the docs extra (mkdocs-material) is not installed")
+    pytest.importorskip("material", reason="the docs extra (mkdocs-material) is not installed")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    pages = {p.name for p in DOCS.glob("*.md")}
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert all(page in nav for page in pages), f"pages missing from mkdocs.yml's nav: {pages}"

@@ -5,7 +5,7 @@ DTensor (sharded by FSDP or tensor parallel), or a plain tensor (replicated): to
 records each rank's piece with its offsets, and a later load at another layout reads exactly the pieces
 it needs. Two exceptions:
 
-- fused q/k/v weights under tensor parallel are kept interleaved per rank (see `parallel/tensor.py`); they
+- fused q/k/v weights under tensor parallel are kept interleaved per rank (see `parallel/tensor/apply.py`); they
   are saved in their original order as full tensors and re-interleaved on load;
 - ZeRO-1/2 keep each param group's optimizer state as one flat buffer split at arbitrary offsets, which no
   rectangular piece of a parameter can describe. It is saved as `optim.flat.pp<p>.group<g>.<state>`, one
@@ -25,14 +25,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from meshkit import collectives
-from meshkit.accumulation import PreparedOptimizer
 from meshkit.checkpoint.optimizer_states import from_canonical, to_canonical
-from meshkit.mesh import ParallelMesh
 from meshkit.parallel.compose import unwrap
-from meshkit.parallel.nvme import NVMeOptimizer
-from meshkit.parallel.tensor_auto import interleave_fused_qkv, restore_fused_qkv
-from meshkit.parallel.zero import FlatShard, ZeroOptimizer
+from meshkit.parallel.tensor.auto import interleave_fused_qkv, restore_fused_qkv
+from meshkit.parallel.zero.nvme import NVMeOptimizer
+from meshkit.parallel.zero.optimizer import FlatShard, ZeroOptimizer
+from meshkit.runtime import collectives
+from meshkit.runtime.mesh import ParallelMesh
+from meshkit.training.accumulation import PreparedOptimizer
 
 StoredShapes = dict[str, tuple[torch.Size, torch.dtype]]
 Reader = Callable[[dict[str, torch.Tensor]], None]  # fills the given tensors (in place) from the checkpoint

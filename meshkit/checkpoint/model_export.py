@@ -15,11 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshkit import collectives
 from meshkit.checkpoint.directory import resolve_resume
 from meshkit.checkpoint.storage import CheckpointError, load_tensors, stored_shapes
-from meshkit.export import ShardStream, TensorInfo, parse_size, plan_shards, storage_identity
-from meshkit.mesh import ParallelMesh
+from meshkit.core.io import ShardStream, TensorInfo, parse_size, plan_shards, storage_identity
 from meshkit.models.adapters import (
     LoraMerge,
     base_checkpoint_name,
@@ -29,7 +27,9 @@ from meshkit.models.adapters import (
 )
 from meshkit.models.quantized import is_bookkeeping, quantized_weights
 from meshkit.parallel.compose import unwrap
-from meshkit.parallel.tensor_auto import restore_fused_qkv
+from meshkit.parallel.tensor.auto import restore_fused_qkv
+from meshkit.runtime import collectives
+from meshkit.runtime.mesh import ParallelMesh
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshkit.parallel.local_shards import local_pieces
+from meshkit.parallel.zero.local_shards import local_pieces
 
 BLOCK = 256  # bitsandbytes' blockwise optimizer kernels quantize states in blocks of 256
 _CANONICAL = {1: "exp_avg", 2: "exp_avg_sq"}

@@ -24,7 +24,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from meshkit import collectives
 from meshkit.checkpoint.canonical import CheckpointMismatchError, TrainingState
 from meshkit.checkpoint.extras import rng_state, set_rng_state
 from meshkit.checkpoint.storage import (
@@ -42,7 +41,8 @@ from meshkit.checkpoint.storage import (
     writer,
     written_by_save,
 )
-from meshkit.errors import one_line
+from meshkit.core.errors import one_line
+from meshkit.runtime import collectives
 
 Commit = Callable[[Path], Path]  # rank 0: turns the fully written partial directory into the checkpoint
 

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
 
 MANIFEST = "manifest.json"
 META = "meta.json"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
 
 
 class ChatTemplateError(MeshkitError):

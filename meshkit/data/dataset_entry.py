@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from meshkit.config_base import Section
+from meshkit.config.section import Section
 
 ALPACA_VARIANTS = ("alpaca", "alpaca:chat", "alpaca_chat", "alpaca:phi", "alpaca_phi", "alpaca_w_system")
 DATASET_TYPES: tuple[str, ...] = (*ALPACA_VARIANTS, "chat_template", "sharegpt", "completion", "input_output")

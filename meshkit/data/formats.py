@@ -22,7 +22,7 @@ from typing import Any
 from meshkit.data.chat_templates import chat_template
 from meshkit.data.dataset_entry import CustomPrompt, DatasetEntry
 from meshkit.data.jsonl import DataFormatError, record_field
-from meshkit.loss import IGNORE_INDEX
+from meshkit.training.loss import IGNORE_INDEX
 
 ALPACA_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from meshkit.errors import MeshkitError, brief
+from meshkit.core.errors import MeshkitError, brief
 
 
 class DataFormatError(MeshkitError):

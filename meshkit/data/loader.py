@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from meshkit.accumulation import GradientState
+from meshkit.core.errors import MeshkitError
+from meshkit.core.tree import to_device
 from meshkit.data.resumable import ResumableSampler
 from meshkit.data.uneven import UnevenBatchSampler
-from meshkit.errors import MeshkitError
-from meshkit.tree import to_device
+from meshkit.training.accumulation import GradientState
 
 
 class DataLoaderError(MeshkitError):

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from meshkit.data.formats import TokenizedSample
 from meshkit.data.tokenized import TokenizedRows
-from meshkit.loss import IGNORE_INDEX
+from meshkit.training.loss import IGNORE_INDEX
 
 OPEN_ROWS = 64  # rows still open for first-fit packing (bounds the work per sample on large datasets)
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshkit.core.errors import one_line
 from meshkit.data.dataset_entry import DatasetEntry
 from meshkit.data.jsonl import DataFormatError, read_jsonl
-from meshkit.errors import one_line
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow", ".txt": "text"}
 

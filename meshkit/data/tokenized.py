@@ -22,7 +22,7 @@ from meshkit.data.dataset_entry import DatasetEntry
 from meshkit.data.formats import Formatter, TokenizedSample
 from meshkit.data.jsonl import DataFormatError
 from meshkit.data.sources import RecordSource, load_source
-from meshkit.loss import IGNORE_INDEX
+from meshkit.training.loss import IGNORE_INDEX
 
 FORMAT_VERSION = 2  # bumped whenever the same records and settings would tokenize differently
 KEPT, TOO_LONG, NOTHING_TO_TRAIN = 0, 1, 2

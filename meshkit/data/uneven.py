@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from meshkit import collectives
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
+from meshkit.runtime import collectives
 
 
 class UnevenBatchError(MeshkitError):

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
 
 
 class ClusterEnvError(MeshkitError):

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from meshkit.errors import one_line
+from meshkit.core.errors import one_line
 from meshkit.launching.supervisor import WorkerSupervisor
 
 # What the agent sends the others after a failure (its SIGKILL comes only 30 s later, and the supervisor's

@@ -31,8 +31,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
-from meshkit.config import LaunchSettings, RunConfig
-from meshkit.errors import MeshkitError
+from meshkit.config.resolve import ENV_CONFIG_FILE, ENV_LAUNCH_FLAGS, launch_flags_to_env
+from meshkit.config.schema import LaunchSettings, RunConfig
+from meshkit.core.errors import MeshkitError
 from meshkit.launching.failures import failure_report
 from meshkit.launching.interfaces import GLOO_INTERFACE_ENV, gloo_interface
 from meshkit.launching.roster import NodeRoster
@@ -50,8 +51,7 @@ from meshkit.launching.stores import (
 from meshkit.launching.supervisor import WorkerSupervisor
 from meshkit.launching.tolerant_agent import LostWorker, TolerantAgent, agent_class
 from meshkit.launching.worker import LAUNCHER_PID_ENV
-from meshkit.preemption import PREEMPTED_EXIT_CODE, signal_number
-from meshkit.resolve import ENV_CONFIG_FILE, ENV_LAUNCH_FLAGS, launch_flags_to_env
+from meshkit.runtime.preemption import PREEMPTED_EXIT_CODE, signal_number
 
 MULTI_NODE_DEFAULT_PORT = 29500
 RUN_ID_ENV = "MESHKIT_RUN_ID"

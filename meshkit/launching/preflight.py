@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshkit.config import RunConfig
-from meshkit.errors import MeshkitError
-from meshkit.mesh import ParallelDims
+from meshkit.config.schema import RunConfig
+from meshkit.core.errors import MeshkitError
+from meshkit.runtime.mesh import ParallelDims
 
 _NOT_SET = ("default", "derived from other settings")
 
@@ -55,7 +55,7 @@ def check_recipe(config: RunConfig) -> None:
     import torch
 
     from meshkit.models.gpt import GPT
-    from meshkit.parallel.tensor import check_heads
+    from meshkit.parallel.tensor.apply import check_heads
 
     layouts = check_layout(config)
     tp = max(dims.tp for dims in layouts)

@@ -10,12 +10,14 @@ tracebacks, progress bars and everything else pass through unchanged.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 _CPP_LOG = re.compile(rb"^\[[WEIF]\d{4} [\d:.]+ [\w.]+:\d+\] ")  # glog-style: [W1123 20:18:15.916 socket.cpp:1028]
 _NATIVE_STACK = (b"Exception raised from ", b"frame #", b"<omitting python frames>")
@@ -109,30 +111,31 @@ class _LazyLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file: object = None
+        self._file: BinaryIO | None = None
+        self._unwritable = False  # the noise is dropped
 
     def write(self, data: bytes) -> None:
-        if self._file is None:
+        if self._file is None and not self._unwritable:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._file = self.path.open("ab")
             except OSError:
-                self._file = False  # unwritable: the noise is dropped
-        if self._file:
-            self._file.write(data)  # type: ignore[attr-defined]
+                self._unwritable = True
+        if self._file is not None:
+            self._file.write(data)
 
     def flush(self) -> None:
-        if self._file:
-            self._file.flush()  # type: ignore[attr-defined]
+        if self._file is not None:
+            self._file.flush()
 
     def close(self) -> None:
-        if self._file:
-            self._file.close()  # type: ignore[attr-defined]
+        if self._file is not None:
+            self._file.close()
 
 
-def _read(source: object) -> bytes:
+def _read(source: io.RawIOBase) -> bytes:
     try:
-        return source.read(65536) or b""  # type: ignore[attr-defined]
+        return source.read(65536) or b""
     except OSError:  # a pseudo-terminal whose last writer closed reads as EIO
         return b""
 

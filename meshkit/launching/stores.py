@@ -20,8 +20,8 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-from meshkit.config import LaunchSettings
-from meshkit.errors import MeshkitError
+from meshkit.config.schema import LaunchSettings
+from meshkit.core.errors import MeshkitError
 
 LOOPBACK = "127.0.0.1"
 WILDCARD = "0.0.0.0"

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshkit.preemption import ANNOUNCEMENT, LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE, TOLERATED_PREFIX
+from meshkit.runtime.preemption import ANNOUNCEMENT, LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE, TOLERATED_PREFIX
 
 POLL_S = 0.05
 FAILED_PREFIX = "failed-"  # what `meshkit.launching.worker` writes (+ its pid) before it exits with an error

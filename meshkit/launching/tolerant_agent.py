@@ -3,7 +3,7 @@
 torch's agent takes any worker's failed exit for the group's failure: its process context stops every other
 worker at once. A worker the job can lose (an asynchronous parameter-server worker: the servers notice its
 connection close and go on) declares so in the launcher's state directory when it starts
-(`meshkit.preemption.declare_tolerated_exit`). While such a worker is in the group this agent reads the
+(`meshkit.runtime.preemption.declare_tolerated_exit`). While such a worker is in the group this agent reads the
 workers' exits itself: the group is healthy while the others run, succeeded once they have all exited 0 (the
 lost ones are listed for the launcher's report), and failed, by torch's own path, as soon as any other worker
 fails or every worker that could be lost is. Groups without such a worker are monitored exactly as torch does.

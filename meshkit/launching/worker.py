@@ -27,10 +27,10 @@ from typing import Any, NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
 from meshkit.launching.stores import host_worker_store
 from meshkit.launching.supervisor import FAILED_PREFIX
-from meshkit.preemption import LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE
+from meshkit.runtime.preemption import LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE
 
 LAUNCHER_PID_ENV = "MESHKIT_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
 

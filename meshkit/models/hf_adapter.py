@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from meshkit.models.blocks import block_units, find_blocks
-
-if TYPE_CHECKING:
-    from meshkit.models.structure import AttentionFacts, ModelStructure
+from meshkit.models.facts import AttentionFacts, ModelStructure, StructureError, takes_argument, tied_parameters
 
 ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "Wqkv", "query_key_value"}
 
@@ -62,7 +60,6 @@ def _config_int(config: Any, *names: str) -> int | None:
 
 
 def _attention(config: Any, blocks_path: str, blocks: nn.Module) -> tuple[AttentionFacts, ...]:
-    from meshkit.models.structure import AttentionFacts
 
     heads = _config_int(config, "num_attention_heads", "n_head")
     kv_heads = _config_int(config, "num_key_value_heads") or heads
@@ -99,7 +96,6 @@ def _cannot(config: Any, family: str) -> dict[str, str]:
 
 
 def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
-    from meshkit.models.structure import ModelStructure, StructureError, takes_argument, tied_parameters
 
     version = int(str(getattr(sys.modules.get("transformers"), "__version__", "5")).split(".")[0])
     if version < 5:

@@ -25,8 +25,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from meshkit.config import ActivationCheckpointConfig
-from meshkit.errors import MeshkitError
+from meshkit.config.schema import ActivationCheckpointConfig
+from meshkit.core.errors import MeshkitError
 from meshkit.models.blocks import block_name, block_units, find_blocks
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from meshkit.config import CompileConfig
+from meshkit.config.schema import CompileConfig
 from meshkit.models.blocks import block_units, find_blocks
 
 

@@ -12,19 +12,19 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from meshkit.config import RunConfig
-from meshkit.mesh import ParallelMesh
+from meshkit.config.schema import RunConfig
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.parallel.activation import CheckpointedBlock, apply_activation_checkpointing
 from meshkit.parallel.compile import apply_compile
-from meshkit.parallel.context import apply_context_parallel
+from meshkit.parallel.context.apply import apply_context_parallel
 from meshkit.parallel.dataparallel import apply_dataparallel
 from meshkit.parallel.ddp import apply_ddp
 from meshkit.parallel.fsdp import apply_fsdp
 from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
-from meshkit.parallel.pipeline import PipelineError, PipelineModel, chunks_per_rank, split_model, stage_ids
-from meshkit.parallel.tensor import apply_tensor_parallel
-from meshkit.precision import autocast_forward
+from meshkit.parallel.pipeline.stages import PipelineError, PipelineModel, chunks_per_rank, split_model, stage_ids
+from meshkit.parallel.tensor.apply import apply_tensor_parallel
+from meshkit.runtime.mesh import ParallelMesh
+from meshkit.training.precision import autocast_forward
 
 
 @dataclass
@@ -45,7 +45,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
     """Place `model` on this rank's device and split and wrap it for the run's layout and precision.
 
     `zero_stage` is the stage in effect (0 when there is a single data-parallel rank). Stages 1 and 2 leave the
-    model as it is: their sharding lives in the optimizer (`meshkit.parallel.zero`). Under pipeline parallel
+    model as it is: their sharding lives in the optimizer (`meshkit.parallel.zero.optimizer`). Under pipeline parallel
     the model is first cut into this rank's stages, and each goes through the same chain.
     """
     structure = describe(model, config.blocks, config.structure)

@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import nn
 
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
 
 
 class WrappedModelWarning(UserWarning):

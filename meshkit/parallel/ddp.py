@@ -7,8 +7,8 @@ import inspect
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from meshkit.config import DDPConfig
-from meshkit.mesh import ParallelMesh
+from meshkit.config.schema import DDPConfig
+from meshkit.runtime.mesh import ParallelMesh
 
 _DDP_PARAMETERS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 

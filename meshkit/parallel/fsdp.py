@@ -14,9 +14,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from meshkit.config import ShardingConfig
-from meshkit.mesh import ParallelMesh
+from meshkit.config.schema import ShardingConfig
 from meshkit.models.blocks import block_units, find_blocks
+from meshkit.runtime.mesh import ParallelMesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -20,10 +20,10 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
 from meshkit.models import hf_adapter
 from meshkit.models.adapters import adapter_submodules, base_checkpoint_name, is_adapter_parameter, reset_adapter
-from meshkit.parallel.tensor_auto import interleave_fused_qkv
+from meshkit.parallel.tensor.auto import interleave_fused_qkv
 
 
 class MaterializeError(MeshkitError):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
 
 
 class LayoutError(MeshkitError):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshkit.config import RunConfig
-from meshkit.errors import MeshkitError
+from meshkit.config.schema import RunConfig
+from meshkit.core.errors import MeshkitError
 
 
 class ParameterServerError(MeshkitError):

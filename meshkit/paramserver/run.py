@@ -11,12 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshkit import collectives
-from meshkit.accumulation import GradientState, PreparedOptimizer
 from meshkit.checkpoint.directory import remove_partials, resolve_resume
 from meshkit.checkpoint.extras import set_rng_state
 from meshkit.checkpoint.storage import CheckpointError
-from meshkit.config import RunConfig
+from meshkit.config.schema import RunConfig
 from meshkit.paramserver.checkpoint import (
     read_meta,
     read_server_schedulers,
@@ -28,7 +26,9 @@ from meshkit.paramserver.client import ParameterClient
 from meshkit.paramserver.layout import make_shards
 from meshkit.paramserver.roles import ParameterServerError, check_parameter_server
 from meshkit.paramserver.server import ParameterServer, ServeReport
-from meshkit.preemption import declare_tolerated_exit
+from meshkit.runtime import collectives
+from meshkit.runtime.preemption import declare_tolerated_exit
+from meshkit.training.accumulation import GradientState, PreparedOptimizer
 
 
 class ServedOptimizer(PreparedOptimizer):

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshkit.config import MAX_SECONDS, ParameterServerConfig
-from meshkit.errors import MeshkitError
+from meshkit.config.schema import MAX_SECONDS, ParameterServerConfig
+from meshkit.core.errors import MeshkitError
 from meshkit.paramserver.checkpoint import read_server_shard, write_server_shard
 from meshkit.paramserver.layout import Shard
 from meshkit.paramserver.protocol import Kind, Reply, Request, recv_request, send_reply

@@ -20,11 +20,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from meshkit import collectives
+from meshkit.core.errors import MeshkitError
 from meshkit.data.loader import endless
-from meshkit.engine import Engine
-from meshkit.errors import MeshkitError
-from meshkit.loss import IGNORE_INDEX
+from meshkit.engine.engine import Engine
 from meshkit.models.quantized import parameter_count
 from meshkit.parallel.materialize import reset_adapters
 from meshkit.recipes.finetune_config import FinetuneJob, resolve_finetune
@@ -49,6 +47,8 @@ from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
 from meshkit.recipes.schedules import build_schedule, warmup_steps
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 from meshkit.recipes.validation import WindowLoss, eval_batches, evaluate
+from meshkit.runtime import collectives
+from meshkit.training.loss import IGNORE_INDEX
 
 
 class FinetuneError(MeshkitError):

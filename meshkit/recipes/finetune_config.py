@@ -2,7 +2,7 @@
 
 A `meshkit finetune` YAML holds Axolotl keys (`base_model`, `datasets`, `adapter`, `deepspeed`, ...) and meshkit
 keys, either in a `meshkit:` block or at the top level (`zero_stage: 3`, `launch.nproc_per_node: 2`). Every Axolotl
-key is looked up in one table (`meshkit.recipes.axolotl.keys`): honoured keys become meshkit settings, labelled
+key is looked up in one table (`meshkit.config.importing.axolotl.keys`): honoured keys become meshkit settings, labelled
 with the Axolotl key they came from, or recipe settings (`FinetuneSettings`); noted keys give one notice line;
 refused keys one error line naming what to do. The usual precedence holds: file < `MESHKIT_*` environment <
 launch flags < `key=value` arguments. A key that is neither Axolotl's nor meshkit's is refused with a did-you-mean.
@@ -19,14 +19,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from meshkit.errors import brief
-from meshkit.importing.result import ImportingError
-from meshkit.launching.cluster import cluster_settings
-from meshkit.recipes.axolotl.keys import AXOLOTL_KEYS, is_empty, is_off
-from meshkit.recipes.axolotl.layout import Sink
-from meshkit.recipes.finetune_settings import FinetuneSettings
-from meshkit.recipes.hf_base import weights_file
-from meshkit.resolve import (
+from meshkit.config.importing.axolotl.keys import AXOLOTL_KEYS, is_empty, is_off
+from meshkit.config.importing.axolotl.layout import Sink
+from meshkit.config.importing.result import ImportingError
+from meshkit.config.resolve import (
     ConfigError,
     ResolvedConfig,
     canonical_key,
@@ -36,7 +32,11 @@ from meshkit.resolve import (
     read_config_file,
     resolve,
 )
-from meshkit.yaml_text import load_yaml
+from meshkit.config.yaml_text import load_yaml
+from meshkit.core.errors import brief
+from meshkit.launching.cluster import cluster_settings
+from meshkit.recipes.finetune_settings import FinetuneSettings
+from meshkit.recipes.hf_base import weights_file
 
 RECIPE_KEYS = frozenset(FinetuneSettings.model_fields)
 RECIPE_DEFAULTS: Mapping[str, Any] = {
@@ -129,7 +129,7 @@ class _Split:
         except ConfigError:
             known = sorted(set(AXOLOTL_KEYS) | {k.rsplit(".", 1)[-1] for k in leaf_keys()})
             close = difflib.get_close_matches(name[:100], known, n=1, cutoff=0.6)
-            hint = f"did you mean '{close[0]}'?" if close else "see the key table in the README"
+            hint = f"did you mean '{close[0]}'?" if close else "see the key table in docs/fine-tuning.md"
             raise ConfigError(
                 f"unknown key {brief(name)} ({self.source}): neither an Axolotl key nor a meshkit key; {hint}"
             ) from None

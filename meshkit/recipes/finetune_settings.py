@@ -1,4 +1,4 @@
-"""The fine-tuning recipe's own settings, under their Axolotl names (`meshkit.recipes.axolotl.keys` says which
+"""The fine-tuning recipe's own settings, under their Axolotl names (`meshkit.config.importing.axolotl.keys` says which
 Axolotl keys land here and which become meshkit settings). Empty values mean unset (Axolotl writes `lora_r:`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from meshkit.config import Section
+from meshkit.config.schema import Section
 from meshkit.data.formats import DatasetEntry
 from meshkit.recipes.optimizers import OPTIMIZERS
 from meshkit.recipes.schedules import SCHEDULERS

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshkit.core.errors import MeshkitError
 from meshkit.data.chat_templates import chat_template
-from meshkit.errors import MeshkitError
 
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
 

@@ -12,11 +12,11 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from meshkit.core.errors import MeshkitError
 from meshkit.data.packing import PackedSamples, PadCollate, PaddedSamples
 from meshkit.data.sources import cpu_share
 from meshkit.data.tokenized import LoadReport, TokenizedRows, load_samples
-from meshkit.engine import Engine
-from meshkit.errors import MeshkitError
+from meshkit.engine.engine import Engine
 
 
 class InstructionDataError(MeshkitError):

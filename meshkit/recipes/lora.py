@@ -16,8 +16,8 @@ from typing import Any
 
 from torch import nn
 
-from meshkit.errors import MeshkitError
-from meshkit.export import write_atomically
+from meshkit.core.errors import MeshkitError
+from meshkit.core.io import write_atomically
 from meshkit.models.adapters import adapter_parameter_name, is_adapter_state
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

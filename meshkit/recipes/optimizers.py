@@ -5,7 +5,8 @@ quantised; tensors under 4096 elements keep 32-bit states, as bitsandbytes decid
 Paged optimizers page their states to host memory through CUDA unified memory; on a CPU there is nothing to page,
 so they run as their unpaged twin (one notice line). bitsandbytes' kernels take plain tensors: they run under DDP,
 pipeline stages, ZeRO-1/2 (a rank's flat chunk) and on the local pieces of ZeRO-3's and tensor parallel's DTensors
-(`meshkit.parallel.local_shards`). Checkpoints hold their states dequantized (`meshkit.checkpoint.optimizer_states`).
+(`meshkit.parallel.zero.local_shards`). Checkpoints hold their states dequantized
+(`meshkit.checkpoint.optimizer_states`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
 
 
 class OptimizerError(MeshkitError):
@@ -81,7 +82,7 @@ def build_optimizer(
 
 def check_layout(name: str, zero_stage: int, tp: int) -> None:
     """bitsandbytes optimizers step plain tensors: whole parameters (DDP, pipeline stages), ZeRO-1/2's flat
-    chunks, or the local pieces of ZeRO-3's and tp's DTensors (`meshkit.parallel.local_shards`); ZeRO-1/2's flat
+    chunks, or the local pieces of ZeRO-3's and tp's DTensors (`meshkit.parallel.zero.local_shards`); ZeRO-1/2's flat
     chunks of tp shards are refused in one line."""
     if OPTIMIZERS[name].family == "bnb" and zero_stage in (1, 2) and tp > 1:
         raise OptimizerError(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from meshkit.engine import Engine
-from meshkit.layout_probe import choose, one_process_group, print_probe_table
+from meshkit.engine.engine import Engine
+from meshkit.planning.layout_probe import choose, one_process_group, print_probe_table
 from meshkit.recipes.train import probe_step, resolve_recipe
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
 from meshkit.models.quantized import keep_training_layout
 from meshkit.recipes.hf_base import load_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from meshkit.errors import MeshkitError
+from meshkit.core.errors import MeshkitError
 
 
 class LossWatchdogError(MeshkitError):

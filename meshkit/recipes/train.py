@@ -19,17 +19,17 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from meshkit import collectives
+from meshkit.config.resolve import ResolvedConfig, launch_flags_from_env, parse_assignments, resolve
+from meshkit.core.errors import MeshkitError
+from meshkit.core.io import state_dict_sha256
 from meshkit.data.loader import endless
 from meshkit.data.text import BYTE_VOCAB_SIZE, ByteTokenizer, TokenWindows, load_text
-from meshkit.engine import Engine
-from meshkit.errors import MeshkitError
-from meshkit.export import state_dict_sha256
+from meshkit.engine.engine import Engine
 from meshkit.launching.cluster import cluster_settings
-from meshkit.layout_probe import Candidate, choose, one_process_group, print_probe_table
 from meshkit.models.gpt import GPT, lm_loss
+from meshkit.planning.layout_probe import Candidate, choose, one_process_group, print_probe_table
 from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
-from meshkit.resolve import ResolvedConfig, launch_flags_from_env, parse_assignments, resolve
+from meshkit.runtime import collectives
 
 
 class RecipeError(MeshkitError):

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from meshkit import collectives
+from meshkit.core.tree import to_device
 from meshkit.data.formats import TokenizedSample
 from meshkit.data.packing import PaddedSamples
-from meshkit.engine import Engine
-from meshkit.loss import IGNORE_INDEX
-from meshkit.tree import to_device
+from meshkit.engine.engine import Engine
+from meshkit.runtime import collectives
+from meshkit.training.loss import IGNORE_INDEX
 
 
 def eval_batches(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import kill_tree, spawn_meshkit
+from tests.helpers.cli import kill_tree, spawn_meshkit
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads process state from /proc")
 

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from meshkit.cli import app
-from tests.cli import meshkit
-from tests.distributed import free_port
+from tests.helpers.cli import meshkit
+from tests.helpers.distributed import free_port
 
 BOMB = (
     "seed: [&a [l,l,l,l,l,l,l,l,l],&b [*a,*a,*a,*a,*a,*a,*a,*a,*a],&c [*b,*b,*b,*b,*b,*b,*b,*b,*b],"

@@ -13,8 +13,8 @@ import pytest
 
 from meshkit.checkpoint.directory import CheckpointReplacedWarning, commit, partial_dir
 from meshkit.checkpoint.storage import verify
-from tests.cli import meshkit
 from tests.faults.recipe import summary, tiny_recipe
+from tests.helpers.cli import meshkit
 
 TRAIN_AND_SAVE = """
 import errno, os, sys, time

@@ -8,9 +8,9 @@ import subprocess
 import sys
 import time
 
-from tests.cli import ROOT, kill_all, kill_tree, meshkit
-from tests.distributed import free_port
 from tests.faults.helpers import needs_proc, wait_for
+from tests.helpers.cli import ROOT, kill_all, kill_tree, meshkit
+from tests.helpers.distributed import free_port
 
 KILLED_RANK = """
 import os, signal, time

@@ -9,9 +9,9 @@ import signal
 
 import pytest
 
-from tests.cli import descendants, meshkit
 from tests.faults.helpers import background_meshkit, needs_proc, wait_for
 from tests.faults.recipe import summary, tiny_recipe
+from tests.helpers.cli import descendants, meshkit
 
 
 @needs_proc

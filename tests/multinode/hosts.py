@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 
-from tests.cli import kill_all, spawn_meshkit
+from tests.helpers.cli import kill_all, spawn_meshkit
 
 SUBNET = "10.213.77"
 

@@ -16,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.cli import ROOT, kill_tree
+from tests.helpers.cli import ROOT, kill_tree
 from tests.multinode.hosts import TwoHosts, output_of
 from tests.multinode.job import STEPS
 

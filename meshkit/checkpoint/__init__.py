@@ -1,0 +1,1 @@
+"""Checkpoints: the layout-free training state, atomic sharded saves and loads (DCP), and safetensors export."""

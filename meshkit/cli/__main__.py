@@ -1,0 +1,5 @@
+"""`python -m meshkit.cli ...` runs the `meshkit` command."""
+
+from meshkit.cli.main import main
+
+main()

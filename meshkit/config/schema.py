@@ -1,0 +1,389 @@
+"""The whole run as frozen, validated settings.
+
+`RunConfig` is the schema; `meshkit.config.resolve.resolve()` layers defaults < YAML file < `MESHKIT_*`
+environment < launch flags < code arguments into one `RunConfig` and remembers where each value came from.
+Every section is a frozen pydantic model that rejects unknown keys, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from meshkit.config.model import GPTConfig
+from meshkit.config.section import MAX_SECONDS, Section, seconds  # noqa: F401 - MAX_SECONDS re-exported
+from meshkit.config.train import TrainConfig
+from meshkit.config.yaml_text import load_yaml
+
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "none")
+
+PARALLEL_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh dimension names, in the fixed order the device mesh is built with (outermost first)."""
+
+
+class ParallelConfig(Section):
+    """Sizes of the five mesh dimensions; one of them may be -1, meaning "the rest of the world"."""
+
+    dp_replicate: int = Field(-1, description="data-parallel replicas (DDP); -1 = the rest of the world")
+    dp_shard: int = Field(
+        1, description="data-parallel shard group; without parameter sharding its ranks act as replicas"
+    )
+    cp: int = Field(1, description="context-parallel size (sequence split across ranks)")
+    tp: int = Field(1, description="tensor-parallel size")
+    pp: int = Field(1, description="pipeline-parallel stages")
+
+    @field_validator(*PARALLEL_DIMS)
+    @classmethod
+    def _positive_or_rest(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("must be a positive size, or -1 for 'the rest of the world'")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rest_moves_to_the_named_dim(cls, data: Any) -> Any:
+        # dp_replicate defaults to "the rest"; naming another dim as the rest makes dp_replicate 1.
+        others_rest = isinstance(data, dict) and any(
+            str(data.get(name)) == "-1" for name in PARALLEL_DIMS if name != "dp_replicate"
+        )
+        if others_rest and "dp_replicate" not in data:
+            return {**data, "dp_replicate": 1}
+        return data
+
+    @model_validator(mode="after")
+    def _one_rest_at_most(self) -> ParallelConfig:
+        rest = [name for name in PARALLEL_DIMS if getattr(self, name) == -1]
+        if len(rest) > 1:
+            raise ValueError(f"only one size may be -1 ('the rest'), got -1 for {', '.join(rest)}: set all but one")
+        return self
+
+
+class CompileConfig(Section):
+    """torch.compile of the whole model, or of each repeated block ("regional")."""
+
+    enabled: bool = Field(False, description="compile the model with torch.compile")
+    backend: str = Field("inductor", description="torch.compile backend (inductor, aot_eager, eager, ...)")
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode"
+    )
+    fullgraph: bool = Field(False, description="fail on graph breaks instead of falling back to eager")
+    dynamic: bool | None = Field(None, description="dynamic shapes: true, false or null (auto)")
+    regional: bool = Field(False, description="compile each repeated block instead of the whole model")
+
+
+class DDPConfig(Section):
+    """DistributedDataParallel options (communication/computation overlap)."""
+
+    bucket_cap_mb: float = Field(25.0, gt=0, description="gradient bucket size for the all-reduce overlap")
+    gradient_as_bucket_view: bool = Field(False, description="gradients alias the buckets (saves one copy)")
+    static_graph: bool = Field(False, description="the graph is the same every step (enables more overlap)")
+    find_unused_parameters: bool = Field(False, description="allow parameters without gradient in a step")
+    broadcast_buffers: bool = Field(True, description="broadcast buffers from rank 0 every forward")
+
+
+class ZeroConfig(Section):
+    """ZeRO-1/2 gradient reduction: buckets reduced while backward goes on."""
+
+    bucket_mb: float = Field(25.0, gt=0, description="zero_stage 1/2: gradient bucket (MB) reduced during backward")
+    reduce_every_micro_step: bool | None = Field(
+        None,
+        description="with accumulation: true = reduce each micro-step into the gradient shard (least memory, "
+        "accum× traffic); false = keep full gradients until the last (once); null = true for stage 2, false for 1",
+    )
+
+
+class ActivationCheckpointConfig(Section):
+    """Recompute activations in backward instead of keeping them (`meshkit.parallel.activation`)."""
+
+    mode: Literal["none", "full", "selective"] = Field(
+        "none", description="none | full (recompute whole blocks) | selective (keep matmul outputs, recompute the rest)"
+    )
+    every: int = Field(1, description="checkpoint every k-th block (1 = all blocks)")
+
+    @field_validator("every")
+    @classmethod
+    def _every_positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"every={value}: must be >= 1 (1 checkpoints every block, 2 every second block, ...)")
+        return value
+
+
+class LoggingConfig(Section):
+    """Where the run writes, and which trackers receive `engine.log()`."""
+
+    dir: Path = Field(Path("runs/default"), description="run directory: metrics, summary, plots")
+    trackers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = Field(
+        ("jsonl",),
+        description="trackers fed by engine.log (jsonl always works; tensorboard and wandb need their extra)",
+    )
+
+    @field_validator("trackers", mode="before")
+    @classmethod
+    def _split_comma_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(item.strip() for item in value.split(",") if item.strip())
+        return value
+
+
+class LaunchSettings(Section):
+    """How `meshkit launch` starts the workers (torch elastic agent underneath)."""
+
+    nproc_per_node: int = Field(1, ge=1, description="worker processes per node")
+    nnodes: int = Field(1, ge=1, description="number of nodes (elastic: the most nodes)")
+    min_nnodes: int | None = Field(
+        None, ge=1, description="elastic: the fewest nodes the job goes on with (`--nnodes MIN:MAX`); null = nnodes"
+    )
+    node_rank: int = Field(0, ge=0, description="this node's rank (0 hosts the rendezvous)")
+    master_addr: str = Field("127.0.0.1", description="address of node 0")
+    master_port: int | None = Field(
+        None, ge=0, le=65535, description="rendezvous port; null = a free port on one node, 29500 on several"
+    )
+    max_restarts: int = Field(0, ge=0, description="restart all workers this many times after a failure")
+    rdzv_timeout_s: float = seconds(300.0, "seconds to wait for every node to join")
+    rdzv_last_call_s: float = seconds(
+        30.0, "elastic: once min_nnodes have joined, seconds to wait for more before starting"
+    )
+    local_addr: str | None = Field(
+        None,
+        description="address this node binds its stores to and advertises; null = 127.0.0.1 on one node, "
+        "else this host's address on the route to master_addr",
+    )
+    bind_all_interfaces: bool = Field(
+        False, description="bind the (unauthenticated) stores to every interface: only on a trusted network"
+    )
+    stop_grace_s: float = seconds(
+        5.0, "after a rank fails or hangs, seconds the others get to exit before they are killed (SIGKILL)"
+    )
+    shutdown_grace_s: float = seconds(
+        30.0, "after the preemption signal, seconds the workers get to checkpoint and exit before SIGKILL"
+    )
+
+    @model_validator(mode="after")
+    def _node_rank_in_range(self) -> LaunchSettings:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        if self.min_nnodes is not None and self.min_nnodes > self.nnodes:
+            raise ValueError(f"min_nnodes={self.min_nnodes} must not exceed nnodes={self.nnodes} (--nnodes MIN:MAX)")
+        return self
+
+
+class ShardingConfig(Section):
+    """Sharded data parallel by the names people know: ZeRO stages, FSDP/HSDP, offload."""
+
+    zero_stage: int = Field(
+        0, ge=0, le=3, description="0 = DDP; 1 = shard optimizer states; 2 = and gradients; 3 = and parameters (FSDP)"
+    )
+    offload: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="cpu: FSDP CPU offload (zero_stage 3); nvme: optimizer states in files under offload_dir"
+    )
+    offload_dir: Path | None = Field(None, description="directory for nvme offload (a fast local disk)")
+    reshard_after_forward: bool | None = Field(
+        None, description="zero_stage 3: free gathered parameters after forward; null = yes except the last block"
+    )
+    param_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="zero_stage 3: dtype of gathered parameters; null = from precision"
+    )
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="zero_stage 3: dtype of the gradient reduce-scatter; null = fp32"
+    )
+    forward_prefetch: int = Field(
+        0, ge=0, description="zero_stage 3: blocks whose all-gather is issued ahead in forward; 0 = torch's default"
+    )
+    backward_prefetch: int = Field(
+        0, ge=0, description="zero_stage 3: blocks whose all-gather is issued ahead in backward; 0 = torch's default"
+    )
+    init_from: Path | None = Field(
+        None, description="safetensors file or index.json to fill a meta-device model from; null = the model's init"
+    )
+
+    @model_validator(mode="after")
+    def _supported_combination(self) -> ShardingConfig:
+        if self.offload == "nvme" and self.offload_dir is None:
+            raise ValueError("offload=nvme needs offload_dir: a directory on a fast local disk")
+        if self.offload == "cpu" and self.zero_stage != 3:
+            raise ValueError(
+                f"offload=cpu is supported with zero_stage=3 (FSDP), not {self.zero_stage}: set zero_stage=3"
+            )
+        if self.zero_stage != 3:
+            for name in ("param_dtype", "reduce_dtype", "reshard_after_forward"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to zero_stage=3 (FSDP) only; use precision= for autocast")
+            for name in ("forward_prefetch", "backward_prefetch"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} applies to zero_stage=3 (FSDP) only; DDP overlaps via ddp.bucket_cap_mb")
+        return self
+
+
+class TensorParallelConfig(Section):
+    """How layers are split over the `tp` ranks (Megatron column/row parallel on DTensor)."""
+
+    sequence_parallel: bool = Field(False, description="shard norms on the sequence dim between TP regions")
+    loss_parallel: bool = Field(True, description="cross-entropy on vocab-sharded logits, never gathered")
+    plan: dict[str, Literal["colwise", "rowwise", "sequence", "replicate"]] | None = Field(
+        None, description="module-name patterns -> colwise|rowwise|sequence|replicate; null = built in or automatic"
+    )
+
+    @field_validator("plan", mode="before")
+    @classmethod
+    def _plan_from_text(cls, value: Any) -> Any:
+        return load_yaml(value) if isinstance(value, str) else value
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
+
+
+class PipelineConfig(Section):
+    """Pipeline parallel: the schedule and how each step's batch is cut into micro-batches."""
+
+    schedule: Literal[PIPELINE_SCHEDULES] = Field("1f1b", description="|".join(PIPELINE_SCHEDULES))  # type: ignore[valid-type]
+    microbatches: int | None = Field(None, ge=1, description="micro-batches per step; null = pp size")
+    stages_per_rank: int | None = Field(
+        None, ge=1, description="model chunks per rank; null = 1, or 2 for interleaved and zero-bubble schedules"
+    )
+
+
+class CheckpointConfig(Section):
+    """Periodic, resumable checkpoints (`engine.save_checkpoint()`, `meshkit train`)."""
+
+    dir: Path | None = Field(None, description="checkpoint root; null = <logging.dir>/checkpoints")
+    every_steps: int = Field(0, ge=0, description="save every N optimizer steps (0 = never automatically)")
+    keep_last: int = Field(3, ge=1, description="committed checkpoints kept; older ones are deleted")
+    async_save: bool = Field(
+        False, description="write in the background (config key `async` works too); training waits for the copy"
+    )
+    resume: str = Field(
+        "never", description="never | auto (newest good checkpoint under dir, if any) | PATH of a checkpoint"
+    )
+    preempt_signal: Literal[PREEMPT_SIGNALS] = Field(  # type: ignore[valid-type]
+        "SIGTERM",
+        description="signal that makes every rank checkpoint at the next save_checkpoint() and exit 75; none = off",
+    )
+
+
+class StructureConfig(Section):
+    """What meshkit cannot infer about a model (it recognises transformers models, the reference GPT, and any
+    model whose blocks sit in a ModuleList or Sequential)."""
+
+    first_stage: list[str] | None = Field(
+        None, description="modules only the first pipeline stage holds, e.g. [embed]; the model skips them when None"
+    )
+    last_stage: list[str] | None = Field(
+        None, description="modules only the last pipeline stage holds, e.g. [norm, head]; skipped when None"
+    )
+    position_argument: str | None = Field(
+        None, description="forward argument that takes token positions (context parallel passes global ones)"
+    )
+
+
+class ParameterServerConfig(Section):
+    """`strategy: parameter_server`: ranks 0..servers-1 hold the parameters, the other ranks are workers."""
+
+    servers: int = Field(1, ge=1, description="ranks that hold the parameters (sharded across them by size)")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync = every step waits for every worker (the weights of DDP); async = workers run ahead"
+    )
+    max_staleness: int | None = Field(
+        None, ge=0, description="async: steps a worker may run ahead of the slowest; null = unbounded (Downpour)"
+    )
+    staleness_lr: bool = Field(False, description="async: scale each gradient by 1/(1 + its staleness)")
+
+    @model_validator(mode="after")
+    def _async_only_settings(self) -> ParameterServerConfig:
+        if self.mode == "sync" and (self.max_staleness is not None or self.staleness_lr):
+            raise ValueError("max_staleness and staleness_lr apply to mode=async (sync never runs ahead)")
+        return self
+
+
+class ProbeConfig(Section):
+    """`layout: auto`: how the planner's candidate layouts are tried on the real ranks."""
+
+    top_k: int = Field(4, ge=1, description="candidate layouts tried, the planner's fastest first")
+    steps: int = Field(3, ge=1, description="measured optimizer steps per candidate (after one warm-up step)")
+    memory_limit_gb: float | None = Field(
+        None, gt=0, description="drop a candidate whose per-rank peak exceeds this; null = 90 % of device memory"
+    )
+
+
+class RunConfig(Section):
+    """Every setting of a run. Build it directly, or let `resolve()` layer the sources for you."""
+
+    parallel: ParallelConfig = ParallelConfig()
+    strategy: Literal["auto", "dataparallel", "parameter_server"] = Field(
+        "auto",
+        description="auto = the layout the parallel sizes give (DDP, ZeRO, tp, pp, cp); dataparallel = one process, "
+        "torch.nn.DataParallel over its local GPUs; parameter_server = servers hold the weights (see ps)",
+    )
+    ps: ParameterServerConfig = ParameterServerConfig()
+    layout: Literal["manual", "auto"] = Field(
+        "manual",
+        description="manual = the parallel sizes as set; auto = the planner's top layouts are probed on the real "
+        "ranks (meshkit train, or Engine.prepare) and training goes on in the fastest (see probe)",
+    )
+    probe: ProbeConfig = ProbeConfig()
+    precision: Literal["no", "bf16", "fp16"] = Field("no", description="mixed precision: no (fp32), bf16, fp16")
+    grad_accum_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
+    max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm in train_step")
+    seed: int = Field(0, ge=0, description="seed for model init, data order and dropout")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")
+    collective_timeout_s: float = seconds(600.0, "timeout of every collective, in seconds")
+    hang_doctor: bool = Field(
+        True, description="on a stalled collective, name the ranks that never reached it (heartbeats, 1/s)"
+    )
+    threads_per_process: int | None = Field(
+        None, ge=1, description="torch threads per rank; null = the rank's share of its cores"
+    )
+    blocks: str | None = Field(
+        None, description="dotted path of the repeated-block list; null = the longest ModuleList of one class"
+    )
+    host_memory_slack_mb: float | None = Field(
+        16.0,
+        ge=0,
+        description="CPU ranks: hand freed heap memory back to the system when resident memory exceeds the most "
+        "the first 3 steps held by this much (MB); null = never (glibc's malloc keeps it, fragmented)",
+    )
+    structure: StructureConfig = StructureConfig()
+    activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig()
+    activation_offload: bool = Field(
+        False, description="keep saved activations in (pinned) CPU memory between forward and backward"
+    )
+    sharding: ShardingConfig = ShardingConfig()
+    tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    compile: CompileConfig = CompileConfig()
+    ddp: DDPConfig = DDPConfig()
+    zero: ZeroConfig = ZeroConfig()
+    logging: LoggingConfig = LoggingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    launch: LaunchSettings = LaunchSettings()
+    model: GPTConfig = GPTConfig()
+    train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sharding_takes_the_rest(cls, data: Any) -> Any:
+        # With zero_stage >= 1 and no data-parallel size given, every data-parallel rank holds a shard.
+        if not isinstance(data, dict):
+            return data
+        sharding, parallel = data.get("sharding", {}), data.get("parallel", {})
+        if isinstance(sharding, BaseModel):
+            sharding = sharding.model_dump(exclude_unset=True)
+        if isinstance(parallel, BaseModel):
+            parallel = parallel.model_dump(exclude_unset=True)
+        sharded = str(sharding.get("zero_stage", 0)) in ("1", "2", "3")
+        sizes_given = {"dp_replicate", "dp_shard"} & set(parallel)
+        rest_elsewhere = any(str(value) == "-1" for value in parallel.values())
+        if sharded and not sizes_given and not rest_elsewhere:
+            return {**data, "parallel": {**parallel, "dp_replicate": 1, "dp_shard": -1}}
+        return data
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _yaml_no_is_false(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `no` as False; `precision: no` means fp32.
+        if value is False:
+            return "no"
+        if isinstance(value, str) and value.lower() in ("fp32", "float32", "none"):
+            return "no"
+        return value

@@ -1,0 +1,412 @@
+"""`Engine`: the one object a training script touches.
+
+It resolves the config, joins the process group, builds the one device mesh, and prepares the model,
+optimizer, scheduler and data for the layout. Two loop styles are first-class:
+
+    loss = loss_fn(model(x), y); engine.backward(loss); optimizer.step(); optimizer.zero_grad()
+    loss = engine.train_step(batch)     # forward, backward and step in one call (also drives pipelines)
+
+The Engine is composed of components it owns, each reading the one shared `EngineContext`: `processes` (ranks,
+metrics, barriers), `checkpoints`, `weights`, `evaluation`, `preparation` and Accelerate's verbs. Their verbs are
+the Engine's own attributes (`engine.save_state` is `engine.checkpoints.save_state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshkit.config.resolve import ResolvedConfig, explicit_values, resolve
+from meshkit.config.schema import RunConfig
+from meshkit.core.seed import set_seed
+from meshkit.engine.accelerate.loop_verbs import AccelerateLoopVerbs
+from meshkit.engine.accelerate.verbs import AccelerateVerbs
+from meshkit.engine.checkpointing import Checkpoints
+from meshkit.engine.context import EngineContext, Placement, place
+from meshkit.engine.delegation import Delegated
+from meshkit.engine.evaluation import Evaluation
+from meshkit.engine.gradients import GradientSync, clip_arguments
+from meshkit.engine.layout_auto import settle_layout
+from meshkit.engine.preparation import Preparation
+from meshkit.engine.prepared import EngineError, PreparedObjects
+from meshkit.engine.processes import Processes
+from meshkit.engine.weights import Weights
+from meshkit.launching.affinity import apply_affinity
+from meshkit.parallel.dataparallel import WrappedModelWarning  # noqa: F401 - re-exported
+from meshkit.paramserver.run import ParameterServerRun
+from meshkit.runtime import collectives
+from meshkit.runtime.hang_doctor import HangDoctor, watched
+from meshkit.runtime.host_memory import ResidentGuard
+from meshkit.runtime.mesh import ParallelMesh, ProcessInfo, select_device, start_process_group
+from meshkit.runtime.preemption import Preempted, PreemptionWatch
+from meshkit.runtime.tracking import TrackerSet, check_trackers
+from meshkit.training.accumulation import GradientState
+from meshkit.training.loss import (
+    IGNORE_INDEX,
+    LossFn,
+    compute_loss,
+    is_causal_lm_batch,
+    logits_of,
+    pipeline_pair,
+    split_causal_lm_batch,
+    token_loss_sum,
+)
+from meshkit.training.precision import make_grad_scaler
+
+__all__ = ["ConfigConflictWarning", "Engine", "EngineError", "WrappedModelWarning"]
+
+
+class ConfigConflictWarning(UserWarning):
+    """Code and a launch flag set the same key to different values (code wins)."""
+
+
+class Engine:
+    """Distributed training for any layout. `Engine(config=None, **overrides)`.
+
+    `config` is a RunConfig, a YAML path, the result of `meshkit.config.resolve.resolve()`, or None (the config
+    file, environment and launch flags apply).
+    Keyword overrides are code arguments, the highest-precedence source: `Engine(precision="bf16", tp=2)`.
+    """
+
+    # ------------------------------------------------------------------ ranks, metrics, barriers (processes)
+    process_index = Delegated("processes", Processes)
+    num_processes = Delegated("processes", Processes)
+    dp_rank = Delegated("processes", Processes)
+    dp_size = Delegated("processes", Processes)
+    is_worker = Delegated("processes", Processes)
+    is_main_worker = Delegated("processes", Processes)
+    is_main_process = Delegated("processes", Processes)
+    is_local_main_process = Delegated("processes", Processes)
+    gather = Delegated("processes", Processes)
+    gather_for_metrics = Delegated("processes", Processes)
+    reduce = Delegated("processes", Processes)
+    wait_for_everyone = Delegated("processes", Processes)
+    main_process_first = Delegated("processes", Processes)
+    main_process_work = Delegated("processes", Processes)
+    print = Delegated("processes", Processes)
+    log = Delegated("processes", Processes)
+    # ------------------------------------------------------------------ checkpoints
+    step = Delegated("checkpoints", Checkpoints)
+    register_for_checkpointing = Delegated("checkpoints", Checkpoints)
+    save_state = Delegated("checkpoints", Checkpoints)
+    load_state = Delegated("checkpoints", Checkpoints)
+    wait_for_checkpoint = Delegated("checkpoints", Checkpoints)
+    checkpoint_root = Delegated("checkpoints", Checkpoints)
+    save_checkpoint = Delegated("checkpoints", Checkpoints)
+    resume = Delegated("checkpoints", Checkpoints)
+    # ------------------------------------------------------------------ weights, memory, evaluation
+    unwrap_model = Delegated("weights", Weights)
+    full_state_dict = Delegated("weights", Weights)
+    load_full_state_dict = Delegated("weights", Weights)
+    memory_report = Delegated("weights", Weights)
+    activation_report = Delegated("weights", Weights)
+    save_model = Delegated("weights", Weights)
+    eval_token_loss = Delegated("evaluation", Evaluation)
+    # ------------------------------------------------------------------ Accelerate's verbs
+    local_process_index = Delegated("accelerate_verbs", AccelerateVerbs)
+    is_last_process = Delegated("accelerate_verbs", AccelerateVerbs)
+    mixed_precision = Delegated("accelerate_verbs", AccelerateVerbs)
+    on_main_process = Delegated("accelerate_verbs", AccelerateVerbs)
+    on_local_main_process = Delegated("accelerate_verbs", AccelerateVerbs)
+    on_last_process = Delegated("accelerate_verbs", AccelerateVerbs)
+    on_process = Delegated("accelerate_verbs", AccelerateVerbs)
+    split_between_processes = Delegated("accelerate_verbs", AccelerateVerbs)
+    skip_first_batches = Delegated("accelerate_verbs", AccelerateVerbs)
+    end_training = Delegated("accelerate_verbs", AccelerateVerbs)
+    init_trackers = Delegated("accelerate_verbs", AccelerateVerbs)
+    get_tracker = Delegated("accelerate_verbs", AccelerateVerbs)
+    free_memory = Delegated("accelerate_verbs", AccelerateVerbs)
+    gradient_accumulation_steps = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    use_distributed = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    autocast = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    prepare_model = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    prepare_optimizer = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    prepare_data_loader = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    prepare_scheduler = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    get_state_dict = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    clear = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    pad_across_processes = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    local_main_process_first = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    on_local_process = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    set_trigger = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    check_trigger = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+
+    def __init__(
+        self, config: RunConfig | ResolvedConfig | str | os.PathLike[str] | None = None, **overrides: Any
+    ) -> None:
+        if isinstance(config, ResolvedConfig):
+            if overrides:
+                raise EngineError("Engine(config=<resolved config>) takes no further overrides: add them to resolve()")
+            self.resolved = config
+        else:
+            file = config if isinstance(config, (str, os.PathLike)) else None
+            code = {**explicit_values(config), **overrides} if isinstance(config, RunConfig) else overrides
+            self.resolved = resolve(code=code, file=file)
+        config_ = self.resolved.config
+        self._layout_pending = config_.layout == "auto"  # probed at prepare(model, optimizer, loader)
+        self.layout_probe: list[Any] | None = None  # layout: auto: every candidate probed (`layout_probe.Candidate`)
+        self.info = ProcessInfo.from_env()
+        self.device = select_device(config_.device, self.info.local_rank)
+        self.affinity = apply_affinity(self.info.local_rank, self.info.local_world_size, config_.threads_per_process)
+        check_trackers(config_.logging.trackers)
+        self._owns_process_group = start_process_group(self.info, self.device, config_.collective_timeout_s)
+        placement = self._place(config_)
+        set_seed(config_.seed)
+        gradient_state = GradientState(accum_steps=config_.grad_accum_steps)
+        sharded_over = placement.mesh.grad_group if placement.zero_stage else None
+        cpu = self.device.type == "cpu"  # (a device of its own keeps the tensors: nothing for the host to hand back)
+        self._resident = ResidentGuard(config_.host_memory_slack_mb if cpu else None)
+        doctor = (
+            HangDoctor(self.info.rank, self.info.world_size, config_.collective_timeout_s)
+            if config_.hang_doctor and self.info.world_size > 1
+            else None
+        )
+        settings = config_.model_dump(mode="json")  # the resolved run config, for trackers that record it
+        self.ctx = EngineContext(
+            config=config_,
+            info=self.info,
+            device=self.device,
+            placement=placement,
+            gradient_state=gradient_state,
+            scaler=make_grad_scaler(config_.precision, self.device, sharded_over),
+            objects=PreparedObjects(),
+            trackers=TrackerSet(config_.logging.trackers, config_.logging.dir, settings, self._reports(placement)),
+            preemption=PreemptionWatch(config_.checkpoint.preempt_signal, self.info.world_size),
+            hang_doctor=doctor,
+        )
+        self._gradients = self._gradient_sync()
+        self.checkpoints = Checkpoints(self.ctx)
+        self.processes = Processes(self.ctx, lambda: self.checkpoints.checkpointer.group)
+        self.weights = Weights(self.ctx)
+        self.evaluation = Evaluation(self.ctx)
+        self.preparation = Preparation(self.ctx, lambda: self._gradients, self._resident.after_step)
+        self.accelerate_verbs = AccelerateVerbs(self.ctx)
+        self.accelerate_loop_verbs = AccelerateLoopVerbs(
+            self.ctx, self.prepare, self.processes, self.weights, self.accelerate_verbs
+        )
+        if self.is_main_process:
+            for conflict in self.resolved.conflicts:
+                warnings.warn(conflict.message(), ConfigConflictWarning, stacklevel=2)
+
+    def _place(self, config: RunConfig) -> Placement:
+        """The device mesh and everything that follows the layout (again once `layout: auto` has chosen)."""
+        try:
+            return place(config, self.info, self.device, self._say_once)
+        except Exception:
+            self._stop_process_group()
+            raise
+
+    def _say_once(self, line: str) -> None:
+        if self.info.rank == 0:
+            print(line, flush=True)
+
+    def _reports(self, placement: Placement) -> bool:
+        return self.info.rank == placement.reporting_rank
+
+    def _gradient_sync(self) -> GradientSync:
+        ctx = self.ctx
+        return GradientSync(
+            ctx.gradient_state,
+            ctx.scaler,
+            ctx.placement.grad_group,
+            ctx.objects.models,
+            ctx.objects.optimizers,
+            ctx.loss_parallel,
+            ctx.mesh.group("pp") if ctx.mesh.size("pp") > 1 else None,
+        )
+
+    def _adopt_layout(self, chosen: ResolvedConfig) -> None:
+        """`layout: auto` chose: lay the engine out again in `chosen` (the components see it through the context)."""
+        config = chosen.config
+        self.resolved, self.ctx.config = chosen, config
+        self.ctx.placement = self._place(config)
+        set_seed(config.seed)
+        self.ctx.gradient_state = GradientState(accum_steps=config.grad_accum_steps)
+        sharded_over = self.ctx.mesh.grad_group if self.ctx.placement.zero_stage else None
+        self.ctx.scaler = make_grad_scaler(config.precision, self.device, sharded_over)
+        self._gradients = self._gradient_sync()
+        if not self.ctx.trackers.started:  # they record the chosen layout
+            settings = config.model_dump(mode="json")
+            reports = self._reports(self.ctx.placement)
+            self.ctx.trackers = TrackerSet(config.logging.trackers, config.logging.dir, settings, reports)
+
+    # ------------------------------------------------------------------ where am I
+    @property
+    def config(self) -> RunConfig:
+        return self.ctx.config
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        return self.ctx.mesh
+
+    @property
+    def zero_stage(self) -> int:
+        return self.ctx.placement.zero_stage
+
+    @property
+    def parameter_server(self) -> ParameterServerRun | None:
+        """The parameter-server run of `strategy: parameter_server` (roles, report); None otherwise."""
+        return self.ctx.placement.ps
+
+    @property
+    def gradient_state(self) -> GradientState:
+        return self.ctx.gradient_state
+
+    @property
+    def scaler(self) -> Any:
+        return self.ctx.scaler
+
+    @property
+    def hang_doctor(self) -> HangDoctor | None:
+        return self.ctx.hang_doctor
+
+    @property
+    def loss_fn(self) -> LossFn | None:
+        return self.ctx.objects.loss_fn
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.logging.dir
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on the micro-step that synchronises gradients and steps the optimizer."""
+        return self.ctx.gradient_state.sync
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *objects: Any, loss_fn: LossFn | None = None) -> Any:
+        """Place and wrap models, optimizers, data loaders and LR schedulers; returns them in the same order."""
+        if self._layout_pending:  # layout: auto: the layouts are probed on these objects, the fastest laid out
+            self._layout_pending = False
+            chosen, self.layout_probe, objects = settle_layout(self, objects, loss_fn)
+            self._adopt_layout(chosen)
+        prepared = self._prepare(objects, loss_fn)
+        ps = self.ctx.placement.ps
+        if ps is not None:  # a worker pulls the servers' weights; a server serves until the workers finish
+            ps.start(self.ctx.objects.optimizers, self.ctx.objects.schedulers)  # (serving may rightly take days)
+        return prepared
+
+    @watched("prepare")
+    def _prepare(self, objects: tuple[Any, ...], loss_fn: LossFn | None) -> Any:
+        return self.preparation.prepare(objects, loss_fn)
+
+    # ------------------------------------------------------------------ the step
+    def accumulate(self, *models: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """One micro-step: gradients synchronise (and the optimizer steps) on every grad_accum_steps-th. Models
+        may be named, as with Accelerate (`accumulate(model)`); every prepared model takes part either way."""
+        return self._gradients.accumulate()
+
+    @watched("backward")
+    def backward(self, loss: torch.Tensor, *, num_items: float | torch.Tensor | None = None) -> None:
+        """Backward with accumulation scaling (and fp16 loss scaling).
+
+        Without `num_items` each micro-step's loss counts 1/grad_accum_steps. With it, `loss` is the mean over
+        `num_items` items (e.g. tokens) and the final gradient is the mean over every item of the window on
+        every dp rank — the right average when micro-batches hold different numbers of tokens.
+        """
+        if (
+            num_items is None and self.ctx.objects.uneven is not None
+        ):  # per-rank batch sizes: weigh each rank by its samples
+            mine, total = self.ctx.objects.uneven
+            self._gradients.backward(loss, mine, global_items=lambda: float(total))
+            return
+        self._gradients.backward(loss, num_items)
+
+    def clip_grad_norm_(self, *args: Any, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip every prepared model's gradients (unscaled first under fp16); None on non-syncing micro-steps.
+        `(max_norm[, norm_type])`, or Accelerate's `(parameters, max_norm[, norm_type])`."""
+        return self._gradients.clip_grad_norm_(*clip_arguments(args, norm_type))
+
+    def loss_parallel(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the loss is computed from vocab-sharded logits (tensor parallel): cross-entropy without ever
+        gathering the full logits. `train_step` and `backward` enter it themselves; a hand-written loop wraps
+        its loss computation: `with engine.loss_parallel(): loss = loss_fn(model(x), y)`."""
+        return self.ctx.loss_parallel()
+
+    def shard_sequence(self, batch: Any, dim: int = 1) -> Any:
+        """Under context parallel, this rank's two chunks of every tensor's sequence dim (`train_step` does
+        it itself; a hand-written loop calls it on each batch). Without cp the batch is returned as is."""
+        return self.ctx.shard_sequence(batch, dim)
+
+    @watched("train_step")
+    def train_step(self, batch: Any) -> torch.Tensor:
+        """Forward, backward and (on syncing micro-steps) clip, optimizer and scheduler step; returns the loss."""
+        objects = self.ctx.objects
+        model, optimizer = objects.only_model(), objects.only_optimizer()
+        causal = objects.loss_fn is None and objects.causal_lm and is_causal_lm_batch(batch)
+        if causal:  # labels shifted before any sequence split; the loss is the mean over the step's tokens
+            batch = split_causal_lm_batch(batch)
+        if self.mesh.size("cp") > 1:
+            batch = self.shard_sequence(batch)
+        with self.accumulate():
+            if objects.pipeline is not None:
+                with self.loss_parallel():
+                    loss = objects.pipeline.step(*pipeline_pair(batch, causal), self.mesh.grad_group)
+                self._gradients.reduce_after_schedule()
+            elif causal:
+                inputs, targets = batch
+                with self.loss_parallel():
+                    total = token_loss_sum(logits_of(model(**inputs)), targets)
+                count = (targets != IGNORE_INDEX).sum()
+                # the step's loss sum and token count over every rank, summed while backward runs
+                summed = collectives.start_sum(
+                    torch.stack((total.detach().float(), count.float())), self.ctx.placement.grad_group
+                )
+                self._gradients.backward(total / count.clamp(min=1), count, global_items=lambda: float(summed()[1]))
+                loss = summed()[0] / summed()[1].clamp(min=1)
+            else:
+                with self.loss_parallel():
+                    loss = compute_loss(model, batch, objects.loss_fn)
+                self.backward(loss)
+            if self.sync_gradients and self.config.max_grad_norm is not None:
+                self.clip_grad_norm_(self.config.max_grad_norm)
+            optimizer.step()
+            for scheduler in objects.schedulers:
+                scheduler.step()
+            optimizer.zero_grad()
+        loss = loss.detach()
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
+
+    # ------------------------------------------------------------------ end
+    def end(self, *, wait_for_peers: bool = True) -> None:
+        """Close the trackers and leave the process group (if this engine created it). Safe to call twice.
+
+        With `wait_for_peers` every rank first meets the others at a barrier, so no rank tears its
+        communicator down while a peer is still talking to it; pass False on an error path, where a peer
+        may be gone.
+        """
+        if wait_for_peers:
+            self.checkpoints.close()
+            self.end_training()  # trackers close; a parameter-server worker tells the servers it is done
+        self.ctx.preemption.disarm()
+        if self.ctx.hang_doctor is not None:
+            self.ctx.hang_doctor.stop()
+            self.ctx.hang_doctor = None
+        self.ctx.trackers.close()  # (already closed above, unless this is an error path)
+        # (a parameter-server run ends when the servers have heard every worker finish; a lost worker misses a barrier)
+        peers = dist.is_initialized() and dist.get_world_size() > 1
+        if wait_for_peers and self.ctx.placement.ps is None and self._owns_process_group and peers:
+            dist.barrier()
+        self._stop_process_group()
+
+    def _stop_process_group(self) -> None:
+        if self._owns_process_group and dist.is_initialized():
+            gc.collect()  # drop finished work handles (and their tensors) before the communicator goes
+            dist.destroy_process_group()
+        self._owns_process_group = False
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        # A preemption stop is agreed by every rank: they leave together, as after a normal end.
+        self.end(wait_for_peers=exc_type is None or issubclass(exc_type, Preempted))

@@ -1,0 +1,41 @@
+"""Evaluation through the prepared model, in every layout: `Engine.eval_token_loss` (its `evaluation` component)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from meshkit.engine.context import EngineComponent
+from meshkit.parallel.fsdp import reshard
+from meshkit.runtime import collectives
+from meshkit.runtime.hang_doctor import watched
+from meshkit.training.loss import IGNORE_INDEX, logits_of, pipeline_pair, split_causal_lm_batch, token_loss_sum
+
+
+class Evaluation(EngineComponent):
+    """Runs the prepared model (or its pipeline) forward only, with the layout's sequence split and loss."""
+
+    @watched("eval_token_loss")
+    @torch.no_grad()
+    def eval_token_loss(self, batch: Any) -> tuple[float, int]:
+        """(summed next-token loss, tokens counted) of an HF-style causal-LM batch (`input_ids`, `labels`),
+        summed over every data-parallel rank; no gradients. Every rank calls it (each with its own batch) in
+        every layout, pipelines included; divide the sums of several batches for the mean loss."""
+        ctx = self.ctx
+        model = ctx.objects.only_model()
+        inputs, targets = split_causal_lm_batch(batch)
+        if ctx.mesh.size("cp") > 1:
+            inputs, targets = ctx.shard_sequence((inputs, targets))
+        with ctx.loss_parallel():
+            if ctx.objects.pipeline is not None:
+                total = ctx.objects.pipeline.evaluate(*pipeline_pair((inputs, targets), True))
+            else:
+                total = token_loss_sum(logits_of(model(**inputs)), targets)
+        if ctx.placement.zero_stage == 3:
+            reshard(model)
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+        count = (targets != IGNORE_INDEX).sum()
+        summed = collectives.reduce(torch.stack((total.float(), count.float())), ctx.placement.metric_group, op="sum")
+        return float(summed[0]), int(summed[1])

@@ -1,0 +1,106 @@
+"""`Engine.prepare()`'s work: every model laid out by the composition layer, every optimizer rebound and
+sharded, every loader split over the data-parallel ranks; what each produced is kept in `ctx.objects`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from meshkit.engine.context import EngineComponent, EngineContext, print_once_per_node
+from meshkit.engine.data import prepare_loader
+from meshkit.engine.gradients import GradientSync
+from meshkit.engine.prepared import EngineError
+from meshkit.models.adapters import lora_merges
+from meshkit.parallel.compose import parallelize, unwrap
+from meshkit.parallel.dataparallel import bare_module
+from meshkit.parallel.pipeline.schedule import PipelineRunner
+from meshkit.parallel.pipeline.stages import PipelineModel
+from meshkit.parallel.pipeline.tied import TiedAcrossStages
+from meshkit.parallel.replicate import GradientAllReduce
+from meshkit.parallel.zero.sharding import rebind_params, renamed_parameters, shard_optimizer
+from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
+from meshkit.training.loss import CausalLMLoss, LossFn
+
+
+class Preparation(EngineComponent):
+    def __init__(self, ctx: EngineContext, gradients: Callable[[], GradientSync], after_step: Callable[[], None]):
+        super().__init__(ctx)
+        self._gradients = gradients  # (made again with the layout)
+        self._after_step = after_step  # host memory handed back after each optimizer step
+
+    def prepare(self, objects: tuple[Any, ...], loss_fn: LossFn | None) -> Any:
+        """Models first (an optimizer or scheduler must see the model's final parameters); the same order back."""
+        if loss_fn is not None:
+            self.ctx.objects.loss_fn = loss_fn
+        registry = self.ctx.objects
+        prepared: dict[int, Any] = {}
+        for index, obj in enumerate(objects):
+            if isinstance(obj, nn.Module):
+                prepared[index] = self._model(obj)
+                registry.models.append(prepared[index])
+        for index, obj in enumerate(objects):
+            if isinstance(obj, nn.Module):
+                continue
+            if isinstance(obj, torch.optim.Optimizer):
+                prepared[index] = self._optimizer(obj)
+                registry.optimizers.append(prepared[index])
+            elif isinstance(obj, DataLoader):
+                prepared[index] = prepare_loader(self.ctx, obj)
+                registry.loaders.append(prepared[index])
+            elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or hasattr(obj, "get_last_lr"):
+                prepared[index] = PreparedScheduler(obj, self.ctx.gradient_state)
+                registry.schedulers.append(prepared[index])
+            else:
+                raise EngineError(
+                    f"prepare() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}"
+                )
+        result = [prepared[i] for i in range(len(objects))]
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _model(self, model: nn.Module) -> nn.Module:
+        ctx, objects, gradients = self.ctx, self.ctx.objects, self._gradients()
+        model = bare_module(model, ctx.config.strategy)
+        originals = list(model.named_parameters(remove_duplicate=False))  # tied weights: every name
+        merges = lora_merges(model)  # before a pipeline split: the whole model's adapter layers
+        done = parallelize(model, ctx.mesh, ctx.config, ctx.placement.zero_stage)
+        now = dict(unwrap(done.model).named_parameters(remove_duplicate=False))
+        objects.renamed_params.update(renamed_parameters(originals, now))
+        objects.logits_sharded |= done.logits_sharded
+        objects.fused_qkv[id(done.model)] = done.fused_qkv
+        objects.adapter_merges[id(done.model)] = merges
+        objects.user_modules[id(done.model)] = model
+        objects.tied_aliases[id(done.model)] = done.structure.aliases() if done.structure else {}
+        objects.causal_lm = done.structure is not None and done.structure.causal_lm  # HF batches get the LM loss
+        if done.notice:
+            print_once_per_node(ctx.info, done.notice)
+        objects.checkpointed.extend(done.checkpointed)
+        if done.partial_over_tp:
+            partial = [now[name] for name in done.partial_over_tp if name in now]
+            gradients.model_reducers.append(GradientAllReduce(partial, ctx.mesh.group("tp"), average=False))
+        if done.needs_gradient_reduce:
+            gradients.model_reducers.append(GradientAllReduce(list(now.values()), ctx.mesh.grad_group))
+        if isinstance(done.model, PipelineModel):
+            loss_fn = objects.loss_fn
+            if loss_fn is None and done.structure is not None and done.structure.causal_lm:
+                loss_fn = CausalLMLoss()  # HF batches with labels: the token-mean next-token loss
+            objects.pipeline = PipelineRunner(done.model, ctx.mesh, ctx.config.pipeline, loss_fn)
+            if done.structure is not None and done.structure.tied:
+                tied = TiedAcrossStages(done.model, done.structure, ctx.mesh)
+                gradients.model_reducers.append(tied)
+                gradients.counted_elsewhere |= tied.counted_elsewhere
+        return done.model
+
+    def _optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        ctx, gradients = self.ctx, self._gradients()
+        optimizer = rebind_params(optimizer, ctx.objects.renamed_params)
+        if ctx.placement.ps is not None:
+            return ctx.placement.ps.prepare_optimizer(optimizer, ctx.objects.models, ctx.gradient_state)
+        elsewhere = gradients.reduced_by_models()  # ZeRO leaves these gradients to their reducers
+        sharded = shard_optimizer(
+            optimizer, ctx.objects.models, ctx.mesh, ctx.config, ctx.placement.zero_stage, elsewhere
+        )
+        return PreparedOptimizer(sharded, ctx.gradient_state, ctx.scaler, self._after_step)

@@ -1,0 +1,69 @@
+"""What `Engine.prepare()` produced: the prepared models, optimizers, schedulers and loaders, and what each
+prepared model needs remembered (fused weights split by tensor parallel, tied names, LoRA layers to fold, the
+user's own module), in one record every engine component reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from meshkit.core.errors import MeshkitError
+from meshkit.data.loader import ShardedLoader
+from meshkit.models.adapters import LoraMerge
+from meshkit.parallel.activation import CheckpointedBlock
+from meshkit.parallel.pipeline.schedule import PipelineRunner
+from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
+from meshkit.training.loss import LossFn
+
+
+class EngineError(MeshkitError):
+    """Wrong use of the engine; the message says what to do instead."""
+
+
+@dataclass
+class PreparedObjects:
+    models: list[nn.Module] = field(default_factory=list)
+    optimizers: list[PreparedOptimizer] = field(default_factory=list)
+    schedulers: list[PreparedScheduler] = field(default_factory=list)
+    loaders: list[ShardedLoader] = field(default_factory=list)
+    registered: list[Any] = field(default_factory=list)  # engine.register_for_checkpointing
+    checkpointed: list[CheckpointedBlock] = field(default_factory=list)  # blocks under activation checkpointing
+    loss_fn: LossFn | None = None  # prepare(..., loss_fn=) or the Engine's
+    pipeline: PipelineRunner | None = None  # the prepared model is split into pipeline stages
+    # id(original parameter) -> the one splitting put in its place (None: it lives on another pipeline stage)
+    renamed_params: dict[int, nn.Parameter | None] = field(default_factory=dict)
+    logits_sharded: bool = False  # a prepared model returns vocab-sharded logits (tensor parallel)
+    causal_lm: bool = False  # the prepared model is a causal LM (next-token logits)
+    uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
+    # id(prepared model) -> ...
+    fused_qkv: dict[int, dict[str, int]] = field(default_factory=dict)  # interleaved weights and their dim
+    tied_aliases: dict[int, dict[str, str]] = field(default_factory=dict)  # tied name -> stored name
+    adapter_merges: dict[int, dict[str, LoraMerge]] = field(default_factory=dict)  # LoRA layers to fold
+    user_modules: dict[int, nn.Module] = field(default_factory=dict)  # the module the user passed
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (restored by `load_state`)."""
+        return self.optimizers[0].steps_taken if self.optimizers else 0
+
+    def only_model(self, model: nn.Module | None = None) -> nn.Module:
+        """`model`, or the one prepared model when none is named."""
+        return model if model is not None else self._only("model", self.models)
+
+    def only_optimizer(self) -> PreparedOptimizer:
+        return self._only("optimizer", self.optimizers)
+
+    def forget(self) -> None:
+        """Drop the references to every prepared object (`free_memory`)."""
+        for registry in (self.models, self.optimizers, self.schedulers, self.loaders):
+            registry.clear()
+
+    @staticmethod
+    def _only(kind: str, registry: list[Any]) -> Any:
+        if len(registry) != 1:
+            raise EngineError(
+                f"this call needs exactly one prepared {kind}, found {len(registry)}: pass the one you mean"
+            )
+        return registry[0]

@@ -1,0 +1,80 @@
+"""The facts `models/structure.py` answers about a model, as plain frozen records (no model code here).
+
+Kept apart from `describe()` so the family adapters (`hf_adapter.py`) and the structure layer both build them
+without importing each other.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+from meshkit.core.errors import MeshkitError
+
+HEAD_ATTRIBUTES = ("num_heads", "n_heads", "n_head", "num_attention_heads")
+KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
+
+# How a pipeline stage runs the model's own forward:
+#   skip_none  — the model skips first/last-stage modules set to None (the reference GPT, user overrides)
+#   sequential — the model is the block container: a stage is the same Sequential with other blocks skipped
+#   hf         — a transformers model: stand-ins for the other stages' modules, hidden states handed in and out
+StageStyle = Literal["skip_none", "sequential", "hf"]
+
+
+class StructureError(MeshkitError):
+    """A fact a strategy needs cannot be inferred from the model; the message names the override."""
+
+
+@dataclass(frozen=True)
+class AttentionFacts:
+    path: str  # dotted module name
+    heads: int | None  # query heads
+    kv_heads: int | None  # key/value heads (GQA/MQA); = heads for plain multi-head attention
+    head_dim: int | None
+
+
+@dataclass(frozen=True)
+class ModelStructure:
+    family: str  # "gpt" (reference), a transformers model_type ("llama", "gpt2", ...), or "generic"
+    blocks: str | None  # dotted path of the block container; '' = the model itself; None = none found
+    first_stage: tuple[str, ...] = ()  # modules only the first pipeline stage holds
+    last_stage: tuple[str, ...] = ()  # modules only the last pipeline stage holds
+    stage_style: StageStyle | None = None  # None: the model cannot be split into pipeline stages as is
+    attention: tuple[AttentionFacts, ...] = ()
+    position_argument: str | None = None  # forward keyword that takes global token positions
+    tied: tuple[tuple[str, ...], ...] = ()  # parameter names that share one tensor
+    causal_lm: bool = False  # forward returns next-token logits (with .logits / a tensor)
+    vocabulary: tuple[str, ...] = ()  # parameters with one row per token (input embedding, output head)
+    notes: dict[str, str] = field(default_factory=dict)  # layout -> why this model cannot run it
+
+    def aliases(self) -> dict[str, str]:
+        """Tied parameter name -> the one name it is stored under (the first of its group)."""
+        return {alias: group[0] for group in self.tied for alias in group[1:]}
+
+    def head_counts(self) -> dict[str, int]:
+        """Every distinct head count the model's attention splits: {'heads': 4, 'kv_heads': 2}."""
+        counts: dict[str, int] = {}
+        for facts in self.attention:
+            if facts.heads is not None:
+                counts.setdefault("heads", facts.heads)
+            if facts.kv_heads is not None:
+                counts.setdefault("kv_heads", facts.kv_heads)
+        return counts
+
+
+def tied_parameters(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Groups of parameter names that are one tensor (e.g. a head tied to the input embedding)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def takes_argument(forward: object, name: str) -> bool:
+    try:
+        return name in inspect.signature(forward).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,64 @@
+"""Ring attention inside `transformers` models, through their attention-function registry.
+
+Every attention module of a transformers model calls `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`
+with its projected, rotary-embedded q, k, v. Registering meshkit's ring attention there under its own name and
+selecting that name makes the model's own attention code run it; no mask is built for a registered
+implementation (ring attention applies the causal mask itself). The cp group travels on each module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshkit.core.errors import MeshkitError
+from meshkit.parallel.context.ring_attention import ring_attention
+
+IMPLEMENTATION = "meshkit_ring"
+GROUP_ATTRIBUTE = "meshkit_cp_group"
+
+
+class RingAttentionError(MeshkitError):
+    """An attention call ring attention cannot compute; the message says which setting to change."""
+
+
+def ring_attention_function(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: q [batch, heads, seq, head_dim], k/v [batch, kv_heads, seq, head_dim];
+    returns [batch, seq, heads, head_dim]."""
+    if dropout:
+        raise RingAttentionError(
+            f"ring attention has no attention dropout: set the model config's attention dropout to 0 (got {dropout})"
+        )
+    if kwargs.get("softcap"):
+        raise RingAttentionError("ring attention does not soft-cap attention logits")
+    repeats = query.shape[1] // key.shape[1]
+    if repeats > 1:  # grouped-query attention: each key/value head serves `repeats` query heads
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    group: dist.ProcessGroup = getattr(module, GROUP_ATTRIBUTE)
+    out = ring_attention(query, key, value, group, causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_ring_attention(model: nn.Module, group: dist.ProcessGroup, attention_paths: list[str]) -> None:
+    """Make `model`'s attention modules run ring attention over `group`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(IMPLEMENTATION, ring_attention_function)
+    for path in attention_paths:
+        try:
+            setattr(model.get_submodule(path), GROUP_ATTRIBUTE, group)
+        except AttributeError:  # on another pipeline stage
+            continue
+    model.set_attn_implementation(IMPLEMENTATION)

@@ -1,0 +1,85 @@
+"""Running a pipeline step: torch's PipelineStage per model chunk, one schedule, the loss on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+
+from meshkit.config.schema import PipelineConfig
+from meshkit.parallel.pipeline.stages import SINGLE_STAGE, PipelineError, PipelineModel, schedule_class, stage_ids
+from meshkit.runtime import collectives
+from meshkit.runtime.mesh import ParallelMesh
+from meshkit.training.loss import IGNORE_INDEX, CausalLMLoss
+
+
+class PipelineRunner:
+    """Drives this rank's stages through the configured schedule; `step` returns the mean micro-batch loss."""
+
+    def __init__(self, model: PipelineModel, mesh: ParallelMesh, cfg: PipelineConfig, loss_fn: Any) -> None:
+        if loss_fn is None:
+            raise PipelineError("pipeline parallel computes the loss on the last stage: pass loss_fn= to prepare()")
+        pp = mesh.size("pp")
+        self.model = model
+        self.loss_fn = loss_fn
+        self.group = mesh.group("pp")
+        self.microbatches = cfg.microbatches or pp
+        if self.microbatches < pp:
+            raise PipelineError(f"pipeline.microbatches={self.microbatches} must be at least pp={pp}")
+        self.stages = [
+            PipelineStage(chunk, index, model.stages, mesh.device, group=self.group)
+            for chunk, index in zip(model.chunks, model.stage_list, strict=True)
+        ]
+        stage_arg = self.stages[0] if cfg.schedule in SINGLE_STAGE else self.stages
+        self.schedule = schedule_class(cfg.schedule)(stage_arg, n_microbatches=self.microbatches, loss_fn=loss_fn)
+        owner = next(r for r in range(pp) if model.stages - 1 in stage_ids(r, pp, len(model.stage_list), cfg.schedule))
+        self.last_stage_rank = dist.get_global_rank(self.group, owner)
+
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, grad_group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch; gradients are left in the parameters' .grad.
+
+        With the default causal-LM loss the returned loss is the mean over every counted token of the step
+        on every rank of `grad_group`."""
+        if inputs.shape[0] % self.microbatches:
+            raise PipelineError(
+                f"the local batch of {inputs.shape[0]} does not split into pipeline.microbatches={self.microbatches}"
+                ": make the per-rank batch size a multiple of it"
+            )
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.model.has_first_stage else ()
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.model.has_last_stage else {}
+        token_mean = isinstance(self.loss_fn, CausalLMLoss)
+        if token_mean:  # micro-batch losses are token sums, scaled to the mean over the step's tokens
+            ranks = collectives.group_size(grad_group)
+            tokens = collectives.reduce((targets != IGNORE_INDEX).sum(), grad_group, op="sum")
+            self.loss_fn.scale = self.microbatches * ranks / max(float(tokens), 1.0)
+        self.schedule.step(*args, **kwargs)
+        local = [(x.full_tensor() if isinstance(x, DTensor) else x).detach().float() for x in losses]
+        loss = torch.stack(local).mean() if local else torch.zeros((), device=inputs.device)
+        dist.broadcast(loss, src=self.last_stage_rank, group=self.group)  # the step's loss on every rank
+        if token_mean:
+            loss = collectives.reduce(loss, grad_group, op="mean")
+        return loss
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only: the summed micro-batch losses (token sums for the causal-LM loss), on every rank."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.model.has_first_stage else ()
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.model.has_last_stage else {}
+        scale = getattr(self.loss_fn, "scale", None)
+        if scale is not None:
+            self.loss_fn.scale = 1.0
+        try:
+            self.schedule.eval(*args, **kwargs)
+        finally:
+            if scale is not None:
+                self.loss_fn.scale = scale
+        local = [(x.full_tensor() if isinstance(x, DTensor) else x).detach().float() for x in losses]
+        total = torch.stack(local).sum() if local else torch.zeros((), device=inputs.device)
+        dist.broadcast(total, src=self.last_stage_rank, group=self.group)
+        return total

@@ -1,0 +1,147 @@
+"""Tensor parallel: Megatron column/row splits on DTensor, sequence parallel, vocab-parallel embedding, loss parallel.
+
+A column-parallel Linear splits its output features over the `tp` ranks, a row-parallel one its input features,
+so an attention block (q/k/v column, o row) or an MLP (gate/up column, down row) needs one all-reduce in
+forward and one in backward. Sequence parallel turns that all-reduce into a reduce-scatter onto sequence
+shards, runs the norms on the shards, and all-gathers before the next column-parallel region.
+
+The reference GPT has its plan here (vocab-parallel embedding and head, loss parallel); every other model
+gets one from its module names or `tensor_parallel.plan` (`auto.py`) and its sequence parallel from
+`sequence.py`. Head counts come from the model-structure layer, for the check before anything is split.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from meshkit.config.schema import TensorParallelConfig
+from meshkit.models.gpt import GPT
+from meshkit.models.structure import ModelStructure, describe
+from meshkit.parallel.tensor.auto import TensorParallelError, divide_attributes, interleave_in_place, named_plan, style
+from meshkit.parallel.tensor.lora import split_lora_layers
+from meshkit.parallel.tensor.sequence import apply_sequence_parallel, split_regions
+
+
+def _valid_sizes(counts: list[int]) -> str:
+    return ", ".join(str(d) for d in range(1, min(counts) + 1) if all(count % d == 0 for count in counts))
+
+
+def check_heads(model: nn.Module | ModelStructure, tp: int) -> None:
+    """tp must divide every head count (query and key/value heads); refuses before anything is split."""
+    structure = model if isinstance(model, ModelStructure) else describe(model)
+    if "tp" in structure.notes:
+        raise TensorParallelError(f"tensor parallel cannot split this model: {structure.notes['tp']}")
+    counts = structure.head_counts()
+    wrong = {name: count for name, count in counts.items() if count % tp}
+    if wrong:
+        shown = ", ".join(f"{name}={count}" for name, count in counts.items())
+        raise TensorParallelError(
+            f"tp={tp} does not divide the attention's head counts ({shown}): "
+            f"choose tp from {_valid_sizes(list(counts.values()))}"
+        )
+
+
+def gpt_plan(model: GPT, cfg: TensorParallelConfig) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+    """(root plan, per-block plan) for the reference GPT, as torchtitan does for Llama."""
+    sp = cfg.sequence_parallel
+    hidden = Shard(1) if sp else Replicate()  # layout of the residual stream between TP regions
+    root: dict[str, ParallelStyle] = {
+        # vocab-parallel embedding: each rank holds a slice of the vocabulary; the partial sums are reduced
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=hidden),
+        "output": ColwiseParallel(
+            input_layouts=hidden,
+            output_layouts=Shard(-1) if cfg.loss_parallel else Replicate(),
+            use_local_output=not cfg.loss_parallel,  # loss parallel needs the DTensor of vocab-sharded logits
+        ),
+    }
+    block: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=hidden),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=hidden),
+    }
+    if sp:
+        root["norm"] = SequenceParallel()
+        block.update(
+            {
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        )
+    return root, block
+
+
+class TensorParallelResult(NamedTuple):
+    fused_qkv: dict[str, int]  # fused q/k/v parameters stored interleaved -> the dim q, k, v are stacked on
+    logits_sharded: bool  # the model returns vocab-sharded DTensor logits: compute the loss under loss_parallel
+    partial_over_tp: list[str] = []  # parameters whose gradients each tp rank holds a part of (summed after backward)
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, cfg: TensorParallelConfig, structure: ModelStructure
+) -> TensorParallelResult:
+    """Split `model` over `tp_mesh` in place."""
+    tp = tp_mesh.size()
+    check_heads(structure, tp)
+    if isinstance(model, GPT) and cfg.plan is None:
+        root, block = gpt_plan(model, cfg)
+        parallelize_module(model, tp_mesh, root)
+        for layer in model.layers:
+            if not getattr(layer, "is_placeholder", False):
+                parallelize_module(layer, tp_mesh, block)
+        if cfg.sequence_parallel:
+            model.sequence_shards = tp
+        return TensorParallelResult({}, cfg.loss_parallel)
+    if cfg.sequence_parallel and not structure.last_stage:
+        raise TensorParallelError(
+            f"sequence parallel must gather the sequence before {type(model).__name__}'s head, which meshkit "
+            "cannot find: name its final norm and head in structure.last_stage"
+        )
+    lora = split_lora_layers(model, named_plan(model, cfg), cfg.sequence_parallel)
+    kinds = lora.kinds
+    fused: dict[str, int] = {}
+    for name, kind in kinds.items():
+        if kind == "fused_qkv":
+            fused.update(interleave_in_place(model.get_submodule(name), name, tp))
+    styles = {name: found for name, kind in kinds.items() if (found := style(kind, cfg.sequence_parallel))}
+    parallelize_module(model, tp_mesh, styles)
+    for facts in structure.attention:
+        try:
+            divide_attributes(model.get_submodule(facts.path), tp)
+        except AttributeError:  # the block lives on another pipeline stage
+            continue
+    if cfg.sequence_parallel:
+        apply_sequence_parallel(model, structure, tp_mesh, set(styles))
+    in_regions = unsplit_in_split_regions(model, structure, set(styles))
+    partial = [name for name in in_regions if name not in lora.whole and name not in lora.partial] + lora.partial
+    return TensorParallelResult(fused, False, partial)
+
+
+def unsplit_in_split_regions(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[str]:
+    """Parameters left whole inside an attention or MLP whose layers are split, e.g. Qwen3's and Gemma3's
+    per-head q/k norms: each tp rank computes their gradient from its own heads only, so the parts are summed."""
+    return [
+        f"{name}.{param_name}"
+        for name, region in split_regions(model, structure, split_modules)
+        for param_name, param in region.named_parameters()
+        if not isinstance(param, DTensor)
+    ]

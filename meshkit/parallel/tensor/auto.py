@@ -1,0 +1,182 @@
+"""Tensor parallel for any model: plans from module names, Linear and transposed (`Conv1D`) layers, fused q/k/v.
+
+Plans come from the automatic naming rules (`q_proj`/`k_proj`/`v_proj`, `gate_proj`/`up_proj` column,
+`o_proj`/`down_proj` row, GPT-2's `c_attn` (fused q/k/v), `c_fc` column and `c_proj` row) or from
+`tensor_parallel.plan`. GPT-2's `Conv1D` stores its weight [in, out], the transpose of `nn.Linear`: its column
+split is dim 1 of the weight, its row split dim 0.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from meshkit.config.schema import TensorParallelConfig
+from meshkit.core.errors import MeshkitError
+from meshkit.models.adapters import inside_lora_layer, lora_parts
+
+AUTO_RULES = {
+    "q_proj": "colwise",
+    "k_proj": "colwise",
+    "v_proj": "colwise",
+    "gate_proj": "colwise",
+    "up_proj": "colwise",
+    "o_proj": "rowwise",
+    "down_proj": "rowwise",
+    "c_attn": "fused_qkv",
+    "c_fc": "colwise",
+    "c_proj": "rowwise",
+    "lm_head": "replicate",
+}
+WIDTH_ATTRIBUTES = (
+    "num_heads",
+    "n_head",
+    "n_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_kv_heads",
+    "hidden_size",
+    "n_embd",
+    "embed_dim",
+    "split_size",
+)
+
+
+class TensorParallelError(MeshkitError):
+    """A model or plan tensor parallel cannot split; the message says what to change."""
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """GPT-2 style `Conv1D`: y = x @ W + b with W stored [in, out]."""
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_transposed_linear(module)
+
+
+def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], source: int) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist_param = distribute_tensor(param, mesh, [placements[name]], src_data_rank=source)
+        module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+
+
+def _split_transposed(
+    style: ColwiseParallel | RowwiseParallel, module: nn.Module, mesh: DeviceMesh, layout: dict[str, Placement]
+) -> nn.Module:
+    """Distribute a `Conv1D`'s parameters by `layout`, with `style`'s input and output hooks."""
+    return distribute_module(
+        module,
+        mesh,
+        lambda _name, mod, device_mesh: _distribute(mod, device_mesh, layout, style.src_data_rank),
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
+
+
+class Colwise(ColwiseParallel):
+    """Column split of an `nn.Linear` or a `Conv1D` (weight dim 1, bias dim 0)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_transposed_linear(module):
+            return super()._apply(module, device_mesh)
+        return _split_transposed(self, module, device_mesh, {"weight": Shard(1), "bias": Shard(0)})
+
+
+class Rowwise(RowwiseParallel):
+    """Row split of an `nn.Linear` or a `Conv1D` (weight dim 0, bias replicated)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_transposed_linear(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)  # the input's features are split, as for a row-split Linear
+        return _split_transposed(self, module, device_mesh, {"weight": Shard(0), "bias": Replicate()})
+
+
+def style(kind: str, sequence_parallel: bool) -> ParallelStyle | None:
+    """The torch style for a plan kind; under sequence parallel row outputs are reduce-scattered on the sequence."""
+    if kind in ("colwise", "fused_qkv"):
+        return Colwise()
+    if kind == "rowwise":
+        return Rowwise(output_layouts=Shard(1)) if sequence_parallel else Rowwise()
+    if kind == "sequence":
+        return SequenceParallel(use_local_output=True)
+    return None
+
+
+def named_plan(model: nn.Module, cfg: TensorParallelConfig) -> dict[str, str]:
+    """Module name -> style kind, from the user's patterns or the automatic naming rules."""
+    if cfg.plan is not None:  # the first pattern that matches a module name decides its style
+        plan = {}
+        for name, _ in model.named_modules():
+            kind = next((k for pattern, k in cfg.plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+            if name and kind is not None:
+                plan[name] = kind
+        return plan
+    plan, unknown = {}, []
+    lora_layers = {name for name, module in model.named_modules() if lora_parts(module) is not None}
+    for name, module in model.named_modules():
+        if inside_lora_layer(name, lora_layers):
+            continue  # planned with its LoRA layer (`lora.py`)
+        if _is_linear(module) or name in lora_layers:
+            kind = AUTO_RULES.get(name.rsplit(".", 1)[-1])
+            if kind is None:
+                unknown.append(name)
+            else:
+                plan[name] = kind
+    if unknown:
+        raise TensorParallelError(
+            f"the automatic tensor-parallel plan has no rule for Linear layers {unknown[:6]}: give a plan, e.g. "
+            "tensor_parallel.plan: {'*.my_proj': colwise, '*.my_out': rowwise, 'head': replicate}"
+        )
+    return plan
+
+
+def fused_dim(module: nn.Module, param_name: str) -> int:
+    """The dim along which a fused q/k/v parameter stacks q, k and v (the output features)."""
+    return 1 if is_transposed_linear(module) and param_name == "weight" else 0
+
+
+def interleave_fused_qkv(tensor: torch.Tensor, tp: int, dim: int = 0) -> torch.Tensor:
+    """[q; k; v] along `dim` -> [q0 k0 v0; q1 k1 v1; ...] (the order kept while sharded), on a full tensor."""
+    moved = tensor.movedim(dim, 0)
+    rows = moved.shape[0]
+    out = moved.reshape(3, tp, rows // (3 * tp), *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
+    return out.movedim(0, dim)
+
+
+def restore_fused_qkv(tensor: torch.Tensor, tp: int, dim: int = 0) -> torch.Tensor:
+    """Inverse of the interleaving, on a full (gathered) tensor."""
+    moved = tensor.movedim(dim, 0)
+    rows = moved.shape[0]
+    out = moved.reshape(tp, 3, rows // (3 * tp), *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
+    return out.movedim(0, dim)
+
+
+def interleave_in_place(module: nn.Module, name: str, tp: int) -> dict[str, int]:
+    """Interleave a fused q/k/v layer's parameters so a contiguous column split gives each rank its heads.
+
+    Returns {parameter name: fused dim} for the engine, which restores the original order when it gathers.
+    """
+    fused = {}
+    with torch.no_grad():
+        for param_name, param in module.named_parameters(recurse=False):
+            dim = fused_dim(module, param_name)
+            param.copy_(interleave_fused_qkv(param, tp, dim))
+            fused[f"{name}.{param_name}"] = dim
+    return fused
+
+
+def divide_attributes(module: nn.Module, tp: int) -> None:
+    """Local head counts and widths for an attention module that reads them in forward (e.g. GPT-2's split)."""
+    for attr in WIDTH_ATTRIBUTES:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value % tp == 0:
+            setattr(module, attr, value // tp)

@@ -1,0 +1,60 @@
+"""Tensor parallel for LoRA layers (peft): each piece of an adapted Linear takes its part of the layer's split.
+
+Column-split layer (q/k/v, gate/up): the base layer and B split their output features; A stays whole on every
+rank and sees the whole input, but each rank's gradient of A comes from its own output features only, so the
+parts are summed over tp after backward. Row-split layer (o, down): the base layer and A split their input
+features (A's output is all-reduced like the base layer's); B stays whole and sees the same reduced input on
+every rank, so its gradient is whole already. Replicated layers (the head) keep every piece whole.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import nn
+
+from meshkit.models.adapters import lora_parts
+from meshkit.parallel.tensor.auto import TensorParallelError
+
+
+class LoraSplit(NamedTuple):
+    kinds: dict[str, str]  # module name -> style kind, each LoRA layer replaced by its pieces
+    partial: list[str]  # parameters each tp rank holds part of the gradient of (summed after backward)
+    whole: set[str]  # parameters left whole whose gradient is complete on every rank (never summed)
+
+
+def _parameters(model: nn.Module, module_names: list[str]) -> list[str]:
+    return [f"{name}.{param}" for name in module_names for param, _ in model.get_submodule(name).named_parameters()]
+
+
+def split_lora_layers(model: nn.Module, kinds: dict[str, str], sequence_parallel: bool) -> LoraSplit:
+    """The plan with every LoRA layer's pieces planned (see the module docstring)."""
+    out: dict[str, str] = {}
+    partial: list[str] = []
+    whole: set[str] = set()
+    for name, kind in kinds.items():
+        parts = lora_parts(model.get_submodule(name))
+        if parts is None:
+            out[name] = kind
+            continue
+        if sequence_parallel:
+            raise TensorParallelError(
+                f"LoRA layer '{name}' under sequence parallel is not supported: set sequence_parallel=false "
+                "(tensor parallel alone splits LoRA layers)"
+            )
+        if kind == "fused_qkv":
+            raise TensorParallelError(
+                f"LoRA on the fused q/k/v layer '{name}' is not split by tensor parallel: leave it out of "
+                "lora_target_modules, or use tp=1"
+            )
+        a_names, b_names = [f"{name}.{a}" for a in parts.a], [f"{name}.{b}" for b in parts.b]
+        out[f"{name}.{parts.base}"] = kind
+        if kind == "colwise":
+            out.update(dict.fromkeys(b_names, "colwise"))
+            partial += _parameters(model, a_names)
+        elif kind == "rowwise":
+            out.update(dict.fromkeys(a_names, "rowwise"))
+            whole |= set(_parameters(model, b_names))
+        else:
+            whole |= set(_parameters(model, a_names + b_names))
+    return LoraSplit(out, partial, whole)

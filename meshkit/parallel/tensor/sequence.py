@@ -1,0 +1,89 @@
+"""Sequence parallel for any block-structured model (the reference GPT has its own plan in `apply.py`).
+
+Between the tensor-parallel regions each rank keeps seq / tp positions of the residual stream: the blocks'
+norms run on those sequence shards, each attention or MLP all-gathers its input first, and its row-parallel
+output is reduce-scattered back onto the shards. The model's own forward still sees the whole sequence
+before the first block, so what it computes there (rotary tables, masks, position embeddings) is unchanged;
+the first block's input is cut into shards and gathered again before the final norm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+from meshkit.models.blocks import block_units, find_blocks, is_placeholder
+from meshkit.models.structure import ModelStructure
+
+
+def is_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith(("Norm", "LayerNorm", "RMSNorm"))
+
+
+def _relayout(tensor: torch.Tensor, mesh: DeviceMesh, source: Placement, target: Placement) -> torch.Tensor:
+    return DTensor.from_local(tensor, mesh, [source], run_check=False).redistribute(mesh, [target]).to_local()
+
+
+def _relayout_hook(mesh: DeviceMesh, source: Placement, target: Placement) -> Any:
+    """A forward pre-hook that changes the layout of the hidden states (first argument or `hidden_states=`)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (_relayout(args[0], mesh, source, target), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": _relayout(kwargs["hidden_states"], mesh, source, target)}
+        raise TypeError(f"{type(module).__name__} got no hidden states to re-lay out for sequence parallel")
+
+    return hook
+
+
+def apply_sequence_parallel(
+    model: nn.Module, structure: ModelStructure, mesh: DeviceMesh, split_modules: set[str]
+) -> None:
+    """Sequence-shard the residual stream of `model`, whose `split_modules` are already column/row split."""
+    _, blocks = find_blocks(model, structure.blocks)
+    gather = _relayout_hook(mesh, Shard(1), Replicate())
+    units = list(block_units(blocks))
+    for _, block in units:
+        for child in block.children():
+            if is_norm(child):
+                parallelize_module(child, mesh, SequenceParallel(use_local_output=True))
+    for _, region in split_regions(model, structure, split_modules):
+        region.register_forward_pre_hook(gather, with_kwargs=True)
+    holds_first = all(_present(model, name) for name in structure.first_stage)
+    if units and holds_first:  # hidden states arrive whole from the model's own forward: keep this rank's share
+        units[0][1].register_forward_pre_hook(_relayout_hook(mesh, Replicate(), Shard(1)), with_kwargs=True)
+    for name in structure.last_stage[:1]:
+        # The model may reshape the final norm's output to the whole sequence (GPT-2 does): gather before it.
+        module = _present(model, name)
+        if module is not None:
+            module.register_forward_pre_hook(gather, with_kwargs=True)
+
+
+def split_regions(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each block child holding column/row-split layers: the attentions and MLPs."""
+    if structure.blocks is None:
+        return []
+    _, blocks = find_blocks(model, structure.blocks)
+    names = {id(module): name for name, module in model.named_modules()}
+    regions = []
+    for _, block in block_units(blocks):
+        for child in block.children():
+            prefix = names[id(child)] + "."
+            if any(name.startswith(prefix) for name in split_modules):
+                regions.append((names[id(child)], child))
+    return regions
+
+
+def _present(model: nn.Module, name: str) -> nn.Module | None:
+    """The module at `name`, or None when this pipeline stage holds a stand-in instead."""
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        return None
+    return None if is_placeholder(module) else module

@@ -1,0 +1,295 @@
+"""Memory per device for a model, a layout and a workload: `meshkit estimate` and `estimate_memory()`.
+
+Model states follow the ZeRO paper (Rajbhandari et al., 2020): with mixed precision and Adam every parameter
+costs 2 bytes (16-bit weights) + 2 (16-bit gradients) + 12 (fp32 master copy, momentum, variance) = 16Ψ,
+and ZeRO stages 1, 2, 3 divide the optimizer states, then the gradients, then the weights by the number of
+data-parallel ranks Nd. In fp32 the bytes are 4 + 4 + 8. Tensor and pipeline parallel divide Ψ first.
+
+Activations follow Korthikanti et al., 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"): per layer sbh(34 + 5as/h) bytes at 16 bits with dropout, of which 32sbh + 4as²b are 16-bit values
+and 2sbh + as²b are 1-byte dropout masks. The values scale with the element size (4 bytes in fp32), the masks
+vanish without dropout; tensor parallel divides 24 of the 34 (all of it with sequence parallel) and the
+attention scores; selective recompute drops the attention-score term; full recompute keeps only each layer's
+input (2sbh). Context parallel divides the sequence. A pipeline's first stage holds `pp` micro-batches of its
+L/pp layers (1F1B), i.e. L layers' worth.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from meshkit.core.errors import MeshkitError
+from meshkit.parallel.zero import BUCKETS_IN_FLIGHT
+
+GB = 1e9
+Precision = Literal["fp32", "bf16", "fp16"]
+Optimizer = Literal["adam", "adam8bit", "sgd"]
+Recompute = Literal["none", "selective", "full"]
+Offload = Literal["none", "cpu", "nvme"]
+
+
+class EstimateError(MeshkitError):
+    """Inputs the estimator cannot use; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a model: Ψ, and the transformer shape for activations (None: unknown)."""
+
+    params: float
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    vocab: int | None = None
+    largest_layer_params: float | None = None  # one block: what ZeRO-3 gathers at a time
+    kv_heads: int | None = None  # grouped-query attention: K/V heads (None: as many as heads)
+
+    @classmethod
+    def transformer(
+        cls, *, layers: int, hidden: int, heads: int, vocab: int, ffn: int | None = None, kv_heads: int | None = None
+    ) -> ModelShape:
+        """A Llama-style decoder (gated MLP when `ffn` is given, else a 4h GELU MLP), untied head."""
+        head_dim = hidden // heads
+        attention = 2 * hidden * hidden + 2 * hidden * head_dim * (kv_heads or heads)
+        mlp = 3 * hidden * ffn if ffn else 8 * hidden * hidden
+        block = attention + mlp + 2 * hidden
+        return cls(
+            params=float(layers * block + 2 * vocab * hidden + hidden),
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            vocab=vocab,
+            largest_layer_params=float(block),
+            kv_heads=kv_heads,
+        )
+
+    @classmethod
+    def from_gpt(cls, config: Any) -> ModelShape:
+        """The reference GPT (`meshkit.models.gpt.GPTConfig`)."""
+        return cls.transformer(
+            layers=config.n_layers,
+            hidden=config.dim,
+            heads=config.n_heads,
+            vocab=config.vocab_size,
+            ffn=config.hidden,
+            kv_heads=config.kv_heads,
+        )
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path) -> ModelShape:
+        config = json.loads(Path(path).read_text())
+        needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        missing = [key for key in needed if key not in config]
+        if missing:
+            raise EstimateError(f"{path}: the Hugging Face config lacks {', '.join(missing)}")
+        return cls.transformer(
+            layers=config["num_hidden_layers"],
+            hidden=config["hidden_size"],
+            heads=config["num_attention_heads"],
+            vocab=config["vocab_size"],
+            ffn=config.get("intermediate_size"),
+            kv_heads=config.get("num_key_value_heads"),
+        )
+
+
+@dataclass(frozen=True)
+class Line:
+    name: str
+    gb: float
+    formula: str
+
+
+@dataclass
+class Estimate:
+    """The lines, and how they meet at the peak. Gradients that `zero_grad()` frees every step and backward
+    builds again (ZeRO-2/3 shards, a pipeline's, a single device's) grow while the activations are freed, so the
+    peak holds the larger of the two; gradients in a buffer kept across steps (DDP's buckets as gradients, ZeRO-1's
+    full buffer, allocated as backward starts) are there with all the activations."""
+
+    lines: list[Line] = field(default_factory=list)
+    grads_meet_activations: bool = True
+
+    def gb(self, name: str) -> float:
+        return sum(line.gb for line in self.lines if line.name == name)
+
+    @property
+    def total_gb(self) -> float:
+        total = sum(line.gb for line in self.lines)
+        if self.grads_meet_activations:
+            return total
+        grads, activations = self.gb("grads"), self.gb("activations")
+        return total - grads - activations + max(grads, activations)
+
+    @property
+    def total_formula(self) -> str:
+        return "sum" if self.grads_meet_activations else "sum, with max(grads, activations) for the two"
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f"{line.name}_gb": line.gb for line in self.lines}
+        out["total_gb"] = self.total_gb
+        out["formulas"] = {line.name: line.formula for line in self.lines}
+        out["formulas"]["total"] = self.total_formula
+        return out
+
+
+def model_state_bytes(precision: Precision, optimizer: Optimizer) -> tuple[int, int, int]:
+    """Bytes per parameter for (weights, gradients, optimizer states)."""
+    mixed = precision != "fp32"
+    moments = {"adam": 8, "adam8bit": 2}.get(optimizer, 4)  # adam8bit: two 1-byte moments (bitsandbytes)
+    if mixed:
+        return 2, 2, 4 + moments  # fp32 master weights kept by the optimizer
+    return 4, 4, moments
+
+
+def layer_activation_bytes(
+    *, s: float, b: int, h: int, a: int, element: int, tp: int, sp: bool, recompute: Recompute, dropout: bool
+) -> float:
+    """Bytes one transformer layer saves for backward (Korthikanti et al., generalised to any element size)."""
+    mask = 1 if dropout else 0
+    if recompute == "full":
+        return s * b * h * element / (tp if sp else 1)
+    replicated = s * b * h * (4 * element + 2 * mask)  # layer-norm inputs, dropout masks (sharded only by SP)
+    split = s * b * h * 12 * element
+    scores = 0.0 if recompute == "selective" else a * s * s * b * (2 * element + mask)
+    if sp:
+        return (replicated + split + scores) / tp
+    return replicated + split / tp + scores / tp
+
+
+def estimate_memory(
+    model: ModelShape,
+    *,
+    seq_len: int = 2048,
+    micro_batch: int = 1,
+    precision: Precision = "bf16",
+    optimizer: Optimizer = "adam",
+    zero_stage: int = 0,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    activation_checkpointing: Recompute = "none",
+    offload: Offload = "none",
+    sequence_parallel: bool | None = None,
+    dropout: bool = False,
+    gradient_as_bucket_view: bool = False,
+    zero_bucket_mb: float = 25.0,
+    runtime_gb: float = 0.0,
+) -> Estimate:
+    """Per-device GB (10^9 bytes) for params, grads, optimizer, activations, buffers and the runtime, with
+    formulas. `runtime_gb` is what the process holds outside tensors (measured: torch's kernels and the
+    distributed runtime on a CPU rank, 17-23 MB; on a GPU the CUDA context and library workspaces)."""
+    _check_layout(model, zero_stage, dp, tp, pp, cp)
+    sp = tp > 1 if sequence_parallel is None else sequence_parallel
+    weight_b, grad_b, optim_b = model_state_bytes(precision, optimizer)
+    local = model.params / (tp * pp)  # parameters this device owns before ZeRO
+    shards = dp * cp  # ZeRO/FSDP shards over the data-parallel (and context-parallel) ranks
+    nd = f"Nd={shards}"
+    psi = f"Ψ/(tp·pp)={local:.4g}"
+    params = weight_b * local / (shards if zero_stage >= 3 else 1)
+    grads = grad_b * local / (shards if zero_stage >= 2 else 1)
+    optim = optim_b * local / (shards if zero_stage >= 1 else 1)
+    lines = [
+        Line("params", params / GB, f"{weight_b}·{psi}" + (f"/{nd} (ZeRO-3)" if zero_stage >= 3 else "")),
+        Line("grads", grads / GB, f"{grad_b}·{psi}" + (f"/{nd} (ZeRO-2+)" if zero_stage >= 2 else "")),
+    ]
+    if offload != "none":
+        lines.append(Line("optimizer", 0.0, f"{optim_b}·Ψ' offloaded to {offload}: {optim / GB:.3g} GB off device"))
+    else:
+        lines.append(Line("optimizer", optim / GB, f"{optim_b}·{psi}" + (f"/{nd} (ZeRO-1+)" if zero_stage else "")))
+    lines.append(
+        _activations(model, seq_len, micro_batch, precision, tp, pp, cp, sp, activation_checkpointing, dropout)
+    )
+    full_grads = grad_b * local
+    bucket = full_grads if zero_stage == 0 and not gradient_as_bucket_view else 0.0
+    if zero_stage == 2 and shards > 1:  # buckets in flight during backward, each within one rank's chunk
+        bucket = BUCKETS_IN_FLIGHT * min(zero_bucket_mb * 1e6, grads)
+    lines.append(_buffers(model, zero_stage, dp, cp, tp, weight_b, bucket))
+    lines.append(Line("runtime", runtime_gb, "given" if runtime_gb else "not counted (runtime_gb / --runtime-gb)"))
+    kept = pp == 1 and shards > 1 and (zero_stage == 1 or zero_stage == 0 and gradient_as_bucket_view)
+    return Estimate(lines, grads_meet_activations=kept)
+
+
+def _activations(
+    model: ModelShape,
+    seq_len: int,
+    micro_batch: int,
+    precision: Precision,
+    tp: int,
+    pp: int,
+    cp: int,
+    sp: bool,
+    recompute: Recompute,
+    dropout: bool,
+) -> Line:
+    if model.layers is None or model.hidden is None or model.heads is None:
+        return Line("activations", 0.0, "unknown: give --layers, --hidden and --heads")
+    element = 4 if precision == "fp32" else 2
+    s = seq_len / cp
+    per_layer = layer_activation_bytes(
+        s=s,
+        b=micro_batch,
+        h=model.hidden,
+        a=model.heads,
+        element=element,
+        tp=tp,
+        sp=sp,
+        recompute=recompute,
+        dropout=dropout,
+    )
+    if cp > 1:  # the log-sum-exp kept per layer, and one layer's ring backward in flight (fp32 dq, dk/dv twice,
+        # the K/V block and the next one arriving, the probabilities and their gradient for one block pair)
+        sbh = s * micro_batch * model.hidden
+        per_layer += model.heads * s * micro_batch * 4 / tp
+        ring = (4 * 5 * sbh + 2 * 2 * element * sbh) / tp + 2 * model.heads * (s / 2) ** 2 * micro_batch * 4 / tp
+    else:
+        ring = 0.0
+    in_flight_layers = model.layers  # first stage: pp micro-batches of L/pp layers
+    logits = s * micro_batch * (model.vocab or 0) * 4 / tp  # fp32 logits kept for the loss (last stage)
+    total = per_layer * in_flight_layers + (logits if pp == 1 else 0.0) + ring
+    term = {
+        "none": f"sbh({16 * element}{'+2' if dropout else ''} + {2 * element + (1 if dropout else 0)}·as/h)",
+        "selective": f"sbh·{16 * element}{'+2' if dropout else ''} (attention scores recomputed)",
+        "full": f"sbh·{element} (layer input only)",
+    }[recompute]
+    split = f"/tp={tp}" + (" (SP)" if sp else " (part)") if tp > 1 else ""
+    formula = (
+        f"L={model.layers} × {term}{split}, s=seq/cp={s:g}, b={micro_batch}, h={model.hidden}, a={model.heads}"
+        + (" + logits s·b·V·4/tp" if pp == 1 and model.vocab else "")
+        + (" + lse and one layer's ring backward in flight (cp)" if cp > 1 else "")
+    )
+    return Line("activations", total / GB, formula)
+
+
+def _buffers(model: ModelShape, zero_stage: int, dp: int, cp: int, tp: int, weight_b: int, bucket: float) -> Line:
+    if zero_stage >= 3:
+        layer = model.largest_layer_params or model.params / max(1, model.layers or 1)
+        gathered = 2 * weight_b * layer / tp  # the layer in use and the one prefetched
+        return Line("buffers", gathered / GB, f"2 gathered layers: 2·{weight_b}·{layer:.4g}/tp")
+    if dp * cp > 1 and zero_stage == 0 and bucket:
+        return Line("buffers", bucket / GB, "DDP gradient buckets: a copy of the gradients")
+    if dp * cp > 1 and zero_stage == 2:
+        return Line("buffers", bucket / GB, f"{BUCKETS_IN_FLIGHT} reduction buckets of min(zero.bucket_mb, 4Ψ/Nd)")
+    return Line("buffers", 0.0, "none")
+
+
+def _check_layout(model: ModelShape, zero_stage: int, dp: int, tp: int, pp: int, cp: int) -> None:
+    if not 0 <= zero_stage <= 3:
+        raise EstimateError(f"zero_stage={zero_stage}: choose 0, 1, 2 or 3")
+    for name, size in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
+        if size < 1:
+            raise EstimateError(f"{name}={size}: sizes are 1 or more")
+    if model.heads is not None and (tp > model.heads or model.heads % tp):
+        raise EstimateError(f"tp={tp} does not divide the {model.heads} attention heads")
+    if model.layers is not None and pp > model.layers:
+        raise EstimateError(f"pp={pp} is more than the {model.layers} layers: a stage would be empty")
+    if model.params <= 0:
+        raise EstimateError("the model has no parameters: give --params or a model config")
+
+
+def as_table_rows(estimate: Estimate) -> list[tuple[str, str, str]]:
+    rows = [(line.name, f"{line.gb:.3f}", line.formula) for line in estimate.lines]
+    return [*rows, ("total", f"{estimate.total_gb:.3f}", estimate.total_formula)]

@@ -1,0 +1,241 @@
+"""Predicted step time of a layout: compute, recomputation, pipeline bubble, exposed communication per collective
+and link class, optimizer and offload; then tokens/s and MFU.
+
+FLOPs per token follow Narayanan et al. 2021 (arXiv 2104.04473, eq. 3) generalised to any block: 6 per block
+parameter (forward 2, backward 4), 12·l·s·h for attention scores and values, 6·V·h for the output head. Full
+recomputation repeats the blocks' forward (+1/3 of their FLOPs), selective only the attention core (4·l·s·h).
+MFU counts model FLOPs only (no recomputation), as PaLM (Chowdhery et al. 2022) defines it.
+
+The mesh puts tp innermost, then cp, dp and pp outermost (`meshkit.runtime.mesh`); a group whose ranks lie within one
+node uses the intra-node link, else the inter-node one. Ring collectives: all-reduce moves 2(n−1)/n of the
+bytes, all-gather / reduce-scatter (n−1)/n, each with n−1 (or 2(n−1)) latency steps. What overlaps:
+
+- DDP and ZeRO-1/2 without pipeline: the gradients are reduced in buckets during the last micro-step's
+  backward (ZeRO-2: every micro-step's, each bucket reduced to its owner); only what outlasts that backward, or
+  the last bucket, is exposed. Pipelines reduce after the last backward: fully exposed. ZeRO-1/2 all-gather
+  the updated chunks after the step.
+- ZeRO-3 (FSDP): each block's all-gather is prefetched during the previous block's compute, every micro-step,
+  forward and backward; the reduce-scatter runs once per step during the last backward. Exposed: what
+  outlasts the compute it hides behind, plus the first block's gather.
+- Tensor / sequence parallel: per layer and micro-batch, 2 all-reduces of s·b·h forward (4 with full
+  recomputation) and one backward per column-parallel linear (q, k, v, gate, up: 5), on the critical path
+  (measured on the reference GPT: 8 per layer with the loss's).
+- Pipeline: one activation send and one gradient send per micro-batch and stage (×v chunks when interleaved),
+  on the critical path.
+- Measured profiles (`layout: auto`) add what the model's own block reaches of the matmul rate
+  (`matmul_efficiency`) and, per tp degree, what splitting a block costs beyond its share and these all-reduces
+  (`Hardware.tp_overhead_s`: dispatch of the split tensors, waiting for peers). Ranks sharing a device run a
+  pipeline of pp / ranks_per_device devices' worth of stages: only that pipeline's ramp is lost.
+- Context parallel (ring attention): K and V travel the ring (cp − 1 steps, dK/dV too in backward), each step
+  hidden behind the attention of the block it arrived with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from meshkit.planning.estimate import ModelShape, model_state_bytes
+from meshkit.planning.hardware import Hardware
+
+# bytes an optimizer step moves per parameter: read the gradient, read+write the fp32 master and the states,
+# write the low-precision copy (AdamW: two fp32 moments; 8-bit AdamW: two 1-byte moments; SGD: one momentum)
+OPTIMIZER_BYTES_PER_PARAM = {"adam": 30, "adam8bit": 16, "sgd": 22}
+HOST_MEMORY_GBPS = 50.0  # a CPU optimizer's share of host memory bandwidth
+DDP_BUCKET_BYTES = 25 * 2**20
+TP_BACKWARD_REDUCES = 5  # column-parallel linears per block whose input gradients are all-reduced (q, k, v, gate, up)
+
+
+@dataclass(frozen=True)
+class LayoutShape:
+    """The parts of a layout the model needs (the planner's `Layout` carries them)."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    zero_stage: int
+    microbatches: int
+    activation_checkpointing: str = "none"
+    offload: str = "none"
+    stages_per_rank: int = 1
+
+
+@dataclass(frozen=True)
+class Topology:
+    gpus_per_node: int
+    nodes: int
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def link(self, span: int) -> str:
+        return "intra" if span <= self.gpus_per_node or self.nodes == 1 else "inter"
+
+
+@dataclass
+class StepTime:
+    compute_s: float
+    recompute_s: float
+    bubble_s: float
+    optimizer_s: float
+    offload_s: float
+    overhead_s: float = 0.0  # measured host dispatch and peer waits of tensor parallel (`Hardware.tp_overhead_s`)
+    comm_s: dict[str, float] = field(default_factory=dict)  # exposed seconds per collective
+    comm_link: dict[str, str] = field(default_factory=dict)  # intra / inter per collective
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def flops_per_token(model: ModelShape, seq_len: int) -> tuple[float, float, float]:
+    """(block FLOPs, attention-core FLOPs, head FLOPs) per token, forward + backward."""
+    layers, hidden, vocab = model.layers or 0, model.hidden or 0, model.vocab or 0
+    block_params = layers * (model.largest_layer_params or 0) or max(0.0, model.params - 2 * vocab * hidden)
+    return 6 * block_params, 12 * layers * seq_len * hidden, 6 * vocab * hidden
+
+
+def _ring(volume: float, ranks: int, gbps: float, latency: float, kind: str) -> float:
+    """Seconds of one ring collective over `ranks` on a link of `gbps` (kind: all_reduce or gather)."""
+    if ranks <= 1 or volume <= 0:
+        return 0.0
+    factor, steps = (
+        (2 * (ranks - 1) / ranks, 2 * (ranks - 1)) if kind == "all_reduce" else ((ranks - 1) / ranks, ranks - 1)
+    )
+    return factor * volume / (gbps * 1e9) + steps * latency
+
+
+def tp_layer_comm(
+    hardware: Hardware,
+    topology: Topology,
+    layout: LayoutShape,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    precision: str = "bf16",
+) -> float:
+    """Seconds of tensor parallel's all-reduces for one block and one micro-batch: forward, the attention and MLP
+    outputs (twice with full recomputation); backward, the input gradient of every column-parallel linear (q, k,
+    v, and gate/up or the first MLP linear), each its own all-reduce of s·b·h."""
+    act_b = 4 if precision == "fp32" else 2
+    sbh = seq_len / layout.cp * micro_batch * hidden * act_b
+    forward = 4 if layout.activation_checkpointing == "full" else 2
+    link = topology.link(layout.tp)
+    gbps = hardware.intra_gbps if link == "intra" else hardware.inter_gbps
+    latency = hardware.intra_latency_s if link == "intra" else hardware.inter_latency_s
+    return _ring(sbh, layout.tp, gbps, latency, "all_reduce") * (forward + TP_BACKWARD_REDUCES)
+
+
+def predict(
+    model: ModelShape,
+    layout: LayoutShape,
+    topology: Topology,
+    hardware: Hardware,
+    *,
+    seq_len: int,
+    global_batch: int,
+    micro_batch: int = 1,
+    precision: str = "bf16",
+    optimizer: str = "adam",
+) -> StepTime:
+    """Seconds per optimizer step of `global_batch` sequences of `seq_len` tokens on this layout."""
+    gpus = topology.gpus
+    weight_b, grad_b, _ = model_state_bytes(precision, "adam")  # type: ignore[arg-type]
+    act_b = 4 if precision == "fp32" else 2
+    hidden, layers = model.hidden or 0, model.layers or 1
+    tokens = global_batch * seq_len
+    blocks, attention, head = flops_per_token(model, seq_len)
+    rate = hardware.peak_tflops * 1e12 * hardware.matmul_efficiency
+    model_flops = (blocks + attention + head) * tokens
+    compute = model_flops / gpus / rate
+    extra = {"full": (blocks + attention) / 3, "selective": attention / 3}.get(layout.activation_checkpointing, 0.0)
+    recompute = extra * tokens / gpus / rate
+    m, v, pp = layout.microbatches, layout.stages_per_rank, layout.pp
+    # ranks sharing a device (CPU ranks over fewer cores) run a pipeline of pp / shared devices' worth of
+    # stages: an idle rank's share goes to a busy one, so only that shorter pipeline's ramp is lost
+    devices = max(1.0, pp / hardware.ranks_per_device)
+    bubble = (devices - 1) / (v * m) * (compute + recompute) if pp > 1 else 0.0
+    per_micro = (compute + recompute) / m  # one micro-batch's forward + backward on this device
+    backward_last = per_micro * 2 / 3
+
+    def seconds(span: int, volume: float, ranks: int, kind: str) -> tuple[float, str]:
+        link = topology.link(span)
+        gbps = hardware.intra_gbps if link == "intra" else hardware.inter_gbps
+        latency = hardware.intra_latency_s if link == "intra" else hardware.inter_latency_s
+        return _ring(volume, ranks, gbps, latency, kind), link
+
+    comm: dict[str, float] = {}
+    links: dict[str, str] = {}
+    overhead = 0.0
+    local_params = model.params / (layout.tp * pp)
+    shards = layout.dp * layout.cp
+    dp_span = layout.tp * layout.cp * layout.dp
+    if shards > 1 and layout.zero_stage < 3:
+        kind = "gather" if layout.zero_stage == 2 else "all_reduce"  # stage 2 reduces each bucket to its owner
+        full, links["dp_grads"] = seconds(dp_span, grad_b * local_params, shards, kind)
+        if pp == 1:  # DDP's and ZeRO-1/2's buckets overlap the backward that reduces them
+            tail = full * min(1.0, DDP_BUCKET_BYTES / max(1.0, grad_b * local_params))
+            comm["dp_grads"] = max(full - backward_last, tail) * (m if layout.zero_stage == 2 else 1)
+        else:
+            comm["dp_grads"] = full
+        if layout.zero_stage:  # the updated chunks, all-gathered after the step
+            comm["zero_gather"], links["zero_gather"] = seconds(dp_span, weight_b * local_params, shards, "gather")
+    elif shards > 1:
+        block = (model.largest_layer_params or local_params / max(1, layers)) / layout.tp
+        gather, links["zero3_gather"] = seconds(dp_span, weight_b * local_params, shards, "gather")
+        first, _ = seconds(dp_span, weight_b * block, shards, "gather")
+        reduce, links["zero3_reduce"] = seconds(dp_span, grad_b * local_params, shards, "gather")
+        forward, backward = per_micro / 3, per_micro * 2 / 3
+        comm["zero3_gather"] = m * (max(0.0, gather - forward) + max(0.0, gather - backward) + first)
+        comm["zero3_reduce"] = max(0.0, reduce - backward) + reduce * block / max(1.0, local_params)
+    if layout.tp > 1:
+        links["tp"] = topology.link(layout.tp)
+        per_layer = tp_layer_comm(
+            hardware, topology, layout, seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, precision=precision
+        )
+        comm["tp"] = per_layer * layers / pp * m
+        overhead = hardware.tp_overhead_s.get(layout.tp, 0.0) * layers / pp * m
+    if pp > 1:
+        boundary = seq_len / layout.cp * micro_batch * hidden * act_b
+        link = topology.link(gpus // pp + 1)
+        links["pp"] = link
+        gbps = hardware.intra_gbps if link == "intra" else hardware.inter_gbps
+        latency = hardware.intra_latency_s if link == "intra" else hardware.inter_latency_s
+        comm["pp"] = 2 * m * v * (boundary / (gbps * 1e9) + latency)
+    if layout.cp > 1:
+        chunk = seq_len / layout.cp
+        kv_hidden = hidden * (model.kv_heads or model.heads or 1) / (model.heads or 1)
+        kv = 2 * chunk * micro_batch * kv_hidden * act_b / layout.tp  # the K and V chunk one ring step passes on
+        link = links["cp"] = topology.link(layout.tp * layout.cp)
+        gbps = hardware.intra_gbps if link == "intra" else hardware.inter_gbps
+        latency = hardware.intra_latency_s if link == "intra" else hardware.inter_latency_s
+        step_comm = kv / (gbps * 1e9) + latency
+        step_attention = 4 * chunk * chunk * micro_batch * hidden / layout.tp / rate  # forward, one KV chunk
+        hidden_behind = max(0.0, step_comm - step_attention) + max(0.0, 2 * step_comm - 2 * step_attention)
+        comm["cp"] = (layout.cp - 1) * hidden_behind * layers / pp * m
+    optimizer_params = local_params / (shards if layout.zero_stage >= 1 else 1)
+    step_bytes = OPTIMIZER_BYTES_PER_PARAM[optimizer]
+    optimizer_s = optimizer_params * step_bytes / (hardware.memory_tbps * 1e12)
+    offload = 0.0
+    if layout.offload != "none":
+        transfer = optimizer_params * (grad_b + weight_b) / (hardware.host_gbps * 1e9)
+        offload = transfer + optimizer_params * step_bytes / (HOST_MEMORY_GBPS * 1e9) - optimizer_s
+    step = compute + recompute + bubble + sum(comm.values()) + overhead + optimizer_s + offload
+    return StepTime(
+        compute_s=compute,
+        recompute_s=recompute,
+        bubble_s=bubble,
+        optimizer_s=optimizer_s,
+        offload_s=max(0.0, offload),
+        overhead_s=overhead,
+        comm_s=comm,
+        comm_link=links,
+        step_s=step,
+        tokens_per_s=tokens / step,
+        mfu=model_flops / (step * gpus * hardware.peak_tflops * 1e12),
+    )

@@ -1,0 +1,328 @@
+"""The strategy planner: "this model, these GPUs, this network" -> the layouts that fit, ranked by predicted
+step time, with tokens/s, MFU and reasons.
+
+Every combination of tp (within a node, dividing the heads), pp (dividing the layers; 1 or more model chunks
+per rank), cp, ZeRO stage, activation checkpointing and offload is costed with `estimate_memory`; those that
+fit in the GPU's memory (with 10 % headroom) are ranked by `perf_model.predict`: compute, recomputation,
+pipeline bubble, exposed communication per collective and link class, optimizer and offload time. The device
+and its links come from a preset (`--gpu`), a measured profile (`--profile`) or the link flags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from meshkit.core.errors import MeshkitError
+from meshkit.planning.estimate import EstimateError, ModelShape, Recompute, estimate_memory
+from meshkit.planning.hardware import PRESETS, Hardware
+from meshkit.planning.perf_model import LayoutShape, StepTime, Topology, predict
+
+HEADROOM = 0.9
+INTRA_LINKS = ("nvlink", "nvlink4", "pcie")
+INTER_LINKS = ("ib", "ib-ndr", "ethernet")
+
+
+class PlanError(MeshkitError):
+    """Inputs the planner cannot use."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus_per_node: int
+    gpu_mem_gb: float
+    nodes: int = 1
+    intra_node: str | None = None  # a link class of `hardware.LINKS`; None: the device's own
+    inter_node: str | None = None
+    device: Hardware | None = None  # None: an A100-class GPU (the `a100` preset)
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def hardware(self) -> Hardware:
+        return (self.device or PRESETS["a100"]).with_links(self.intra_node, self.inter_node)
+
+    def link_name(self, inter: bool) -> str:
+        named = self.inter_node if inter else self.intra_node
+        return named or f"{self.hardware.name} {'inter' if inter else 'intra'}-node link"
+
+    @property
+    def slow_between_nodes(self) -> bool:
+        """More than one node, joined by links slower than 10 GB/s per device (ethernet)."""
+        return self.nodes > 1 and self.hardware.inter_gbps < 10
+
+    def topology(self) -> Topology:
+        return Topology(self.gpus_per_node, self.nodes)
+
+
+@dataclass
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    zero_stage: int
+    microbatches: int
+    activation_checkpointing: Recompute
+    offload: str
+    stages_per_rank: int = 1  # model chunks per rank (> 1: the interleaved 1F1B schedule)
+    memory_gb: float = 0.0
+    comm_gb: float = 0.0
+    bubble: float = 0.0
+    step_s: float = 0.0
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+    time: StepTime | None = None
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}", f"ZeRO-{self.zero_stage}"]
+        parts.append(f"{'m' if self.pp > 1 else 'accum'}{self.microbatches}")
+        if self.stages_per_rank > 1:
+            parts.append(f"interleaved v{self.stages_per_rank}")
+        if self.activation_checkpointing != "none":
+            parts.append(f"AC {self.activation_checkpointing}")
+        if self.offload != "none":
+            parts.append(f"offload {self.offload}")
+        return " ".join(parts)
+
+    def as_json(self) -> dict[str, Any]:
+        keys = ("dp", "tp", "pp", "cp", "zero_stage", "microbatches", "stages_per_rank")
+        out: dict[str, Any] = {key: getattr(self, key) for key in keys}
+        out.update(activation_checkpointing=self.activation_checkpointing, offload=self.offload)
+        out.update(memory_gb=self.memory_gb, comm_gb=self.comm_gb, bubble=self.bubble, reason=self.reason)
+        if self.time is not None:
+            out.update(step_s=self.step_s, tokens_per_s=self.time.tokens_per_s, mfu=self.time.mfu)
+            out["breakdown"] = {k: v for k, v in self.time.as_json().items() if k not in ("tokens_per_s", "mfu")}
+        return out
+
+    def shape(self) -> LayoutShape:
+        return LayoutShape(
+            self.dp, self.tp, self.pp, self.cp, self.zero_stage, self.microbatches,
+            self.activation_checkpointing, self.offload, self.stages_per_rank,
+        )  # fmt: skip
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model: ModelShape, cluster: Cluster, seq_len: int, global_batch: int) -> list[Layout]:
+    heads, layers = model.heads or 1, model.layers or 1
+    out = []
+    for tp in (t for t in _divisors(cluster.gpus_per_node) if heads % t == 0):
+        for pp in (p for p in _divisors(cluster.gpus // tp) if p <= layers):
+            for cp in (c for c in _divisors(cluster.gpus // (tp * pp)) if c == 1 or seq_len >= 16384):
+                dp = cluster.gpus // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                microbatches = global_batch // dp  # micro-batches of one sequence: pipeline or accumulation
+                if pp > 1 and microbatches < pp:
+                    continue
+                chunks = [v for v in (1, 2, 4) if v == 1 or (layers >= pp * v and microbatches % pp == 0)]
+                for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
+                    for recompute in ("none", "selective", "full"):
+                        for offload in ("none", "cpu") if zero == 3 else ("none",):
+                            for v in chunks if pp > 1 else [1]:
+                                out.append(Layout(dp, tp, pp, cp, zero, microbatches, recompute, offload, v))  # type: ignore[arg-type]
+    return out
+
+
+def cost(
+    layout: Layout,
+    model: ModelShape,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    precision: str,
+    optimizer: str = "adam",
+) -> None:
+    """Fill memory, communication volume, bubble and modelled step time (micro-batches of one sequence)."""
+    micro_batch = 1
+    estimate = estimate_memory(
+        model,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        precision=precision,  # type: ignore[arg-type]
+        optimizer=optimizer,  # type: ignore[arg-type]
+        zero_stage=layout.zero_stage,
+        dp=layout.dp,
+        tp=layout.tp,
+        pp=layout.pp,
+        cp=layout.cp,
+        activation_checkpointing=layout.activation_checkpointing,
+        offload=layout.offload,  # type: ignore[arg-type]
+    )
+    layout.memory_gb = estimate.total_gb
+    grads = 2 * model.params / (layout.tp * layout.pp)
+    n = layout.dp * layout.cp
+    dp_volume = (2 * (n - 1) / n * grads * (1.5 if layout.zero_stage == 3 else 1.0)) if n > 1 else 0.0
+    sbh = seq_len / layout.cp * micro_batch * (model.hidden or 0) * 2
+    steps = layout.microbatches
+    tp_volume = 4 * 2 * (layout.tp - 1) / layout.tp * sbh * (model.layers or 0) / layout.pp * steps
+    pp_volume = 2 * sbh * steps * layout.stages_per_rank if layout.pp > 1 else 0.0
+    layout.comm_gb = (dp_volume + tp_volume + pp_volume) / 1e9
+    layout.bubble = (
+        (layout.pp - 1) / (layout.stages_per_rank * layout.microbatches + layout.pp - 1) if layout.pp > 1 else 0.0
+    )
+    layout.time = predict(
+        model, layout.shape(), cluster.topology(), cluster.hardware,
+        seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, precision=precision, optimizer=optimizer,
+    )  # fmt: skip
+    layout.step_s = layout.time.step_s
+
+
+def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool) -> str:
+    why = []
+    if layout.tp == 1 and layout.pp == 1 and layout.zero_stage == 0 and layout.cp == 1:
+        return "fits one GPU: plain DDP, one gradient all-reduce per step"
+    if layout.tp > 1:
+        layer_gb = 16 * (model.largest_layer_params or 0) / 1e9
+        big = layer_gb > cluster.gpu_mem_gb * HEADROOM
+        why.append(f"TP={layout.tp} inside a node" + (" (the largest layer does not fit one GPU)" if big else ""))
+    if layout.pp > 1:
+        crosses = cluster.slow_between_nodes
+        why.append(
+            f"PP={layout.pp}" + (" across the slow inter-node links: only activations cross them" if crosses else "")
+        )
+    if layout.zero_stage:
+        span = layout.tp * layout.cp * layout.dp
+        hardware = cluster.hardware
+        fast = (hardware.intra_gbps if cluster.topology().link(span) == "intra" else hardware.inter_gbps) >= 25
+        why.append(f"ZeRO-{layout.zero_stage}" + (" over fast links" if fast else " (sharding saves the memory)"))
+    if layout.cp > 1:
+        why.append(f"CP={layout.cp} for the {layout.cp}× shorter local sequence")
+    if layout.activation_checkpointing != "none":
+        why.append(f"{layout.activation_checkpointing} recompute to fit the activations")
+    if layout.offload != "none":
+        why.append("optimizer states offloaded to CPU")
+    if not fits_plain and not why:
+        why.append("the smallest memory")
+    return "; ".join(why)
+
+
+TIE = 0.05  # predicted times this close are within the model's error: the simpler layout goes first
+_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def simplicity(layout: Layout) -> tuple[int, ...]:
+    """Fewer model-parallel ranks, a lower ZeRO stage, less recomputation, no offload, fewer chunks first."""
+    recompute = _RECOMPUTE_ORDER[layout.activation_checkpointing]
+    return (
+        layout.tp * layout.pp * layout.cp,
+        layout.zero_stage,
+        recompute,
+        layout.offload != "none",
+        layout.stages_per_rank,
+    )
+
+
+def rank(layouts: Iterable[Layout]) -> list[Layout]:
+    """Fastest first, except that among the layouts within TIE of the fastest the simplest leads."""
+    by_time = sorted(layouts, key=lambda lay: lay.step_s)
+    if not by_time:
+        return []
+    near = [lay for lay in by_time if lay.step_s <= by_time[0].step_s * (1 + TIE)]
+    return sorted(near, key=simplicity) + by_time[len(near) :]
+
+
+@dataclass
+class Plan:
+    fitting: list[Layout]
+    smallest: Layout | None  # the layout needing the least memory (when nothing fits)
+    suggestion: str = ""
+
+
+def plan(
+    model: ModelShape,
+    cluster: Cluster,
+    *,
+    seq_len: int,
+    global_batch: int,
+    precision: str = "bf16",
+    optimizer: str = "adam",
+) -> Plan:
+    """Every layout that fits, fastest first; `optimizer` (adam, adam8bit, sgd) sets the state bytes and step
+    traffic per parameter."""
+    if cluster.intra_node not in (None, *INTRA_LINKS) or cluster.inter_node not in (None, *INTER_LINKS):
+        raise PlanError(
+            f"--intra-node is one of {', '.join(INTRA_LINKS)}; --inter-node one of {', '.join(INTER_LINKS)}"
+        )
+    if cluster.gpus_per_node < 1 or cluster.nodes < 1 or cluster.gpu_mem_gb <= 0:
+        raise PlanError("--gpus-per-node, --nodes and --gpu-mem-gb must be positive")
+    if model.layers is None or model.hidden is None or model.heads is None:
+        raise PlanError("the planner needs the model's shape: give --layers, --hidden and --heads (or a config)")
+    layouts = candidates(model, cluster, seq_len, global_batch)
+    if not layouts:
+        raise PlanError(
+            f"no layout divides global batch {global_batch} over {cluster.gpus} GPUs: change --global-batch"
+        )
+    for layout in layouts:
+        try:
+            cost(layout, model, cluster, seq_len, global_batch, precision, optimizer)
+        except EstimateError:
+            layout.memory_gb = float("inf")
+    budget = cluster.gpu_mem_gb * HEADROOM
+    fitting = rank(lay for lay in layouts if lay.memory_gb <= budget)
+    plain = any(lay.tp == lay.pp == 1 and lay.zero_stage == 0 for lay in fitting)
+    for layout in fitting:
+        layout.reason = reason(layout, model, cluster, plain)
+    smallest = min(layouts, key=lambda lay: lay.memory_gb)
+    result = Plan(fitting, smallest)
+    if not fitting:
+        need = smallest.memory_gb / HEADROOM
+        more_nodes = _nodes_that_fit(model, cluster, seq_len, global_batch, precision, optimizer)
+        result.suggestion = (
+            f"nothing fits in {cluster.gpu_mem_gb:g} GB per GPU: the smallest layout ({smallest.describe()}) needs "
+            f"{smallest.memory_gb:.1f} GB; use GPUs with at least {need:.0f} GB"
+            + (f", or {more_nodes} nodes" if more_nodes else "")
+        )
+    return result
+
+
+def _nodes_that_fit(
+    model: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, precision: str, optimizer: str
+) -> int:
+    nodes = cluster.nodes
+    while nodes < cluster.nodes * 64:
+        nodes *= 2
+        bigger = replace(cluster, nodes=nodes)
+        batch = max(global_batch, bigger.gpus)
+        for layout in candidates(model, bigger, seq_len, batch):
+            try:
+                cost(layout, model, bigger, seq_len, batch, precision, optimizer)
+            except EstimateError:
+                continue
+            if layout.memory_gb <= bigger.gpu_mem_gb * HEADROOM:
+                return nodes
+    return 0
+
+
+def to_config(layout: Layout, cluster: Cluster, seq_len: int, global_batch: int, precision: str) -> dict[str, Any]:
+    """The layout as a meshkit YAML mapping (`meshkit train` accepts it)."""
+    sharded = layout.zero_stage == 3
+    config: dict[str, Any] = {
+        "launch": {"nproc_per_node": cluster.gpus_per_node, "nnodes": cluster.nodes},
+        "parallel": {
+            "dp_replicate": 1 if sharded else layout.dp,
+            "dp_shard": layout.dp if sharded else 1,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "cp": layout.cp,
+        },
+        "sharding": {"zero_stage": layout.zero_stage, **({"offload": "cpu"} if layout.offload == "cpu" else {})},
+        "precision": "no" if precision == "fp32" else precision,
+    }
+    if layout.activation_checkpointing != "none":
+        config["activation_checkpointing"] = {"mode": layout.activation_checkpointing}
+    if layout.pp > 1:  # the pipeline splits each rank's batch into its micro-batches
+        config["pipeline"] = {"microbatches": layout.microbatches}
+        if layout.stages_per_rank > 1:
+            config["pipeline"].update(schedule="interleaved_1f1b", stages_per_rank=layout.stages_per_rank)
+        config["train"] = {"seq_len": seq_len, "micro_batch_size": layout.microbatches}
+    else:  # gradient accumulation over micro-batches of one sequence
+        config["grad_accum_steps"] = layout.microbatches
+        config["train"] = {"seq_len": seq_len, "micro_batch_size": 1}
+    return config

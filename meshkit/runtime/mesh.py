@@ -1,0 +1,244 @@
+"""The one source of rank and group truth: parallel sizes, the device mesh, device and backend.
+
+`ParallelDims` validates the sizes once against the world size, with messages that say what to change.
+`ParallelMesh` builds the single DeviceMesh with named dims in the fixed order (pp, dp_replicate, dp_shard,
+cp, tp) and answers every rank question ("my dp rank?", "am I the last pipeline stage?").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshkit.config.schema import PARALLEL_DIMS, ParallelConfig
+from meshkit.core.errors import MeshkitError
+
+
+class MeshError(MeshkitError):
+    """Parallel sizes that do not fit the world; the message says what to change."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _choices(values: list[int]) -> str:
+    text = [str(v) for v in values]
+    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved mesh sizes (no -1 left) whose product is the world size."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        sizes = {name: getattr(cfg, name) for name in PARALLEL_DIMS}
+        for name, size in sizes.items():
+            if size != -1 and world_size % size:
+                raise MeshError(
+                    f"{name}={size} does not divide world size {world_size}: choose {_choices(divisors(world_size))}"
+                )
+        fixed = math.prod(size for size in sizes.values() if size != -1)
+        rest = [name for name, size in sizes.items() if size == -1]
+        if rest:
+            if world_size % fixed:
+                named = " × ".join(f"{n}={s}" for n, s in sizes.items() if s not in (-1, 1))
+                raise MeshError(
+                    f"{named} = {fixed} does not divide world size {world_size}: make the product divide it"
+                )
+            sizes[rest[0]] = world_size // fixed
+        elif fixed != world_size:
+            named = " × ".join(f"{n}={s}" for n, s in sizes.items())
+            raise MeshError(
+                f"parallel sizes {named} multiply to {fixed}, but the world size is {world_size}: "
+                f"make them multiply to {world_size}, or set one of them to -1 (the rest)"
+            )
+        return cls(**sizes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in PARALLEL_DIMS)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data: replicas times shards."""
+        return self.dp_replicate * self.dp_shard
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in PARALLEL_DIMS}
+
+    def describe(self) -> str:
+        """Compact layout, e.g. 'dp_replicate4' or 'pp2 × dp_shard2 × tp2'; 'single process' for world 1."""
+        parts = [f"{name}{size}" for name, size in self.as_dict().items() if size > 1]
+        return " × ".join(parts) if parts else "single process"
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """Where this process sits, as the launcher (meshkit launch, torchrun) told it; world 1 otherwise."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    launched: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ProcessInfo:
+        env = os.environ if env is None else env
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            return cls()
+        world = int(env["WORLD_SIZE"])
+        return cls(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            world_size=world,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            launched=True,
+        )
+
+
+def select_device(choice: str, local_rank: int) -> torch.device:
+    """`auto`: this rank's CUDA device when there is one, else the CPU."""
+    use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise MeshError("device=cuda was asked for, but torch sees no CUDA device: use device=auto or cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise MeshError(f"local rank {local_rank} has no GPU (this node has {count}): use --nproc-per-node {count}")
+    return torch.device("cuda", local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors (gloo kept for CPU-side objects), gloo on the CPU."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def start_process_group(info: ProcessInfo, device: torch.device, timeout_s: float) -> bool:
+    """Join (or, for a plain single process, create) the default process group. True if we created it."""
+    if dist.is_initialized():
+        if dist.get_world_size() != info.world_size:
+            raise MeshError(
+                f"a process group of {dist.get_world_size()} ranks already exists, but the launcher "
+                f"says the world is {info.world_size}"
+            )
+        return False
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if info.launched:
+        dist.init_process_group(backend_for(device), timeout=timeout, init_method="env://")
+    else:
+        # A plain `python train.py`: a world of one, so every code path (mesh, collectives) is the same.
+        store = dist.HashStore()
+        dist.init_process_group(backend_for(device), store=store, rank=0, world_size=1, timeout=timeout)
+    return True
+
+
+class ParallelMesh:
+    """The one DeviceMesh of the run, with named sub-meshes and this rank's coordinates."""
+
+    def __init__(self, dims: ParallelDims, info: ProcessInfo, device: torch.device) -> None:
+        if dims.world_size != info.world_size:
+            raise MeshError(f"layout {dims.describe()} needs {dims.world_size} ranks, the world has {info.world_size}")
+        self.dims = dims
+        self.info = info
+        self.device = device
+        self.device_mesh: DeviceMesh = init_device_mesh(device.type, dims.shape, mesh_dim_names=PARALLEL_DIMS)
+        # Data-parallel ranks (replicas and shards together) see different data; torch has no public
+        # flatten yet, so use the private one torch's own parallel libraries use.
+        self.dp_mesh: DeviceMesh = self.device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        # Context-parallel ranks hold other tokens of the same samples: gradients are averaged over dp × cp,
+        # and FSDP shards over dp_shard × cp.
+        self.grad_mesh: DeviceMesh = self.device_mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        # FSDP's mesh, kept here: torch deprecates slicing a flattened dimension back out of the root mesh.
+        shard_cp = self.device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        replicas = dims.dp_replicate
+        self.fsdp_mesh: DeviceMesh = (
+            self.grad_mesh._unflatten(0, (replicas, self.grad_mesh.size() // replicas), ("dp_replicate", "dp_shard_cp"))
+            if replicas > 1
+            else shard_cp
+        )
+
+    # ranks of the whole world
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.info.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.info.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.info.local_rank == 0
+
+    # named dimensions
+    def size(self, dim: str) -> int:
+        return getattr(self.dims, dim)
+
+    def coordinate(self, dim: str) -> int:
+        """This rank's index along `dim` (one of pp, dp_replicate, dp_shard, cp, tp)."""
+        return self.device_mesh.get_local_rank(dim)
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.device_mesh.get_group(dim)
+
+    # data parallel (replicas and shards together)
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.dp_mesh.get_group()
+
+    # gradient averaging: dp × cp
+    @property
+    def grad_size(self) -> int:
+        return self.dims.dp * self.dims.cp
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup:
+        return self.grad_mesh.get_group()
+
+    # pipeline
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coordinate("pp") == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coordinate("pp") == self.dims.pp - 1

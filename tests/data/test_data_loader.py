@@ -1,0 +1,78 @@
+"""Sharded loading: disjoint per-rank data, per-epoch reshuffle, padding counts, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, TensorDataset
+
+from meshkit.data.loader import DataLoaderError, shard_dataloader
+from meshkit.training.accumulation import GradientState
+
+
+def shard(loader: DataLoader, rank: int, world: int, seed: int = 0):
+    return shard_dataloader(
+        loader, dp_rank=rank, dp_size=world, seed=seed, device=torch.device("cpu"), state=GradientState(accum_steps=1)
+    )
+
+
+def ids_of(loader) -> list[int]:
+    return [int(i) for (batch,) in loader for i in batch]
+
+
+def test_ranks_read_disjoint_parts_that_cover_the_data() -> None:
+    data = TensorDataset(torch.arange(12))
+    parts = [ids_of(shard(DataLoader(data, batch_size=2, shuffle=True), r, 3)) for r in range(3)]
+    assert sorted(sum(parts, [])) == list(range(12))
+
+
+def test_shuffle_changes_per_epoch_and_is_seeded() -> None:
+    data = TensorDataset(torch.arange(32))
+    loader = shard(DataLoader(data, batch_size=4, shuffle=True), 0, 2)
+    first, second = ids_of(loader), ids_of(loader)
+    assert len(first) == len(second) == 16 and first != second  # a new global permutation each epoch
+    replay = shard(DataLoader(data, batch_size=4, shuffle=True), 0, 2)
+    assert ids_of(replay) == first
+    sequential = shard(DataLoader(data, batch_size=4), 1, 2)
+    assert ids_of(sequential) == list(range(1, 32, 2))
+
+
+def test_end_of_data_marks_the_last_batch() -> None:
+    state = GradientState(accum_steps=4)
+    loader = shard_dataloader(
+        DataLoader(TensorDataset(torch.arange(6)), batch_size=2),
+        dp_rank=0,
+        dp_size=1,
+        seed=0,
+        device=torch.device("cpu"),
+        state=state,
+    )
+    flags = [state.end_of_dataloader for _ in loader]
+    assert flags == [False, False, True]
+    assert state.end_of_dataloader is False  # reset after the epoch
+
+
+def test_valid_counts_name_the_padding() -> None:
+    loader = shard(DataLoader(TensorDataset(torch.arange(10)), batch_size=3), 2, 4)
+    for _ in loader:
+        pass
+    # 10 samples on 4 ranks: padded to 12; ranks 2 and 3 hold one repeated sample each
+    assert loader.valid_counts() == [3, 3, 2, 2]
+
+
+def test_custom_batch_sampler_is_refused_with_a_hint() -> None:
+    data = TensorDataset(torch.arange(8))
+    loader = DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 2, False))
+    with pytest.raises(DataLoaderError, match="custom sampler or batch_sampler"):
+        shard(loader, 0, 2)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(4)
+
+
+def test_iterable_dataset_passes_through_with_a_warning() -> None:
+    with pytest.warns(UserWarning, match="IterableDataset is not sharded"):
+        loader = shard(DataLoader(Stream(), batch_size=2), 0, 2)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]

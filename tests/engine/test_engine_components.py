@@ -1,0 +1,144 @@
+"""The Engine is composed of components it owns; its public verbs are theirs, unchanged from the mixin days."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import meshkit
+from meshkit.engine import Engine
+from meshkit.engine.checkpointing import Checkpoints
+from meshkit.engine.delegation import Delegated
+from meshkit.engine.processes import Processes
+
+# Every public name the Engine had before it was made of components (a user's loop may call any of them).
+PUBLIC_API = [
+    "accumulate",
+    "activation_report",
+    "autocast",
+    "backward",
+    "check_trigger",
+    "checkpoint_root",
+    "clear",
+    "clip_grad_norm_",
+    "dp_rank",
+    "dp_size",
+    "end",
+    "end_training",
+    "eval_token_loss",
+    "free_memory",
+    "full_state_dict",
+    "gather",
+    "gather_for_metrics",
+    "get_state_dict",
+    "get_tracker",
+    "gradient_accumulation_steps",
+    "init_trackers",
+    "is_last_process",
+    "is_local_main_process",
+    "is_main_process",
+    "is_main_worker",
+    "is_worker",
+    "load_full_state_dict",
+    "load_state",
+    "local_main_process_first",
+    "local_process_index",
+    "log",
+    "loss_parallel",
+    "main_process_first",
+    "main_process_work",
+    "memory_report",
+    "mixed_precision",
+    "num_processes",
+    "on_last_process",
+    "on_local_main_process",
+    "on_local_process",
+    "on_main_process",
+    "on_process",
+    "pad_across_processes",
+    "prepare",
+    "prepare_data_loader",
+    "prepare_model",
+    "prepare_optimizer",
+    "prepare_scheduler",
+    "print",
+    "process_index",
+    "reduce",
+    "register_for_checkpointing",
+    "resume",
+    "run_dir",
+    "save_checkpoint",
+    "save_model",
+    "save_state",
+    "set_trigger",
+    "shard_sequence",
+    "skip_first_batches",
+    "split_between_processes",
+    "step",
+    "sync_gradients",
+    "train_step",
+    "unwrap_model",
+    "use_distributed",
+    "wait_for_checkpoint",
+    "wait_for_everyone",
+    "config",
+    "mesh",
+    "zero_stage",
+    "gradient_state",
+    "scaler",
+    "loss_fn",
+    "parameter_server",
+]
+
+
+def test_the_engine_keeps_every_public_name() -> None:
+    missing = [name for name in PUBLIC_API if not hasattr(Engine, name)]
+    assert not missing, missing
+
+
+def test_a_delegated_verb_is_the_components_own_with_its_docstring() -> None:
+    assert Engine.save_state is Checkpoints.save_state
+    assert Engine.gather.__doc__ == Processes.gather.__doc__ and "dp rank" in Engine.gather.__doc__
+    assert isinstance(Engine.__dict__["save_state"], Delegated)
+
+
+def test_delegating_a_name_the_component_lacks_fails_when_the_class_is_made() -> None:
+    with pytest.raises((TypeError, RuntimeError)) as caught:  # (Python 3.11 wraps __set_name__'s error)
+
+        class Broken:
+            save_everything = Delegated("processes", Processes)
+
+    error = caught.value if isinstance(caught.value, TypeError) else caught.value.__cause__
+    assert "Processes has no 'save_everything'" in str(error)
+
+
+def test_the_engine_is_built_from_components_not_mixins() -> None:
+    assert Engine.__bases__ == (object,)
+    package = Path(meshkit.__file__).parent / "engine"
+    for path in package.rglob("*.py"):
+        source = path.read_text()
+        assert "type: ignore[attr-defined]" not in source, path
+        classes = [node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ClassDef)]
+        assert not [name for name in classes if name.endswith("Mixin")], path
+
+
+def test_a_one_process_engine_answers_through_its_components(tmp_path) -> None:
+    import torch
+
+    engine = Engine(logging={"dir": str(tmp_path)})
+    try:
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = engine.prepare(model, optimizer)
+        assert engine.process_index == 0 and engine.num_processes == 1 and engine.is_main_process
+        assert engine.step == 0 and engine.unwrap_model() is engine.weights.unwrap_model()
+        loss = model(torch.ones(3, 4)).sum()
+        engine.backward(loss)
+        optimizer.step()
+        assert engine.step == 1 == engine.checkpoints.step
+        saved = engine.save_state(tmp_path / "state")
+        assert (saved / "meta.json").is_file() or any(saved.iterdir())
+    finally:
+        engine.end()

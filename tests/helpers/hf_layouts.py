@@ -1,0 +1,133 @@
+"""Train transformers models in several layouts of one gloo world; compare with one plain-torch process."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from meshkit import Engine
+from tests.helpers.hf_models import causal_lm
+
+STEPS, GLOBAL_BATCH, SEQ = 4, 4, 16
+CLIP = 0.1  # small enough that every step of the test clips
+
+# layout name -> engine overrides, each on a world of 4 ranks
+LAYOUTS = {
+    "tp2": {"tp": 2},
+    "tp2_sp": {"tp": 2, "sequence_parallel": True},
+    "cp2": {"cp": 2},
+    "pp2_1f1b": {"pp": 2, "schedule": "1f1b"},
+    "pp2_tp2": {"pp": 2, "tp": 2, "schedule": "1f1b"},
+    "fsdp2_tp2": {"tp": 2, "zero_stage": 3},
+    "zero3_cp2": {"cp": 2, "zero_stage": 3},
+    # beyond the support matrix, run on one family
+    "pp2_cp2": {"pp": 2, "cp": 2, "schedule": "1f1b"},
+    "pp2_tp2_sp": {"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "1f1b"},
+    "pp2_clipped": {"pp": 2, "schedule": "1f1b", "max_grad_norm": CLIP},  # tied copies counted once in the norm
+}
+MATRIX = ("tp2", "tp2_sp", "cp2", "pp2_1f1b", "pp2_tp2", "fsdp2_tp2", "zero3_cp2")
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum (gradient sync errors show at their true size), gentler than the GPT tests' lr so that
+    4 steps do not amplify rounding differences of a different reduction order beyond 1e-5."""
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def batches(steps: int = STEPS, global_batch: int = GLOBAL_BATCH, seq: int = SEQ) -> list[dict[str, torch.Tensor]]:
+    """HF batches with labels = input_ids; counting sequences, so the loss falls within a few steps."""
+    generator = torch.Generator().manual_seed(123)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(3, 40, (global_batch, 1), generator=generator)
+        stride = torch.randint(1, 3, (global_batch, 1), generator=generator)
+        ids = (start + stride * torch.arange(seq)) % 60 + 3
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+@functools.cache
+def reference(family: str, max_grad_norm: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The user's plain loop in one process: model(**batch).loss, backward, step."""
+    torch.set_num_threads(1)
+    model = causal_lm(family)
+    optimizer = make_optimizer(model)
+    losses = []
+    for batch in batches():
+        loss = model(**batch).loss
+        loss.backward()
+        if max_grad_norm is not None:
+            assert torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) > max_grad_norm
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_families(rank: int, cells: dict[str, list[str]]) -> dict[tuple[str, str], dict]:
+    """Each (family, layout)'s losses and full weights (or the one-line refusal) on this rank."""
+    torch.distributed.init_process_group("gloo")
+    out: dict[tuple[str, str], dict] = {}
+    for family, layouts in cells.items():
+        for name in layouts:
+            out[family, name] = _train(family, LAYOUTS[name])
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def _train(family: str, overrides: dict) -> dict:
+    engine = Engine(seed=0, **overrides)
+    model = causal_lm(family)
+    try:
+        model, _ = engine.prepare(model, make_optimizer(model))
+    except Exception as err:  # noqa: BLE001 - a refusal is a result: the test checks its message
+        engine.end()
+        return {"refused": str(err)}
+    local = GLOBAL_BATCH // engine.dp_size
+    losses = []
+    for batch in batches():
+        part = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batch.items()}
+        losses.append(engine.train_step(part).item())
+    out = {"losses": losses, "state": engine.full_state_dict()}
+    engine.end()
+    return out
+
+
+# Each group trains in one 4-rank world. gemma2 runs the cells that show its refusal (and one that trains).
+GROUPS = {
+    "llama-qwen2-gpt2": {
+        "llama": [*MATRIX, "pp2_cp2", "pp2_tp2_sp"],
+        "qwen2": list(MATRIX),
+        "gpt2": [*MATRIX, "pp2_clipped"],
+    },
+    "qwen3-gemma3-gemma2": {"qwen3": list(MATRIX), "gemma3": list(MATRIX), "gemma2": ["tp2", "cp2", "zero3_cp2"]},
+}
+TESTED = {family: layouts for group in GROUPS.values() for family, layouts in group.items()}
+# (family, layout) -> the words of meshkit's one-line refusal; every other cell must match the reference
+REFUSED = {
+    ("gemma2", "cp2"): "soft-caps its attention logits",
+    ("gemma2", "zero3_cp2"): "soft-caps its attention logits",
+    ("llama", "pp2_tp2_sp"): "sequence parallel inside a pipeline is built for the reference GPT only",
+}
+COLUMNS = {
+    "tp2": "tp 2",
+    "tp2_sp": "tp 2 + SP",
+    "cp2": "cp 2",
+    "pp2_1f1b": "pp 2 (1F1B)",
+    "pp2_tp2": "pp 2 × tp 2",
+    "fsdp2_tp2": "FSDP 2 × tp 2",
+    "zero3_cp2": "ZeRO-3 + cp 2",
+}
+
+
+def render_matrix() -> str:
+    """The support matrix of docs/any-model.md: what the layout tests check, cell by cell."""
+    header = "| family | " + " | ".join(COLUMNS.values()) + " |"
+    lines = [header, "|" + "---|" * (len(COLUMNS) + 1)]
+    for family, layouts in TESTED.items():
+        cells = [
+            "refused¹" if (family, layout) in REFUSED else "✓" if layout in layouts else "not run" for layout in COLUMNS
+        ]
+        lines.append(f"| {family} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,134 @@
+"""The package graph: imports point down the layers of DESIGN.md, no module imports itself back, a small root.
+
+Read from the source (every `import`, also those inside functions and under TYPE_CHECKING), so an import that
+only runs later still counts.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import meshkit
+
+PACKAGE = Path(meshkit.__file__).parent
+# Lowest first; a module may import its own layer and those below it. The root package (`meshkit`: the public
+# names, imported lazily) sits above everything.
+LAYERS = [
+    ("core",),
+    ("config",),
+    ("runtime",),
+    ("models",),
+    ("training",),
+    ("data",),
+    ("parallel",),
+    ("checkpoint",),
+    ("paramserver", "launching"),
+    ("planning",),
+    ("engine",),
+    ("recipes",),
+    ("cli",),
+]
+LAYER_OF = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imported_modules(name: str, path: Path) -> set[str]:
+    """meshkit modules `name` imports (`from meshkit.x import y` counts as meshkit.x.y when y is a module)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{name}: relative import; meshkit imports by absolute path"
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in MODULES else node.module)
+    return {module for module in found if module in MODULES and module != name}
+
+
+GRAPH = {name: imported_modules(name, path) for name, path in MODULES.items()}
+
+
+def layer(name: str) -> int:
+    parts = name.split(".")
+    if len(parts) == 1:
+        return len(LAYERS)  # the root package
+    return LAYER_OF[parts[1]]
+
+
+def test_every_package_has_a_layer_and_the_root_stays_small() -> None:
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 16, entries
+    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert packages == set(LAYER_OF), "a package with no layer: add it to LAYERS (and DESIGN.md)"
+    loose = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"modules at the root belong in a package: {loose}"
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward = [
+        f"{name} -> {target}"
+        for name, targets in GRAPH.items()
+        for target in targets
+        if len(target.split(".")) > 1 and layer(target) > layer(name)
+    ]
+    assert not upward, "imports from a lower layer into a higher one:\n" + "\n".join(sorted(upward))
+
+
+def test_there_are_no_import_cycles() -> None:
+    cycles = strongly_connected(GRAPH)
+    assert not cycles, f"modules that import each other: {cycles}"
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative; components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    return components
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
