@@ -31,7 +31,7 @@ def main() -> int:
                 "source": run.source,
                 "device": run.device,
                 "gpus": run.gpus,
-                "published_layout": f"tp{run.tp} cp{run.cp} pp{run.pp} dp{run.dp}",
+                "published_layout": f"tp{run.degrees.tp} cp{run.degrees.cp} pp{run.degrees.pp} dp{run.degrees.dp}",
                 "planner_layout": layout.describe() if layout else None,
                 "published_mfu": run.published_mfu,
                 "predicted_mfu": found.predicted_mfu,

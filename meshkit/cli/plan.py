@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 import yaml
@@ -14,7 +14,7 @@ from rich.table import Table
 from meshkit.cli.estimate import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
 from meshkit.planning.estimate_ps import advice
 from meshkit.planning.hardware import PRESETS, load_profile, preset
-from meshkit.planning.plan import INTER_LINKS, INTRA_LINKS, Cluster, PlanError, plan, to_config
+from meshkit.planning.plan import INTER_LINKS, INTRA_LINKS, Cluster, PlanError, PlannedLayout, plan, to_config
 
 
 def plan_command(
@@ -113,10 +113,16 @@ def _probe(model: Path | None, ranks: int) -> int:
 
 
 def _emit(
-    fitting: list[Any], cluster: Cluster, seq_len: int, batch: int, precision: str, model: Path | None, path: Path
+    fitting: list[PlannedLayout],
+    cluster: Cluster,
+    seq_len: int,
+    batch: int,
+    precision: str,
+    model: Path | None,
+    path: Path,
 ) -> None:
     chosen = fitting[0]
-    config = to_config(chosen, cluster, seq_len, batch, precision)
+    config = to_config(chosen.layout, cluster, seq_len, batch, precision)
     if model is not None and model.suffix in (".yaml", ".yml"):
         from meshkit.config.resolve import resolve
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel as tensor_parallel_loss
 
+from meshkit.config.layout import Layout
 from meshkit.config.schema import RunConfig
 from meshkit.core.tree import map_tensors
 from meshkit.engine.prepared import EngineError, PreparedObjects
@@ -25,7 +26,7 @@ from meshkit.parallel.zero.nvme import check_offload_dir
 from meshkit.parallel.zero.sharding import effective_zero_stage
 from meshkit.paramserver.run import ParameterServerRun
 from meshkit.runtime.hang_doctor import HangDoctor
-from meshkit.runtime.mesh import ParallelDims, ParallelMesh, ProcessInfo
+from meshkit.runtime.mesh import ParallelMesh, ProcessInfo
 from meshkit.runtime.preemption import PreemptionWatch
 from meshkit.runtime.tracking import TrackerSet
 from meshkit.training.accumulation import GradientState
@@ -35,9 +36,12 @@ from meshkit.training.accumulation import GradientState
 class Placement:
     """This rank's place in the run's layout, made once the layout is known (again when `layout: auto` chose)."""
 
-    mesh: ParallelMesh
-    zero_stage: int  # the stage the run really gets (`effective_zero_stage`)
+    mesh: ParallelMesh  # its `dims` is the run's Layout, with the ZeRO stage the run really gets
     ps: ParameterServerRun | None  # strategy: parameter_server
+
+    @property
+    def zero_stage(self) -> int:
+        return self.mesh.dims.zero_stage
 
     # Where each kind of traffic goes. A parameter-server worker keeps its gradients to itself (the servers
     # average them) and shares metrics and barriers with the other workers only.
@@ -79,7 +83,7 @@ class Placement:
 
 def place(config: RunConfig, info: ProcessInfo, device: torch.device, say: Callable[[str], None]) -> Placement:
     """Validate the layout against the world and build the mesh (and the parameter-server roles)."""
-    dims = ParallelDims.from_config(config.parallel, info.world_size)
+    dims = Layout.from_config(config.parallel, info.world_size)
     if dims.pp > 1 and config.grad_accum_steps > 1:
         raise EngineError(
             "pipeline parallel accumulates over its micro-batches: set grad_accum_steps=1 and raise "
@@ -87,12 +91,12 @@ def place(config: RunConfig, info: ProcessInfo, device: torch.device, say: Calla
         )
     if config.strategy == "dataparallel":
         check_world(info.world_size)
-    mesh = ParallelMesh(dims, info, device)
+    layout = replace(dims, zero_stage=effective_zero_stage(config.sharding, dims))
+    mesh = ParallelMesh(layout, info, device)
     ps = ParameterServerRun(config, info.rank, info.world_size, say) if config.strategy == "parameter_server" else None
-    zero_stage = effective_zero_stage(config.sharding, mesh)
     if config.sharding.offload == "nvme":
         check_offload_dir(config.sharding.offload_dir)
-    return Placement(mesh, zero_stage, ps)
+    return Placement(mesh, ps)
 
 
 @dataclass

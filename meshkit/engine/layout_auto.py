@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
+from meshkit.config.layout import Layout
 from meshkit.config.resolve import ResolvedConfig
 from meshkit.core.tree import to_device
 from meshkit.data.loader import endless
@@ -29,7 +30,6 @@ from meshkit.planning.estimate import ModelShape
 from meshkit.planning.hardware import Hardware
 from meshkit.planning.layout_probe import Candidate, Workload, choose, print_probe_table, with_values
 from meshkit.planning.probe import timed
-from meshkit.runtime.mesh import ParallelDims
 from meshkit.training.loss import LossFn, compute_loss
 
 AUTO_PENDING = "layout: auto (chosen at prepare)"
@@ -144,7 +144,7 @@ def choose_for_loop(
     model, optimizer, loader = models[0], optimizers[0], loaders[0]
     resolved: ResolvedConfig = engine.resolved
     config = resolved.config
-    dims = ParallelDims.from_config(config.parallel, engine.info.world_size)
+    dims = Layout.from_config(config.parallel, engine.info.world_size)
     batch = next(iter(loader))
     workload = Workload(
         shape_of(model, describe(model, config.blocks, config.structure)),

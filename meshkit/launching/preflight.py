@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshkit.config.layout import Layout
 from meshkit.config.schema import RunConfig
 from meshkit.core.errors import MeshkitError
-from meshkit.runtime.mesh import ParallelDims
 
 _NOT_SET = ("default", "derived from other settings")
 
@@ -23,12 +23,12 @@ def worlds(config: RunConfig) -> list[tuple[int, str]]:
     return [(n * launch.nproc_per_node, f"{n} node(s) × {launch.nproc_per_node} process(es)") for n in counts]
 
 
-def check_layout(config: RunConfig) -> list[ParallelDims]:
+def check_layout(config: RunConfig) -> list[Layout]:
     """The layout at every world size the job may have (elastic: its largest and smallest)."""
     found = []
     for world, how in worlds(config):
         try:
-            found.append(ParallelDims.from_config(config.parallel, world))
+            found.append(Layout.from_config(config.parallel, world))
         except MeshkitError as err:
             raise PreflightError(f"{err} ({how})") from None
     return found

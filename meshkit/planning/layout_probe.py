@@ -25,16 +25,17 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
+from meshkit.config.layout import Layout
 from meshkit.config.resolve import ResolvedConfig
 from meshkit.config.schema import RunConfig
 from meshkit.core.errors import MeshkitError
 from meshkit.planning.estimate import ModelShape
 from meshkit.planning.hardware import Hardware
 from meshkit.planning.perf_model import predict
-from meshkit.planning.plan import Cluster, Layout, plan, to_config
+from meshkit.planning.plan import Cluster, plan, to_config
 from meshkit.planning.probe import measure_profile
 from meshkit.planning.workload_probe import model_profile
-from meshkit.runtime.mesh import ParallelDims, ProcessInfo, select_device, start_process_group
+from meshkit.runtime.mesh import ProcessInfo, select_device, start_process_group
 
 PROBED = "layout: auto (probed)"
 # A function that prepares a run on an engine and returns one optimizer step as a callable.
@@ -47,8 +48,8 @@ class LayoutProbeError(MeshkitError):
 
 @dataclass
 class Candidate:
-    description: str
-    values: dict[str, Any]  # dotted config keys the layout sets
+    layout: Layout  # as it will run (micro-batches of the probe's size)
+    values: dict[str, Any]  # dotted config keys that ask for the layout
     predicted_step_s: float
     predicted: dict[str, Any] = field(default_factory=dict)  # the step-time model's breakdown
     step_s: float | None = None
@@ -56,8 +57,14 @@ class Candidate:
     peak_mb: float | None = None  # device peak (CUDA) per rank, the largest
     error: str | None = None
 
+    @property
+    def description(self) -> str:
+        return self.layout.summary()
+
     def row(self) -> dict[str, Any]:
-        return asdict(self)
+        fields = asdict(self)
+        fields["layout"] = self.layout.as_json()
+        return {"description": self.description, **fields}
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -117,7 +124,7 @@ class Workload:
     @classmethod
     def of_config(cls, config: RunConfig, world: int, local_world: int, device: torch.device) -> Workload:
         """The reference GPT of `meshkit train` at the config's batch."""
-        dims = ParallelDims.from_config(config.parallel, world)
+        dims = Layout.from_config(config.parallel, world)
         global_batch = config.train.global_micro_batch(dims.dp_replicate * dims.dp_shard) * config.grad_accum_steps
 
         def refine(hardware: Hardware) -> Hardware:
@@ -144,7 +151,7 @@ def propose(
     precision = "fp32" if cfg.precision == "no" else cfg.precision
     shape, global_batch = work.shape, work.global_batch
     result = plan(shape, cluster, seq_len=work.seq_len, global_batch=global_batch, precision=precision)
-    chosen = diverse([layout for layout in result.fitting if layout.offload == "none"], cfg.probe.top_k)
+    chosen = diverse([p.layout for p in result.fitting if p.layout.offload == "none"], cfg.probe.top_k)
     if not chosen:
         raise LayoutProbeError(f"layout: auto: {result.suggestion or 'the planner found no layout for this world'}")
     out = []
@@ -155,10 +162,10 @@ def propose(
         steps = values["pipeline.microbatches"] if pipelined else values["grad_accum_steps"]
         real = replace(layout, microbatches=steps)  # as it will run: micro-batches of `micro_batch` sequences
         time = predict(
-            shape, real.shape(), cluster.topology(), hardware, seq_len=work.seq_len,
+            shape, real, cluster.topology(), hardware, seq_len=work.seq_len,
             global_batch=global_batch, micro_batch=micro_batch, precision=precision,
         )  # fmt: skip
-        out.append(Candidate(real.describe(), values, time.step_s, time.as_json()))
+        out.append(Candidate(real, values, time.step_s, time.as_json()))
     return out
 
 

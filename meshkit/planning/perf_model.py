@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from meshkit.config.layout import Layout
 from meshkit.planning.estimate import ModelShape, model_state_bytes
 from meshkit.planning.hardware import Hardware
 
@@ -44,21 +45,6 @@ OPTIMIZER_BYTES_PER_PARAM = {"adam": 30, "adam8bit": 16, "sgd": 22}
 HOST_MEMORY_GBPS = 50.0  # a CPU optimizer's share of host memory bandwidth
 DDP_BUCKET_BYTES = 25 * 2**20
 TP_BACKWARD_REDUCES = 5  # column-parallel linears per block whose input gradients are all-reduced (q, k, v, gate, up)
-
-
-@dataclass(frozen=True)
-class LayoutShape:
-    """The parts of a layout the model needs (the planner's `Layout` carries them)."""
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    zero_stage: int
-    microbatches: int
-    activation_checkpointing: str = "none"
-    offload: str = "none"
-    stages_per_rank: int = 1
 
 
 @dataclass(frozen=True)
@@ -112,7 +98,7 @@ def _ring(volume: float, ranks: int, gbps: float, latency: float, kind: str) -> 
 def tp_layer_comm(
     hardware: Hardware,
     topology: Topology,
-    layout: LayoutShape,
+    layout: Layout,
     *,
     seq_len: int,
     micro_batch: int,
@@ -133,7 +119,7 @@ def tp_layer_comm(
 
 def predict(
     model: ModelShape,
-    layout: LayoutShape,
+    layout: Layout,
     topology: Topology,
     hardware: Hardware,
     *,

@@ -11,13 +11,14 @@ and its links come from a preset (`--gpu`), a measured profile (`--profile`) or 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from meshkit.config.layout import Layout
 from meshkit.core.errors import MeshkitError
-from meshkit.planning.estimate import EstimateError, ModelShape, Recompute, estimate_memory
+from meshkit.planning.estimate import EstimateError, ModelShape, estimate_memory
 from meshkit.planning.hardware import PRESETS, Hardware
-from meshkit.planning.perf_model import LayoutShape, StepTime, Topology, predict
+from meshkit.planning.perf_model import StepTime, Topology, predict
 
 HEADROOM = 0.9
 INTRA_LINKS = ("nvlink", "nvlink4", "pcie")
@@ -59,50 +60,30 @@ class Cluster:
 
 
 @dataclass
-class Layout:
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    zero_stage: int
-    microbatches: int
-    activation_checkpointing: Recompute
-    offload: str
-    stages_per_rank: int = 1  # model chunks per rank (> 1: the interleaved 1F1B schedule)
+class PlannedLayout:
+    """A layout the planner costed: the layout itself and what the models predict for it."""
+
+    layout: Layout
     memory_gb: float = 0.0
     comm_gb: float = 0.0
     bubble: float = 0.0
-    step_s: float = 0.0
     reason: str = ""
-    notes: list[str] = field(default_factory=list)
     time: StepTime | None = None
 
+    @property
+    def step_s(self) -> float:
+        return self.time.step_s if self.time is not None else 0.0
+
     def describe(self) -> str:
-        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}", f"ZeRO-{self.zero_stage}"]
-        parts.append(f"{'m' if self.pp > 1 else 'accum'}{self.microbatches}")
-        if self.stages_per_rank > 1:
-            parts.append(f"interleaved v{self.stages_per_rank}")
-        if self.activation_checkpointing != "none":
-            parts.append(f"AC {self.activation_checkpointing}")
-        if self.offload != "none":
-            parts.append(f"offload {self.offload}")
-        return " ".join(parts)
+        return self.layout.summary()
 
     def as_json(self) -> dict[str, Any]:
-        keys = ("dp", "tp", "pp", "cp", "zero_stage", "microbatches", "stages_per_rank")
-        out: dict[str, Any] = {key: getattr(self, key) for key in keys}
-        out.update(activation_checkpointing=self.activation_checkpointing, offload=self.offload)
+        out = self.layout.as_json()
         out.update(memory_gb=self.memory_gb, comm_gb=self.comm_gb, bubble=self.bubble, reason=self.reason)
         if self.time is not None:
             out.update(step_s=self.step_s, tokens_per_s=self.time.tokens_per_s, mfu=self.time.mfu)
             out["breakdown"] = {k: v for k, v in self.time.as_json().items() if k not in ("tokens_per_s", "mfu")}
         return out
-
-    def shape(self) -> LayoutShape:
-        return LayoutShape(
-            self.dp, self.tp, self.pp, self.cp, self.zero_stage, self.microbatches,
-            self.activation_checkpointing, self.offload, self.stages_per_rank,
-        )  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:
@@ -126,7 +107,8 @@ def candidates(model: ModelShape, cluster: Cluster, seq_len: int, global_batch: 
                     for recompute in ("none", "selective", "full"):
                         for offload in ("none", "cpu") if zero == 3 else ("none",):
                             for v in chunks if pp > 1 else [1]:
-                                out.append(Layout(dp, tp, pp, cp, zero, microbatches, recompute, offload, v))  # type: ignore[arg-type]
+                                layout = Layout.planned(dp, tp, pp, cp, zero, microbatches, recompute, offload, v)
+                                out.append(layout)
     return out
 
 
@@ -138,8 +120,8 @@ def cost(
     global_batch: int,
     precision: str,
     optimizer: str = "adam",
-) -> None:
-    """Fill memory, communication volume, bubble and modelled step time (micro-batches of one sequence)."""
+) -> PlannedLayout:
+    """Memory, communication volume, bubble and modelled step time (micro-batches of one sequence)."""
     micro_batch = 1
     estimate = estimate_memory(
         model,
@@ -155,7 +137,6 @@ def cost(
         activation_checkpointing=layout.activation_checkpointing,
         offload=layout.offload,  # type: ignore[arg-type]
     )
-    layout.memory_gb = estimate.total_gb
     grads = 2 * model.params / (layout.tp * layout.pp)
     n = layout.dp * layout.cp
     dp_volume = (2 * (n - 1) / n * grads * (1.5 if layout.zero_stage == 3 else 1.0)) if n > 1 else 0.0
@@ -163,15 +144,12 @@ def cost(
     steps = layout.microbatches
     tp_volume = 4 * 2 * (layout.tp - 1) / layout.tp * sbh * (model.layers or 0) / layout.pp * steps
     pp_volume = 2 * sbh * steps * layout.stages_per_rank if layout.pp > 1 else 0.0
-    layout.comm_gb = (dp_volume + tp_volume + pp_volume) / 1e9
-    layout.bubble = (
-        (layout.pp - 1) / (layout.stages_per_rank * layout.microbatches + layout.pp - 1) if layout.pp > 1 else 0.0
-    )
-    layout.time = predict(
-        model, layout.shape(), cluster.topology(), cluster.hardware,
+    bubble = (layout.pp - 1) / (layout.stages_per_rank * layout.microbatches + layout.pp - 1) if layout.pp > 1 else 0.0
+    time = predict(
+        model, layout, cluster.topology(), cluster.hardware,
         seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, precision=precision, optimizer=optimizer,
     )  # fmt: skip
-    layout.step_s = layout.time.step_s
+    return PlannedLayout(layout, estimate.total_gb, (dp_volume + tp_volume + pp_volume) / 1e9, bubble, time=time)
 
 
 def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool) -> str:
@@ -219,19 +197,19 @@ def simplicity(layout: Layout) -> tuple[int, ...]:
     )
 
 
-def rank(layouts: Iterable[Layout]) -> list[Layout]:
+def rank(layouts: Iterable[PlannedLayout]) -> list[PlannedLayout]:
     """Fastest first, except that among the layouts within TIE of the fastest the simplest leads."""
     by_time = sorted(layouts, key=lambda lay: lay.step_s)
     if not by_time:
         return []
     near = [lay for lay in by_time if lay.step_s <= by_time[0].step_s * (1 + TIE)]
-    return sorted(near, key=simplicity) + by_time[len(near) :]
+    return sorted(near, key=lambda lay: simplicity(lay.layout)) + by_time[len(near) :]
 
 
 @dataclass
 class Plan:
-    fitting: list[Layout]
-    smallest: Layout | None  # the layout needing the least memory (when nothing fits)
+    fitting: list[PlannedLayout]
+    smallest: PlannedLayout | None  # the layout needing the least memory (when nothing fits)
     suggestion: str = ""
 
 
@@ -259,17 +237,18 @@ def plan(
         raise PlanError(
             f"no layout divides global batch {global_batch} over {cluster.gpus} GPUs: change --global-batch"
         )
+    costed = []
     for layout in layouts:
         try:
-            cost(layout, model, cluster, seq_len, global_batch, precision, optimizer)
+            costed.append(cost(layout, model, cluster, seq_len, global_batch, precision, optimizer))
         except EstimateError:
-            layout.memory_gb = float("inf")
+            costed.append(PlannedLayout(layout, memory_gb=float("inf")))
     budget = cluster.gpu_mem_gb * HEADROOM
-    fitting = rank(lay for lay in layouts if lay.memory_gb <= budget)
-    plain = any(lay.tp == lay.pp == 1 and lay.zero_stage == 0 for lay in fitting)
-    for layout in fitting:
-        layout.reason = reason(layout, model, cluster, plain)
-    smallest = min(layouts, key=lambda lay: lay.memory_gb)
+    fitting = rank(lay for lay in costed if lay.memory_gb <= budget)
+    plain = any(lay.layout.tp == lay.layout.pp == 1 and lay.layout.zero_stage == 0 for lay in fitting)
+    for planned in fitting:
+        planned.reason = reason(planned.layout, model, cluster, plain)
+    smallest = min(costed, key=lambda lay: lay.memory_gb)
     result = Plan(fitting, smallest)
     if not fitting:
         need = smallest.memory_gb / HEADROOM
@@ -292,26 +271,19 @@ def _nodes_that_fit(
         batch = max(global_batch, bigger.gpus)
         for layout in candidates(model, bigger, seq_len, batch):
             try:
-                cost(layout, model, bigger, seq_len, batch, precision, optimizer)
+                planned = cost(layout, model, bigger, seq_len, batch, precision, optimizer)
             except EstimateError:
                 continue
-            if layout.memory_gb <= bigger.gpu_mem_gb * HEADROOM:
+            if planned.memory_gb <= bigger.gpu_mem_gb * HEADROOM:
                 return nodes
     return 0
 
 
 def to_config(layout: Layout, cluster: Cluster, seq_len: int, global_batch: int, precision: str) -> dict[str, Any]:
     """The layout as a meshkit YAML mapping (`meshkit train` accepts it)."""
-    sharded = layout.zero_stage == 3
     config: dict[str, Any] = {
         "launch": {"nproc_per_node": cluster.gpus_per_node, "nnodes": cluster.nodes},
-        "parallel": {
-            "dp_replicate": 1 if sharded else layout.dp,
-            "dp_shard": layout.dp if sharded else 1,
-            "tp": layout.tp,
-            "pp": layout.pp,
-            "cp": layout.cp,
-        },
+        "parallel": {name: getattr(layout, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp")},
         "sharding": {"zero_stage": layout.zero_stage, **({"offload": "cpu"} if layout.offload == "cpu" else {})},
         "precision": "no" if precision == "fp32" else precision,
     }

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshkit.config.layout import Layout
 from meshkit.planning.estimate import ModelShape
 from meshkit.planning.hardware import preset
 from meshkit.planning.perf_model import flops_per_token
-from meshkit.planning.plan import Cluster, Layout, plan
+from meshkit.planning.plan import Cluster, PlannedLayout, plan
 
 A100_BF16_PEAK = 312.0
 
@@ -32,10 +33,7 @@ class PublishedRun:
     model: ModelShape
     device: str
     gpus: int
-    tp: int
-    cp: int
-    pp: int
-    dp: int
+    degrees: Layout  # the published tp, cp, pp and dp (as dp_replicate); other fields as `fixed` says
     seq_len: int
     global_batch: int
     published_mfu: float  # model FLOPs over peak, as published or derived from the paper's own numbers
@@ -50,8 +48,9 @@ def _megatron(
     with_recompute = (blocks + attention) * 4 / 3 + head  # eq. 3's 96·B·s·l·h²(1 + s/6h + V/16lh), per token
     mfu = tflops / A100_BF16_PEAK * (blocks + attention + head) / with_recompute
     return PublishedRun(
-        f"GPT {params_b:g}B", "Narayanan et al. 2021, Table 1", model, "a100", gpus, tp, 1, pp, gpus // (tp * pp),
-        2048, batch, mfu, {"zero_stage": 0, "activation_checkpointing": "full", "stages_per_rank": 1},
+        f"GPT {params_b:g}B", "Narayanan et al. 2021, Table 1", model, "a100", gpus,
+        Layout(pp=pp, dp_replicate=gpus // (tp * pp), tp=tp), 2048, batch, mfu,
+        {"zero_stage": 0, "activation_checkpointing": "full", "stages_per_rank": 1},
     )  # fmt: skip
 
 
@@ -61,7 +60,7 @@ _LLAMA_405B = ModelShape.transformer(layers=126, hidden=16384, heads=128, vocab=
 def _llama(gpus: int, cp: int, dp: int, seq_len: int, batch_per_dp: int, mfu: float) -> PublishedRun:
     return PublishedRun(
         f"Llama 3 405B, {gpus} GPUs, seq {seq_len}", "Llama Team 2024, Table 4", _LLAMA_405B, "h100", gpus,
-        8, cp, 16, dp, seq_len, dp * batch_per_dp, mfu, {},
+        Layout(pp=16, dp_replicate=dp, cp=cp, tp=8), seq_len, dp * batch_per_dp, mfu, {},
     )  # fmt: skip
 
 
@@ -85,7 +84,7 @@ PUBLISHED: tuple[PublishedRun, ...] = (
 @dataclass(frozen=True)
 class Comparison:
     run: PublishedRun
-    layout: Layout | None  # the fastest fitting candidate with the published degrees (None: none fits)
+    layout: PlannedLayout | None  # the fastest fitting candidate with the published degrees (None: none fits)
     candidates: int  # fitting layouts the planner proposed for the whole cluster
 
     @property
@@ -102,10 +101,14 @@ def compare(run: PublishedRun) -> Comparison:
     cluster = Cluster(8, device.memory_gb, nodes=run.gpus // 8, device=device)
     result = plan(run.model, cluster, seq_len=run.seq_len, global_batch=run.global_batch)
     same = [
-        layout
-        for layout in result.fitting
-        if (layout.tp, layout.cp, layout.pp, layout.dp) == (run.tp, run.cp, run.pp, run.dp)
-        and all(getattr(layout, key) == value for key, value in run.fixed.items())
+        planned
+        for planned in result.fitting
+        if (planned.layout.tp, planned.layout.cp, planned.layout.pp, planned.layout.dp) == _degrees(run.degrees)
+        and all(getattr(planned.layout, key) == value for key, value in run.fixed.items())
     ]
     best = min(same, key=lambda layout: layout.step_s) if same else None
     return Comparison(run, best, len(result.fitting))
+
+
+def _degrees(layout: Layout) -> tuple[int, int, int, int]:
+    return layout.tp, layout.cp, layout.pp, layout.dp

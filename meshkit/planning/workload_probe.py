@@ -17,15 +17,15 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshkit.config.layout import Layout, divisors
 from meshkit.config.schema import RunConfig, TensorParallelConfig
 from meshkit.models.gpt import GPT, GPTConfig
 from meshkit.models.structure import describe
 from meshkit.parallel.tensor.apply import apply_tensor_parallel
 from meshkit.planning.estimate import ModelShape
 from meshkit.planning.hardware import Hardware
-from meshkit.planning.perf_model import LayoutShape, Topology, flops_per_token, tp_layer_comm
+from meshkit.planning.perf_model import Topology, flops_per_token, tp_layer_comm
 from meshkit.planning.probe import timed
-from meshkit.runtime.mesh import divisors
 
 CALLS = 6
 
@@ -82,7 +82,7 @@ def model_profile(
         if tp == 1 or model.n_heads % tp or model.kv_heads % tp or world % tp:
             continue
         split = tensor_parallel_block_seconds(model, micro, seq, device, tp, config.tensor_parallel)
-        layout = LayoutShape(dp=world // tp, tp=tp, pp=1, cp=1, zero_stage=0, microbatches=1)
+        layout = Layout(dp_replicate=world // tp, tp=tp)
         modelled = tp_layer_comm(hardware, topology, layout, seq_len=seq, micro_batch=micro, hidden=model.dim,
                                  precision=precision)  # fmt: skip
         overhead[tp] = max(0.0, split - plain / tp - modelled)

@@ -1,13 +1,12 @@
 """The one source of rank and group truth: parallel sizes, the device mesh, device and backend.
 
-`ParallelDims` validates the sizes once against the world size, with messages that say what to change.
+The sizes come resolved and validated as a `Layout` (`config/layout.py`, the one layout type).
 `ParallelMesh` builds the single DeviceMesh with named dims in the fixed order (pp, dp_replicate, dp_shard,
 cp, tp) and answers every rank question ("my dp rank?", "am I the last pipeline stage?").
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,78 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshkit.config.schema import PARALLEL_DIMS, ParallelConfig
-from meshkit.core.errors import MeshkitError
-
-
-class MeshError(MeshkitError):
-    """Parallel sizes that do not fit the world; the message says what to change."""
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _choices(values: list[int]) -> str:
-    text = [str(v) for v in values]
-    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Resolved mesh sizes (no -1 left) whose product is the world size."""
-
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-
-    @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
-        sizes = {name: getattr(cfg, name) for name in PARALLEL_DIMS}
-        for name, size in sizes.items():
-            if size != -1 and world_size % size:
-                raise MeshError(
-                    f"{name}={size} does not divide world size {world_size}: choose {_choices(divisors(world_size))}"
-                )
-        fixed = math.prod(size for size in sizes.values() if size != -1)
-        rest = [name for name, size in sizes.items() if size == -1]
-        if rest:
-            if world_size % fixed:
-                named = " × ".join(f"{n}={s}" for n, s in sizes.items() if s not in (-1, 1))
-                raise MeshError(
-                    f"{named} = {fixed} does not divide world size {world_size}: make the product divide it"
-                )
-            sizes[rest[0]] = world_size // fixed
-        elif fixed != world_size:
-            named = " × ".join(f"{n}={s}" for n, s in sizes.items())
-            raise MeshError(
-                f"parallel sizes {named} multiply to {fixed}, but the world size is {world_size}: "
-                f"make them multiply to {world_size}, or set one of them to -1 (the rest)"
-            )
-        return cls(**sizes)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name) for name in PARALLEL_DIMS)
-
-    @property
-    def world_size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def dp(self) -> int:
-        """Ranks that see different data: replicas times shards."""
-        return self.dp_replicate * self.dp_shard
-
-    def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in PARALLEL_DIMS}
-
-    def describe(self) -> str:
-        """Compact layout, e.g. 'dp_replicate4' or 'pp2 × dp_shard2 × tp2'; 'single process' for world 1."""
-        parts = [f"{name}{size}" for name, size in self.as_dict().items() if size > 1]
-        return " × ".join(parts) if parts else "single process"
+from meshkit.config.layout import Layout, MeshError
+from meshkit.config.schema import PARALLEL_DIMS
 
 
 @dataclass(frozen=True)
@@ -158,7 +87,7 @@ def start_process_group(info: ProcessInfo, device: torch.device, timeout_s: floa
 class ParallelMesh:
     """The one DeviceMesh of the run, with named sub-meshes and this rank's coordinates."""
 
-    def __init__(self, dims: ParallelDims, info: ProcessInfo, device: torch.device) -> None:
+    def __init__(self, dims: Layout, info: ProcessInfo, device: torch.device) -> None:
         if dims.world_size != info.world_size:
             raise MeshError(f"layout {dims.describe()} needs {dims.world_size} ranks, the world has {info.world_size}")
         self.dims = dims

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from meshkit import Engine
 from meshkit.config import RunConfig
+from meshkit.config.layout import Layout
 from meshkit.config.resolve import nest, resolve
 from meshkit.core.errors import MeshkitError
 from meshkit.models.gpt import GPT, GPTConfig
@@ -25,7 +26,6 @@ from meshkit.planning.layout_probe import (
     measure,
     with_values,
 )
-from meshkit.planning.plan import Layout
 from tests.helpers.cli import meshkit
 from tests.helpers.distributed import run_world
 
@@ -61,7 +61,7 @@ def test_layout_auto_probes_at_world_4_and_trains_in_the_fastest(tmp_path) -> No
 
 def _layout(**fields) -> Layout:
     base = {"dp": 4, "tp": 1, "pp": 1, "cp": 1, "zero_stage": 0, "microbatches": 4}
-    return Layout(**{**base, **fields}, activation_checkpointing="none", offload="none")  # type: ignore[arg-type]
+    return Layout.planned(**{**base, **fields})
 
 
 def test_each_candidate_is_a_config_meshkit_takes_with_the_same_global_batch() -> None:
@@ -88,7 +88,7 @@ def test_a_candidate_that_fails_is_dropped_with_its_reason() -> None:
         raise MeshkitError("tp=3 does not divide the 4 heads")
 
     resolved = resolve(code={"model": MODEL, "layout": "auto"})
-    candidate = Candidate("dp1 tp3", {"parallel.tp": 1}, 0.01)
+    candidate = Candidate(Layout(tp=3), {"parallel.tp": 1}, 0.01)
     measure(resolved, candidate, lambda engine: lambda: None, failing_engine)
     assert candidate.error == "MeshkitError: tp=3 does not divide the 4 heads" and candidate.step_s is None
     served = resolve(code={"model": MODEL, "layout": "auto", "strategy": "parameter_server"})

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from meshkit import Engine
+from meshkit.config.layout import Layout
 from meshkit.config.resolve import ConfigError, resolve
 from meshkit.core.io import save_safetensors
 from meshkit.models.gpt import GPT, lm_loss
@@ -129,9 +129,8 @@ def test_unsupported_combinations_name_the_nearest_supported_one() -> None:
     with pytest.raises(ConfigError, match="param_dtype applies to zero_stage=3"):
         resolve(code={"zero_stage": 1, "param_dtype": "bf16"}, env={})
 
-    def mesh(replicate: int, shard: int) -> SimpleNamespace:
-        sizes = {"dp_replicate": replicate, "dp_shard": shard, "tp": 1, "cp": 1}
-        return SimpleNamespace(dp_size=replicate * shard, grad_size=replicate * shard, size=sizes.__getitem__)
+    def mesh(replicate: int, shard: int) -> Layout:
+        return Layout(dp_replicate=replicate, dp_shard=shard)
 
     with pytest.raises(ShardingError, match="use zero_stage=3 for HSDP"):
         effective_zero_stage(resolve(code={"zero_stage": 2, "dp_replicate": 2}, env={}).config.sharding, mesh(2, 2))

@@ -19,15 +19,15 @@ WIDE = ModelShape.transformer(layers=2, hidden=65536, heads=64, vocab=32000)  # 
 def test_a_model_that_fits_one_gpu_gets_plain_ddp() -> None:
     result = plan(SMALL, Cluster(8, 80.0), seq_len=1024, global_batch=64)
     best = result.fitting[0]
-    assert (best.dp, best.tp, best.pp, best.zero_stage) == (8, 1, 1, 0)
+    assert (best.layout.dp, best.layout.tp, best.layout.pp, best.layout.zero_stage) == (8, 1, 1, 0)
     assert "plain DDP" in best.reason
 
 
 def test_a_layer_too_large_for_one_gpu_forces_tensor_parallel_within_the_node() -> None:
     cluster = Cluster(8, 80.0, nodes=4)
     result = plan(WIDE, cluster, seq_len=2048, global_batch=64)
-    assert result.fitting and all(layout.tp > 1 for layout in result.fitting)
-    assert all(layout.tp <= cluster.gpus_per_node for layout in result.fitting)
+    assert result.fitting and all(p.layout.tp > 1 for p in result.fitting)
+    assert all(p.layout.tp <= cluster.gpus_per_node for p in result.fitting)
     assert "largest layer does not fit one GPU" in result.fitting[0].reason
 
 
@@ -36,7 +36,7 @@ def test_every_proposed_layout_fits_by_the_estimator() -> None:
     model = ModelShape.transformer(layers=40, hidden=5120, heads=40, vocab=32000)
     result = plan(model, cluster, seq_len=2048, global_batch=128)
     assert result.fitting
-    for layout in result.fitting:
+    for layout in (planned.layout for planned in result.fitting):
         estimate = estimate_memory(
             model, seq_len=2048, micro_batch=1, precision="bf16", zero_stage=layout.zero_stage, dp=layout.dp,
             tp=layout.tp, pp=layout.pp, cp=layout.cp, activation_checkpointing=layout.activation_checkpointing,
@@ -44,7 +44,7 @@ def test_every_proposed_layout_fits_by_the_estimator() -> None:
         )  # fmt: skip
         assert estimate.total_gb <= cluster.gpu_mem_gb * HEADROOM
     best = result.fitting[0]
-    assert best.pp > 1 and "across the slow inter-node links" in best.reason  # pipeline over ethernet
+    assert best.layout.pp > 1 and "across the slow inter-node links" in best.reason  # pipeline over ethernet
 
 
 def test_nothing_fits_names_the_smallest_change() -> None:
@@ -78,9 +78,10 @@ def test_emit_config_writes_a_layout_meshkit_train_runs(tmp_path) -> None:
 
 def test_a_layout_with_recompute_emits_meshkit_activation_checkpointing() -> None:
     from meshkit.config import RunConfig
-    from meshkit.planning.plan import Layout, to_config
+    from meshkit.config.layout import Layout
+    from meshkit.planning.plan import to_config
 
-    layout = Layout(
+    layout = Layout.planned(
         dp=4, tp=2, pp=1, cp=1, zero_stage=3, microbatches=2, activation_checkpointing="full", offload="none"
     )
     config = RunConfig(**to_config(layout, Cluster(8, 24.0), seq_len=2048, global_batch=8, precision="bf16"))
@@ -91,14 +92,14 @@ def test_a_layout_with_recompute_emits_meshkit_activation_checkpointing() -> Non
 def test_the_slow_link_rule_layout_is_emitted_and_meshkit_accepts_it() -> None:
     """DP + PP + TP + ZeRO-1 (the rule for slow inter-node links and small memory) is a layout meshkit runs."""
     from meshkit.config import RunConfig
-    from meshkit.planning.plan import Layout, to_config
-    from meshkit.runtime.mesh import ParallelDims
+    from meshkit.config.layout import Layout
+    from meshkit.planning.plan import to_config
 
-    layout = Layout(
+    layout = Layout.planned(
         dp=2, tp=2, pp=2, cp=1, zero_stage=1, microbatches=4, activation_checkpointing="none", offload="none"
     )
     config = RunConfig(**to_config(layout, Cluster(4, 24.0, nodes=2), seq_len=2048, global_batch=8, precision="bf16"))
-    dims = ParallelDims.from_config(config.parallel, 8)
+    dims = Layout.from_config(config.parallel, 8)
     assert (dims.pp, dims.tp, dims.dp_replicate * dims.dp_shard, config.sharding.zero_stage) == (2, 2, 2, 1)
 
 
@@ -111,7 +112,7 @@ def test_eight_bit_adam_lets_the_planner_keep_more_layouts_and_step_faster() -> 
     shared = {layout.describe(): layout for layout in adam.fitting}
     for layout in eight.fitting:
         if layout.describe() in shared:
-            on_device = layout.offload == "none"  # offloaded states cost no device memory either way
+            on_device = layout.layout.offload == "none"  # offloaded states cost no device memory either way
             assert layout.memory_gb < shared[layout.describe()].memory_gb or not on_device
             assert layout.time.step_s < shared[layout.describe()].time.step_s
     proc = meshkit(

@@ -8,9 +8,10 @@ from dataclasses import replace
 
 import pytest
 
+from meshkit.config.layout import Layout
 from meshkit.planning.estimate import ModelShape
 from meshkit.planning.hardware import PRESETS, Hardware, load_profile, save_profile
-from meshkit.planning.perf_model import LayoutShape, Topology, predict
+from meshkit.planning.perf_model import Topology, predict
 from meshkit.planning.published_runs import PUBLISHED, compare
 from tests.helpers.cli import meshkit
 
@@ -27,7 +28,7 @@ def test_predicted_mfu_is_within_30_percent_of_the_published_run(run) -> None:
 
 
 def _step(**layout) -> object:
-    shape = LayoutShape(**{"dp": 8, "tp": 1, "pp": 1, "cp": 1, "zero_stage": 0, "microbatches": 8, **layout})
+    shape = Layout.planned(**{"dp": 8, "tp": 1, "pp": 1, "cp": 1, "zero_stage": 0, "microbatches": 8, **layout})
     return predict(GPT_1B, shape, Topology(8, 1), PRESETS["h100"], seq_len=2048, global_batch=64)
 
 
@@ -44,10 +45,10 @@ def test_the_step_adds_up_and_each_part_moves_the_way_it_should() -> None:
     zero3 = _step(zero_stage=3)
     assert "zero3_gather" in zero3.comm_s and zero3.optimizer_s < ddp.optimizer_s  # optimizer work sharded 8 ways
     across = predict(
-        GPT_1B, LayoutShape(16, 1, 1, 1, 1, 4), Topology(8, 2), PRESETS["h100"], seq_len=2048, global_batch=64
+        GPT_1B, Layout.planned(16, 1, 1, 1, 1, 4), Topology(8, 2), PRESETS["h100"], seq_len=2048, global_batch=64
     )
     within = predict(
-        GPT_1B, LayoutShape(16, 1, 1, 1, 1, 4), Topology(16, 1), PRESETS["h100"], seq_len=2048, global_batch=64
+        GPT_1B, Layout.planned(16, 1, 1, 1, 1, 4), Topology(16, 1), PRESETS["h100"], seq_len=2048, global_batch=64
     )
     assert across.comm_link["dp_grads"] == "inter" and across.comm_s["dp_grads"] > within.comm_s["dp_grads"]
     tp = _step(dp=4, tp=2, microbatches=16)
@@ -62,7 +63,7 @@ def test_measured_tensor_parallel_overhead_and_shared_cores_enter_the_step(tmp_p
     assert load_profile(profile).tp_overhead_s == {2: 0.01}  # JSON's string keys read back as degrees
 
     def step(hardware: Hardware, **layout: int) -> object:
-        shape = LayoutShape(**{"dp": 4, "tp": 1, "pp": 1, "cp": 1, "zero_stage": 0, "microbatches": 1, **layout})
+        shape = Layout.planned(**{"dp": 4, "tp": 1, "pp": 1, "cp": 1, "zero_stage": 0, "microbatches": 1, **layout})
         return predict(GPT_1B, shape, Topology(4, 1), hardware, seq_len=128, global_batch=16, precision="fp32")
 
     plain, split = step(cpu, dp=2, tp=2, microbatches=2), step(measured, dp=2, tp=2, microbatches=2)

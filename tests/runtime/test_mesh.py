@@ -1,4 +1,4 @@
-"""ParallelDims validation and the rank questions of ParallelMesh."""
+"""Layout validation and the rank questions of ParallelMesh."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from meshkit.config import ParallelConfig
-from meshkit.runtime.mesh import MeshError, ParallelDims, ParallelMesh, ProcessInfo, select_device
+from meshkit.config.layout import Layout, MeshError
+from meshkit.runtime.mesh import ParallelMesh, ProcessInfo, select_device
 
 
-def dims(world: int, **sizes: int) -> ParallelDims:
-    return ParallelDims.from_config(ParallelConfig(**sizes), world)
+def dims(world: int, **sizes: int) -> Layout:
+    return Layout.from_config(ParallelConfig(**sizes), world)
 
 
 def test_the_rest_fills_the_world() -> None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshkit.config.layout import Layout
 from meshkit.config.schema import RunConfig, ShardingConfig
 from meshkit.core.errors import MeshkitError
 from meshkit.parallel.zero.local_shards import LocalShardOptimizer, steps_plain_tensors
@@ -26,19 +27,19 @@ class UnshardedRunWarning(UserWarning):
     """zero_stage asked for, but there is only one data-parallel rank to shard over."""
 
 
-def effective_zero_stage(cfg: ShardingConfig, mesh: ParallelMesh) -> int:
-    """The stage the run gets: 0 when a single data-parallel rank holds everything anyway."""
+def effective_zero_stage(cfg: ShardingConfig, layout: Layout) -> int:
+    """The stage the run gets on `layout`'s mesh: 0 when a single data-parallel rank holds everything anyway."""
     stage = cfg.zero_stage
     if stage == 0:
         return 0
-    if mesh.grad_size == 1:
+    if layout.dp * layout.cp == 1:
         warnings.warn(
             f"zero_stage={stage} with a single data-parallel rank: nothing to shard, the run goes on unsharded",
             UnshardedRunWarning,
             stacklevel=3,
         )
         return 0
-    replicate, shard = mesh.size("dp_replicate"), mesh.size("dp_shard") * mesh.size("cp")
+    replicate, shard = layout.dp_replicate, layout.dp_shard * layout.cp
     if stage == 3 and shard == 1:
         raise ShardingError(
             f"zero_stage=3 with dp_shard=1 shards nothing (dp_replicate={replicate}): "

@@ -1,0 +1,134 @@
+"""One resolved layout: the size of every mesh dimension, the ZeRO stage, the micro-batches and the memory
+savers — the one type the config, the mesh, the planner, its performance model and `layout: auto` share.
+
+`Layout.from_config(parallel, world_size)` resolves the sizes a config asks for (one may be -1, "the rest"),
+and the engine adds the ZeRO stage the run really gets; `Layout.planned(...)` makes one of the planner's
+candidates, which `planning.plan.to_config` turns back into the config keys that ask for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from meshkit.config.schema import PARALLEL_DIMS, ParallelConfig
+from meshkit.core.errors import MeshkitError
+
+
+class MeshError(MeshkitError):
+    """Parallel sizes that do not fit the world; the message says what to change."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _choices(values: list[int]) -> str:
+    text = [str(v) for v in values]
+    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved sizes (no -1 left) in mesh order, and how each rank's step runs in them."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    zero_stage: int = 0
+    microbatches: int = 1  # per optimizer step and rank: pipeline micro-batches (pp > 1) or accumulation steps
+    stages_per_rank: int = 1  # model chunks per rank (> 1: the interleaved 1F1B schedule)
+    activation_checkpointing: str = "none"  # none | selective | full
+    offload: str = "none"  # none | cpu | nvme (optimizer states)
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> Layout:
+        """The mesh sizes of a `parallel` section on `world_size` ranks (the -1 one takes the rest)."""
+        sizes = {name: getattr(cfg, name) for name in PARALLEL_DIMS}
+        for name, size in sizes.items():
+            if size != -1 and world_size % size:
+                raise MeshError(
+                    f"{name}={size} does not divide world size {world_size}: choose {_choices(divisors(world_size))}"
+                )
+        fixed = math.prod(size for size in sizes.values() if size != -1)
+        rest = [name for name, size in sizes.items() if size == -1]
+        if rest:
+            if world_size % fixed:
+                named = " × ".join(f"{n}={s}" for n, s in sizes.items() if s not in (-1, 1))
+                raise MeshError(
+                    f"{named} = {fixed} does not divide world size {world_size}: make the product divide it"
+                )
+            sizes[rest[0]] = world_size // fixed
+        elif fixed != world_size:
+            named = " × ".join(f"{n}={s}" for n, s in sizes.items())
+            raise MeshError(
+                f"parallel sizes {named} multiply to {fixed}, but the world size is {world_size}: "
+                f"make them multiply to {world_size}, or set one of them to -1 (the rest)"
+            )
+        return cls(**sizes)
+
+    @classmethod
+    def planned(
+        cls,
+        dp: int,
+        tp: int,
+        pp: int,
+        cp: int,
+        zero_stage: int,
+        microbatches: int,
+        activation_checkpointing: str = "none",
+        offload: str = "none",
+        stages_per_rank: int = 1,
+    ) -> Layout:
+        """A planner's layout: `dp` data-parallel ranks, sharded (dp_shard) under ZeRO-3, replicated otherwise."""
+        replicate, shard = (1, dp) if zero_stage == 3 else (dp, 1)
+        return cls(pp, replicate, shard, cp, tp, zero_stage, microbatches, stages_per_rank, activation_checkpointing,
+                   offload)  # fmt: skip
+
+    # ------------------------------------------------------------------ sizes
+    def mesh_sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in PARALLEL_DIMS}
+
+    def as_dict(self) -> dict[str, int]:
+        """The mesh sizes (what a checkpoint records as its layout)."""
+        return self.mesh_sizes()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in PARALLEL_DIMS)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data: replicas times shards."""
+        return self.dp_replicate * self.dp_shard
+
+    # ------------------------------------------------------------------ words
+    def describe(self) -> str:
+        """Compact mesh, e.g. 'dp_replicate4' or 'pp2 × dp_shard2 × tp2'; 'single process' for world 1."""
+        parts = [f"{name}{size}" for name, size in self.mesh_sizes().items() if size > 1]
+        return " × ".join(parts) if parts else "single process"
+
+    def summary(self) -> str:
+        """The planner's words: 'dp4 tp2 pp1 cp1 ZeRO-1 accum8 AC selective'."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}", f"ZeRO-{self.zero_stage}"]
+        parts.append(f"{'m' if self.pp > 1 else 'accum'}{self.microbatches}")
+        if self.stages_per_rank > 1:
+            parts.append(f"interleaved v{self.stages_per_rank}")
+        if self.activation_checkpointing != "none":
+            parts.append(f"AC {self.activation_checkpointing}")
+        if self.offload != "none":
+            parts.append(f"offload {self.offload}")
+        return " ".join(parts)
+
+    def as_json(self) -> dict[str, Any]:
+        keys = ("dp", "tp", "pp", "cp", "zero_stage", "microbatches", "stages_per_rank")
+        out: dict[str, Any] = {key: getattr(self, key) for key in keys}
+        out.update(activation_checkpointing=self.activation_checkpointing, offload=self.offload)
+        return out
