@@ -224,6 +224,19 @@ def plan_published(data: dict[str, Any]) -> str:
     )
 
 
+def against_commit(data: dict[str, Any]) -> str:
+    rows = [
+        [row["loop"], f"{row['old_vs_torch']:.3f}", f"{row['new_vs_torch']:.3f}", f"{row['new_over_old']:.3f}"]
+        for row in data["rows"]
+    ]
+    return (
+        f"This tree against commit `{data['commit'][:12]}`: `bench/overhead.py` from each tree in turns, "
+        f"{data['rounds']} rounds of {data['steps']} steps at world {data['nproc']}; each round's meshkit step over "
+        "the plain torch loop's in the same processes, median over rounds. Target: new / old ≤ 1.02.\n\n"
+        + _table(["loop", "old vs torch", "new vs torch", "new / old"], rows)
+    )
+
+
 def plan_vs_measured(data: dict[str, Any]) -> str:
     rows = [
         [
@@ -303,6 +316,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "plan-vs-measured-w4.json",
         "python bench/plan_vs_measured.py",
         plan_vs_measured,
+    ),
+    (
+        "Step time against the previous commit",
+        "against-commit.json",
+        "python bench/against_commit.py --commit HEAD~1",
+        against_commit,
     ),
 ]
 

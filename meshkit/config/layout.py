@@ -12,12 +12,55 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from meshkit.config.schema import PARALLEL_DIMS, ParallelConfig
+from meshkit.config.schema import PARALLEL_DIMS, ParallelConfig, PipelineConfig
 from meshkit.core.errors import MeshkitError
+
+SINGLE_STAGE = {"gpipe", "1f1b"}  # one model chunk per rank; the other schedules take several
 
 
 class MeshError(MeshkitError):
     """Parallel sizes that do not fit the world; the message says what to change."""
+
+
+class PipelineError(MeshkitError):
+    """A pipeline layout that cannot run; the message says what to change."""
+
+
+def chunks_per_rank(cfg: PipelineConfig) -> int:
+    """Model chunks each rank holds: 1 for GPipe and 1F1B, `stages_per_rank` (default 2) for the others."""
+    if cfg.schedule in SINGLE_STAGE:
+        if cfg.stages_per_rank not in (None, 1):
+            raise PipelineError(
+                f"schedule {cfg.schedule} runs one stage per rank, not {cfg.stages_per_rank}: "
+                "use interleaved_1f1b for several"
+            )
+        return 1
+    chunks = cfg.stages_per_rank or 2
+    if cfg.schedule == "zbv_zero_bubble" and chunks != 2:
+        raise PipelineError(f"zbv_zero_bubble runs exactly 2 stages per rank (a V shape), not {chunks}")
+    if chunks < 2:
+        raise PipelineError(f"schedule {cfg.schedule} interleaves several stages per rank: set stages_per_rank >= 2")
+    return chunks
+
+
+def check_pipeline(cfg: PipelineConfig, pp: int, local_batch: int | None = None, grad_accum_steps: int = 1) -> int:
+    """The rules a pipeline of `pp` stages checks before it runs (the planner's proposals pass the same);
+    returns the micro-batches per step. `local_batch`: the samples each pipeline step splits, when known."""
+    if grad_accum_steps > 1:
+        raise PipelineError(
+            "pipeline parallel accumulates over its micro-batches: set grad_accum_steps=1 and raise "
+            "pipeline.microbatches instead"
+        )
+    chunks_per_rank(cfg)
+    microbatches = cfg.microbatches or pp
+    if microbatches < pp:
+        raise PipelineError(f"pipeline.microbatches={microbatches} must be at least pp={pp}")
+    if local_batch is not None and local_batch % microbatches:
+        raise PipelineError(
+            f"the local batch of {local_batch} does not split into pipeline.microbatches={microbatches}"
+            ": make the per-rank batch size a multiple of it"
+        )
+    return microbatches
 
 
 def divisors(n: int) -> list[int]:

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor.parallel import loss_parallel as tensor_parallel_loss
 
-from meshkit.config.layout import Layout
+from meshkit.config.layout import Layout, check_pipeline
 from meshkit.config.schema import RunConfig
 from meshkit.core.tree import map_tensors
-from meshkit.engine.prepared import EngineError, PreparedObjects
+from meshkit.engine.prepared import PreparedObjects
 from meshkit.parallel.context.apply import shard_sequence
 from meshkit.parallel.dataparallel import check_world
 from meshkit.parallel.zero.nvme import check_offload_dir
@@ -84,11 +84,8 @@ class Placement:
 def place(config: RunConfig, info: ProcessInfo, device: torch.device, say: Callable[[str], None]) -> Placement:
     """Validate the layout against the world and build the mesh (and the parameter-server roles)."""
     dims = Layout.from_config(config.parallel, info.world_size)
-    if dims.pp > 1 and config.grad_accum_steps > 1:
-        raise EngineError(
-            "pipeline parallel accumulates over its micro-batches: set grad_accum_steps=1 and raise "
-            "pipeline.microbatches instead"
-        )
+    if dims.pp > 1:
+        check_pipeline(config.pipeline, dims.pp, grad_accum_steps=config.grad_accum_steps)
     if config.strategy == "dataparallel":
         check_world(info.world_size)
     layout = replace(dims, zero_stage=effective_zero_stage(config.sharding, dims))

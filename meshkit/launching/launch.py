@@ -50,7 +50,7 @@ from meshkit.launching.stores import (
 )
 from meshkit.launching.supervisor import WorkerSupervisor
 from meshkit.launching.tolerant_agent import LostWorker, TolerantAgent, agent_class
-from meshkit.launching.worker import LAUNCHER_PID_ENV
+from meshkit.launching.worker import LAUNCH_LOG_ENV, LAUNCHER_PID_ENV
 from meshkit.runtime.preemption import PREEMPTED_EXIT_CODE, signal_number
 
 MULTI_NODE_DEFAULT_PORT = 29500
@@ -136,6 +136,8 @@ class LaunchPlan:
             env[GLOO_INTERFACE_ENV] = interface
         if self.config_file:
             env[ENV_CONFIG_FILE] = str(Path(self.config_file).resolve())
+        if self.log_dir is not None:  # where a rank that lost a peer leaves its traceback (`worker.py`)
+            env[LAUNCH_LOG_ENV] = str((Path(self.log_dir) / f"launch-node{self.settings.node_rank}.log").absolute())
         if torch.cuda.is_available():
             # NCCL's flight recorder: on a collective timeout every rank dumps its last collectives (what it
             # waited in, with sequence numbers) for `torch.distributed.flight_recorder` to compare.

@@ -5,7 +5,9 @@ Before the user's script or module runs (as `__main__`), the worker
   and a watchdog thread does the same where that is unavailable or the launcher died before it was set;
 - on global rank 0, hosts this attempt's store on the address the launcher chose (never every interface).
 An exception is written, with its traceback, to the error file the elastic agent hands each worker, so the
-launcher can say which rank failed and why; a meshkit input error (a bad setting) is one line, exit code 2.
+launcher can say which rank failed and why; a meshkit input error (a bad setting) is one line, exit code 2. A rank
+that failed only because a peer is gone (gloo's "Connection closed by peer", NCCL's "remote process exited")
+prints one line and leaves its traceback in the launcher's log file: the terminal shows the cause, not its echoes.
 A failed worker leaves without interpreter teardown: the native threads of a process group still alive can
 crash it (SIGSEGV), and the launcher would report that signal instead of the error's exit status.
 """
@@ -33,6 +35,15 @@ from meshkit.launching.supervisor import FAILED_PREFIX
 from meshkit.runtime.preemption import LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE
 
 LAUNCHER_PID_ENV = "MESHKIT_LAUNCHER_PID"
+LAUNCH_LOG_ENV = "MESHKIT_LAUNCH_LOG"  # the launcher's log file for this node
+# How the backends say that the other end of a connection is gone (the error is then a consequence).
+PEER_LOSS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
 _PR_SET_PDEATHSIG = 1
 WATCHDOG_S = 1.0
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torch's elastic agent reads each worker's error
@@ -72,11 +83,35 @@ def run_user_program(run: Callable[[], Any]) -> None:
         except BaseException as err:
             note_failure()
             write_error_file(err)
-            if not isinstance(err, MeshkitError):
+            if not isinstance(err, MeshkitError) and not (lost_a_peer(err) and report_peer_loss(err)):
                 traceback.print_exc()
             exit_now(2 if isinstance(err, MeshkitError) else 1)
 
     record(guarded)()
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether `err` only says that another rank's end of a connection is gone."""
+    return any(sign in str(err) for sign in PEER_LOSS)
+
+
+def report_peer_loss(err: BaseException) -> bool:
+    """One line on stderr, the traceback appended to the launcher's log file; False when there is no log file
+    (the caller then prints the traceback: nothing is lost)."""
+    log = os.environ.get(LAUNCH_LOG_ENV)
+    if not log:
+        return False
+    rank = os.environ.get("RANK", "?")
+    try:
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        with open(log, "a") as handle:
+            handle.write(f"--- rank {rank} (pid {os.getpid()}): a peer is gone\n{traceback.format_exc()}\n")
+    except OSError:
+        return False
+    sign = next(sign for sign in PEER_LOSS if sign in str(err))
+    print(f"meshkit: rank {rank} stopped: a peer is gone ({type(err).__name__}: {sign}); traceback in {log}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return True
 
 
 def write_error_file(err: BaseException) -> None:

@@ -25,10 +25,11 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from meshkit.config.layout import Layout
+from meshkit.config.layout import Layout, check_pipeline
 from meshkit.config.resolve import ResolvedConfig
 from meshkit.config.schema import RunConfig
-from meshkit.core.errors import MeshkitError
+from meshkit.core.errors import MeshkitError, one_line
+from meshkit.parallel.zero.sharding import effective_zero_stage
 from meshkit.planning.estimate import ModelShape
 from meshkit.planning.hardware import Hardware
 from meshkit.planning.perf_model import predict
@@ -80,7 +81,8 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def layout_values(layout: Layout, global_batch: int, micro_batch: int, seq_len: int) -> dict[str, Any]:
     """The config keys of `layout` for `global_batch` sequences per step, micro-batches of at most `micro_batch`."""
     per_rank = global_batch // layout.dp
-    micro = max(d for d in range(1, min(micro_batch, per_rank) + 1) if per_rank % d == 0)
+    # the largest micro-batch that divides the rank's batch (and leaves a pipeline at least pp micro-batches)
+    micro = max(d for d in range(1, min(micro_batch, per_rank) + 1) if per_rank % d == 0 and per_rank // d >= layout.pp)
     values = _flat(to_config(layout, Cluster(1, 1.0), seq_len, global_batch, "fp32"))
     for key in [k for k in values if k.startswith(("launch.", "train.", "pipeline.")) or k == "precision"]:
         del values[key]
@@ -146,6 +148,15 @@ def propose(
     hardware = measure_profile(None, device, quick=True, matmul_shape=gemm)
     if work.refine is not None:
         hardware = work.refine(hardware)
+    return candidates_on(resolved, world, local_world, work, hardware)
+
+
+def candidates_on(
+    resolved: ResolvedConfig, world: int, local_world: int, work: Workload, hardware: Hardware
+) -> list[Candidate]:
+    """The planner's fastest `probe.top_k` layouts for `world` ranks on `hardware`, each with the config keys
+    that ask for it; a layout the run would refuse carries the reason as its error (it is not probed)."""
+    cfg = resolved.config
     limit = cfg.probe.memory_limit_gb or hardware.memory_gb * 0.9
     cluster = Cluster(local_world, limit / 0.9, max(1, world // local_world), device=hardware)
     precision = "fp32" if cfg.precision == "no" else cfg.precision
@@ -157,6 +168,7 @@ def propose(
     out = []
     for layout in chosen:
         values = layout_values(layout, global_batch, work.micro_batch, work.seq_len)
+        refused = refusal(resolved, values, world)
         pipelined = layout.pp > 1
         micro_batch = values["train.micro_batch_size"] // (values["pipeline.microbatches"] if pipelined else 1)
         steps = values["pipeline.microbatches"] if pipelined else values["grad_accum_steps"]
@@ -165,8 +177,21 @@ def propose(
             shape, real, cluster.topology(), hardware, seq_len=work.seq_len,
             global_batch=global_batch, micro_batch=micro_batch, precision=precision,
         )  # fmt: skip
-        out.append(Candidate(real, values, time.step_s, time.as_json()))
+        out.append(Candidate(real, values, time.step_s, time.as_json(), error=refused))
     return out
+
+
+def refusal(resolved: ResolvedConfig, values: dict[str, Any], world: int) -> str | None:
+    """Why the run would refuse the layout `values` ask for (the same checks it applies), or None."""
+    try:
+        config = with_values(resolved, {**values, "layout": "manual"}).config
+        layout = Layout.from_config(config.parallel, world)
+        if layout.pp > 1:
+            check_pipeline(config.pipeline, layout.pp, config.train.largest_micro_batch, config.grad_accum_steps)
+        effective_zero_stage(config.sharding, layout)
+    except (MeshkitError, ValueError) as err:
+        return f"{type(err).__name__}: {one_line(str(err))}"
+    return None
 
 
 def diverse(ranked: list[Layout], k: int) -> list[Layout]:
@@ -242,6 +267,8 @@ def choose(
         limit_gb = torch.cuda.get_device_properties(device).total_memory / 1e9 * 0.9
     limit_mb = (limit_gb or 0) * 1e9 / 2**20
     for candidate in candidates:
+        if candidate.error is not None:  # refused by the run's own checks: named in the table, not run
+            continue
         measure(resolved, candidate, build, engine_class)
         if candidate.error is None and limit_mb and (candidate.peak_mb or candidate.held_mb or 0) > limit_mb:
             candidate.error = (

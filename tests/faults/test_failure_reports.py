@@ -52,6 +52,41 @@ def test_the_killed_rank_is_blamed_not_the_one_the_launcher_stopped(tmp_path) ->
     assert last.endswith("restarts used up (1 of 1)"), last
 
 
+OWN_ERROR = """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 1:
+    raise ValueError("boom on rank 1")
+dist.barrier()
+"""
+
+
+def test_peers_that_lost_the_killed_rank_say_so_in_one_line_each_and_log_their_tracebacks(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(KILLED_RANK)
+    run = tmp_path / "run"
+    proc = meshkit("launch", "--nproc-per-node", "4", "--set", f"logging.dir={run}", str(script), timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "Connection closed by peer [" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "a peer is gone" in line]
+    assert all(line.endswith(f"traceback in {run / 'launch-node0.log'}") for line in lines), lines
+    if lines:  # (peers the agent stopped first print nothing at all)
+        assert "Traceback" in (run / "launch-node0.log").read_text()
+    assert proc.stderr.strip().splitlines()[-1].startswith("meshkit launch: rank 1 (local rank 1) was killed")
+
+
+def test_a_ranks_own_error_keeps_its_traceback(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(OWN_ERROR)
+    proc = meshkit("launch", "--nproc-per-node", "2", "--set", f"logging.dir={tmp_path / 'run'}", str(script))
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and 'raise ValueError("boom on rank 1")' in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshkit launch: rank 1 (local rank 1, exit code 1): ValueError: boom on rank 1"), last
+    assert proc.stderr.count("Traceback") == 1  # rank 1's own; rank 0 only lost its peer
+
+
 @needs_proc
 def test_a_stopped_rank_is_killed_after_the_grace_and_the_job_ends_within_timeout_plus_10s(tmp_path) -> None:
     script = tmp_path / "job.py"

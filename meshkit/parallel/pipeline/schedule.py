@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from meshkit.config.layout import check_pipeline
 from meshkit.config.schema import PipelineConfig
 from meshkit.parallel.pipeline.stages import SINGLE_STAGE, PipelineError, PipelineModel, schedule_class, stage_ids
 from meshkit.runtime import collectives
@@ -26,9 +27,7 @@ class PipelineRunner:
         self.model = model
         self.loss_fn = loss_fn
         self.group = mesh.group("pp")
-        self.microbatches = cfg.microbatches or pp
-        if self.microbatches < pp:
-            raise PipelineError(f"pipeline.microbatches={self.microbatches} must be at least pp={pp}")
+        self.microbatches = check_pipeline(cfg, pp)
         self.stages = [
             PipelineStage(chunk, index, model.stages, mesh.device, group=self.group)
             for chunk, index in zip(model.chunks, model.stage_list, strict=True)

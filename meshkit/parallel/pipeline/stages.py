@@ -18,8 +18,7 @@ import torch
 import torch.distributed.pipelining.schedules as schedules
 from torch import nn
 
-from meshkit.config.schema import PipelineConfig
-from meshkit.core.errors import MeshkitError
+from meshkit.config.layout import SINGLE_STAGE, PipelineError, chunks_per_rank  # noqa: F401 - re-exported
 from meshkit.models.blocks import find_blocks
 from meshkit.models.structure import ModelStructure
 from meshkit.parallel.pipeline.hf_stage import make_transformers_stage
@@ -32,11 +31,6 @@ SCHEDULE_CLASSES = {
     "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
     "zbv_zero_bubble": "ScheduleZBVZeroBubble",
 }
-SINGLE_STAGE = {"gpipe", "1f1b"}  # one model chunk per rank; the others take several
-
-
-class PipelineError(MeshkitError):
-    """A pipeline layout that cannot run; the message says what to change."""
 
 
 def schedule_class(name: str) -> type:
@@ -46,23 +40,6 @@ def schedule_class(name: str) -> type:
         present = [n for n, cls in SCHEDULE_CLASSES.items() if hasattr(schedules, cls)]
         raise PipelineError(f"schedule {name} is not in torch {torch.__version__}: choose one of {', '.join(present)}")
     return found
-
-
-def chunks_per_rank(cfg: PipelineConfig) -> int:
-    """Model chunks each rank holds: 1 for GPipe and 1F1B, `stages_per_rank` (default 2) for the others."""
-    if cfg.schedule in SINGLE_STAGE:
-        if cfg.stages_per_rank not in (None, 1):
-            raise PipelineError(
-                f"schedule {cfg.schedule} runs one stage per rank, not {cfg.stages_per_rank}: "
-                "use interleaved_1f1b for several"
-            )
-        return 1
-    chunks = cfg.stages_per_rank or 2
-    if cfg.schedule == "zbv_zero_bubble" and chunks != 2:
-        raise PipelineError(f"zbv_zero_bubble runs exactly 2 stages per rank (a V shape), not {chunks}")
-    if chunks < 2:
-        raise PipelineError(f"schedule {cfg.schedule} interleaves several stages per rank: set stages_per_rank >= 2")
-    return chunks
 
 
 def stage_ids(pp_rank: int, pp: int, chunks: int, schedule: str) -> list[int]:
