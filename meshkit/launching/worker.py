@@ -35,7 +35,7 @@ from meshkit.launching.supervisor import FAILED_PREFIX
 from meshkit.runtime.preemption import LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE
 
 LAUNCHER_PID_ENV = "MESHKIT_LAUNCHER_PID"
-LAUNCH_LOG_ENV = "MESHKIT_LAUNCH_LOG"  # the launcher's log file for this node
+LAUNCH_LOG_ENV = "MESHKIT_LAUNCHER_LOG"  # the launcher's log file for this node (not a config key)
 # How the backends say that the other end of a connection is gone (the error is then a consequence).
 PEER_LOSS = (
     "Connection closed by peer",

@@ -161,3 +161,17 @@ def test_max_restarts_restarts_failed_workers(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "DONE rank 0 attempt 1" in proc.stdout and "DONE rank 1 attempt 1" in proc.stdout
     # Restarts that run out: tests/faults/test_failure_reports.py
+
+
+def test_what_the_launcher_tells_its_workers_is_never_read_as_config(tmp_path) -> None:
+    """Every MESHKIT_* variable a worker inherits from the launcher resolves cleanly: none is taken for a key."""
+    from meshkit.config import LaunchSettings
+    from meshkit.config.resolve import resolve
+    from meshkit.launching.launch import LaunchPlan
+    from meshkit.launching.stores import node_addresses
+
+    settings = LaunchSettings(nproc_per_node=2)
+    plan = LaunchPlan(settings, log_dir=tmp_path / "run", config_file=None)
+    env = plan.worker_env(node_addresses(settings))
+    assert any(name.startswith("MESHKIT_") for name in env) and any("LOG" in name for name in env)
+    assert resolve(env=env).config.launch.nproc_per_node == 1  # (the workers' own view: flags only from the env)

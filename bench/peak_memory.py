@@ -1,0 +1,126 @@
+"""Peak resident memory per step: does a layout's peak stay where its first step put it?
+
+World 4, 24 × Linear(2048, 2048) (100 M parameters), SGD with momentum, for DDP and ZeRO-0/1/2/3, each layout in
+a world of its own. After every step each rank records its peak resident set size (ru_maxrss); the table shows
+the largest rank's peak after step 1, the most it rose after that, and the step where it last rose. Target: the
+peak of step 1 is the peak of the run (growth within 2 % of it). Prints a table and writes JSON.
+
+    python bench/peak_memory.py [--nproc 4] [--steps 20] [--layers 24] [--out bench/results/peak-memory-w4.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshkit import Engine
+from meshkit.config import LaunchSettings
+from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
+from meshkit.runtime.memory import peak_rss_bytes
+
+WIDTH, BATCH = 2048, 8
+LAYOUTS = {
+    "ddp": {},
+    "zero0": {"zero_stage": 0, "ddp": {"gradient_as_bucket_view": True}},
+    "zero1": {"zero_stage": 1},
+    "zero2": {"zero_stage": 2},
+    "zero3": {"zero_stage": 3},
+}
+
+
+def run_layout(name: str, steps: int, layers: int) -> list[int]:
+    """One layout's peak RSS after each step, on this rank."""
+    torch.manual_seed(0)
+    settings = {**LAYOUTS[name]}
+    if settings.get("zero_stage") == 3:
+        settings["dp_shard"], settings["dp_replicate"] = -1, 1
+    engine = Engine(**settings)
+    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    model, optimizer = engine.prepare(model, optimizer)
+    peaks = []
+    for _ in range(steps):
+        loss = model(torch.randn(BATCH, WIDTH)).square().mean()
+        engine.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        peaks.append(peak_rss_bytes())
+    engine.end()
+    return peaks
+
+
+def worker(name: str, steps: int, layers: int, out: Path) -> None:
+    peaks = run_layout(name, steps, layers)
+    gathered: list[list[int]] = [[] for _ in range(dist.get_world_size())] if dist.is_initialized() else [peaks]
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, peaks)
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.write_text(json.dumps(gathered))
+
+
+def summarise(name: str, per_rank: list[list[int]]) -> dict:
+    largest = [max(rank[step] for rank in per_rank) for step in range(len(per_rank[0]))]
+    first, last = largest[0], largest[-1]
+    rose_at = max((i + 1 for i in range(1, len(largest)) if largest[i] > largest[i - 1]), default=1)
+    return {
+        "layout": name,
+        "peak_step1_mb": first / 2**20,
+        "peak_end_mb": last / 2**20,
+        "growth_mb": (last - first) / 2**20,
+        "growth_ratio": last / first,
+        "last_rise_at_step": rose_at,
+        "per_step_peak_mb": [p / 2**20 for p in largest],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--layout", default=None, help="(internal) the layout a worker runs")
+    parser.add_argument("--part", type=Path, default=None, help="(internal) where a world writes its peaks")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args.layout, args.steps, args.layers, args.part)
+        return 0
+    out = args.out or Path(f"bench/results/peak-memory-w{args.nproc}.json")
+    rows = []
+    for name in LAYOUTS:
+        part = out.with_suffix(f".{name}.part")
+        argv = (
+            "--layout",
+            name,
+            "--steps",
+            str(args.steps),
+            "--layers",
+            str(args.layers),
+            "--part",
+            str(part.resolve()),
+        )
+        code = launch(
+            LaunchTarget(os.path.abspath(__file__), argv), LaunchPlan(LaunchSettings(nproc_per_node=args.nproc))
+        )
+        if code:
+            return code
+        rows.append(summarise(name, json.loads(part.read_text())))
+        part.unlink()
+    print(f"{'layout':<8}{'peak step 1 MB':>16}{'peak end MB':>13}{'growth MB':>11}{'ratio':>8}{'last rise':>11}")
+    for row in rows:
+        print(f"{row['layout']:<8}{row['peak_step1_mb']:>16.0f}{row['peak_end_mb']:>13.0f}{row['growth_mb']:>11.0f}"
+              f"{row['growth_ratio']:>8.3f}{row['last_rise_at_step']:>11}")  # fmt: skip
+    result = {"nproc": args.nproc, "steps": args.steps, "layers": args.layers, "width": WIDTH, "rows": rows}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
