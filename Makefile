@@ -10,7 +10,7 @@ TORCH := torch==2.13.0
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[dev,hf,docs]'
+	$(BIN)/pip install --quiet -e '.[dev,hf,docs,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

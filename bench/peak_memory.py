@@ -1,9 +1,11 @@
 """Peak resident memory per step: does a layout's peak stay where its first step put it?
 
-World 4, 24 × Linear(2048, 2048) (100 M parameters), SGD with momentum, for DDP and ZeRO-0/1/2/3, each layout in
-a world of its own. After every step each rank records its peak resident set size (ru_maxrss); the table shows
-the largest rank's peak after step 1, the most it rose after that, and the step where it last rose. Target: the
-peak of step 1 is the peak of the run (growth within 2 % of it). Prints a table and writes JSON.
+World 4, 24 × Linear(2048, 2048) (100 M parameters), SGD with momentum, for DDP and ZeRO-0/1/2/3, each in a
+world of its own, twice: as meshkit launches it (a fixed mmap threshold on huge pages, `runtime/host_memory.py`)
+and with `host_memory_slack_mb: null` (glibc's own dynamic threshold: the baseline). After every step each rank records
+its peak resident set size (ru_maxrss) and the step's time; the table shows the largest rank's peak after step 1,
+the most it rose after that, the step where it last rose, and the median step time. Target: the peak of step 1
+is the peak of the run (growth within 2 % of it). Prints a table and writes JSON.
 
     python bench/peak_memory.py [--nproc 4] [--steps 20] [--layers 24] [--out bench/results/peak-memory-w4.json]
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,17 +29,22 @@ from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
 from meshkit.runtime.memory import peak_rss_bytes
 
 WIDTH, BATCH = 2048, 8
-LAYOUTS = {
+STAGES = {
     "ddp": {},
     "zero0": {"zero_stage": 0, "ddp": {"gradient_as_bucket_view": True}},
     "zero1": {"zero_stage": 1},
     "zero2": {"zero_stage": 2},
     "zero3": {"zero_stage": 3},
 }
+LAYOUTS = {  # each layout next to its baseline, so that both see the machine in the same state
+    label: values
+    for name, settings in STAGES.items()
+    for label, values in ((name, settings), (f"{name} glibc", {**settings, "host_memory_slack_mb": None}))
+}
 
 
-def run_layout(name: str, steps: int, layers: int) -> list[int]:
-    """One layout's peak RSS after each step, on this rank."""
+def run_layout(name: str, steps: int, layers: int) -> tuple[list[int], list[float]]:
+    """One layout's peak RSS after each step, and each step's seconds, on this rank."""
     torch.manual_seed(0)
     settings = {**LAYOUTS[name]}
     if settings.get("zero_stage") == 3:
@@ -44,15 +53,17 @@ def run_layout(name: str, steps: int, layers: int) -> list[int]:
     model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     model, optimizer = engine.prepare(model, optimizer)
-    peaks = []
+    peaks, seconds = [], []
     for _ in range(steps):
+        start = time.perf_counter()
         loss = model(torch.randn(BATCH, WIDTH)).square().mean()
         engine.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+        seconds.append(time.perf_counter() - start)
         peaks.append(peak_rss_bytes())
     engine.end()
-    return peaks
+    return peaks, seconds
 
 
 def worker(name: str, steps: int, layers: int, out: Path) -> None:
@@ -64,8 +75,9 @@ def worker(name: str, steps: int, layers: int, out: Path) -> None:
         out.write_text(json.dumps(gathered))
 
 
-def summarise(name: str, per_rank: list[list[int]]) -> dict:
-    largest = [max(rank[step] for rank in per_rank) for step in range(len(per_rank[0]))]
+def summarise(name: str, per_rank: list[tuple[list[int], list[float]]]) -> dict:
+    largest = [max(rank[0][step] for rank in per_rank) for step in range(len(per_rank[0][0]))]
+    slowest = [max(rank[1][step] for rank in per_rank) for step in range(len(per_rank[0][1]))]
     first, last = largest[0], largest[-1]
     rose_at = max((i + 1 for i in range(1, len(largest)) if largest[i] > largest[i - 1]), default=1)
     return {
@@ -75,6 +87,7 @@ def summarise(name: str, per_rank: list[list[int]]) -> dict:
         "growth_mb": (last - first) / 2**20,
         "growth_ratio": last / first,
         "last_rise_at_step": rose_at,
+        "median_step_s": statistics.median(slowest[1:] or slowest),
         "per_step_peak_mb": [p / 2**20 for p in largest],
     }
 
@@ -87,14 +100,19 @@ def main() -> int:
     parser.add_argument("--layout", default=None, help="(internal) the layout a worker runs")
     parser.add_argument("--part", type=Path, default=None, help="(internal) where a world writes its peaks")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--only", default=None, help="comma-separated layouts to run (default: all)")
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args.layout, args.steps, args.layers, args.part)
         return 0
     out = args.out or Path(f"bench/results/peak-memory-w{args.nproc}.json")
     rows = []
-    for name in LAYOUTS:
-        part = out.with_suffix(f".{name}.part")
+    names = args.only.split(",") if args.only else list(LAYOUTS)
+    unknown = sorted(set(names) - set(LAYOUTS))
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: choose among {', '.join(LAYOUTS)}")
+    for name in names:
+        part = out.with_suffix(f".{name.replace(' ', '-')}.part")
         argv = (
             "--layout",
             name,
@@ -105,17 +123,17 @@ def main() -> int:
             "--part",
             str(part.resolve()),
         )
-        code = launch(
-            LaunchTarget(os.path.abspath(__file__), argv), LaunchPlan(LaunchSettings(nproc_per_node=args.nproc))
-        )
+        plan = LaunchPlan(LaunchSettings(nproc_per_node=args.nproc), tune_allocator=not name.endswith(" glibc"))
+        code = launch(LaunchTarget(os.path.abspath(__file__), argv), plan)
         if code:
             return code
         rows.append(summarise(name, json.loads(part.read_text())))
         part.unlink()
-    print(f"{'layout':<8}{'peak step 1 MB':>16}{'peak end MB':>13}{'growth MB':>11}{'ratio':>8}{'last rise':>11}")
+    print(f"{'layout':<14}{'peak step 1 MB':>16}{'peak end MB':>13}{'growth MB':>11}{'ratio':>8}{'last rise':>11}"
+          f"{'step s':>9}")  # fmt: skip
     for row in rows:
-        print(f"{row['layout']:<8}{row['peak_step1_mb']:>16.0f}{row['peak_end_mb']:>13.0f}{row['growth_mb']:>11.0f}"
-              f"{row['growth_ratio']:>8.3f}{row['last_rise_at_step']:>11}")  # fmt: skip
+        print(f"{row['layout']:<14}{row['peak_step1_mb']:>16.0f}{row['peak_end_mb']:>13.0f}{row['growth_mb']:>11.0f}"
+              f"{row['growth_ratio']:>8.3f}{row['last_rise_at_step']:>11}{row['median_step_s']:>9.3f}")  # fmt: skip
     result = {"nproc": args.nproc, "steps": args.steps, "layers": args.layers, "width": WIDTH, "rows": rows}
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"written to {out}")

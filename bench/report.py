@@ -237,6 +237,21 @@ def against_commit(data: dict[str, Any]) -> str:
     )
 
 
+def peak_memory(data: dict[str, Any]) -> str:
+    rows = [
+        [row["layout"], f"{row['peak_step1_mb']:.0f}", f"{row['peak_end_mb']:.0f}", f"{row['growth_mb']:.0f}",
+         f"{row['growth_ratio']:.3f}", str(row["last_rise_at_step"]), f"{row['median_step_s']:.2f}"]
+        for row in data["rows"]
+    ]  # fmt: skip
+    return (
+        f"World {data['nproc']}, {data['layers']} × Linear({data['width']}, {data['width']}), SGD with momentum, "
+        f"{data['steps']} steps; the largest rank's peak resident memory (ru_maxrss) after step 1 and at the end. "
+        "Rows marked glibc run with `host_memory_slack_mb: null` (malloc as glibc sets it). Target: growth within "
+        "2 % of step 1's peak.\n\n"
+        + _table(["layout", "peak step 1 MB", "peak end MB", "growth MB", "end / step 1", "last rise", "step s"], rows)
+    )
+
+
 def plan_vs_measured(data: dict[str, Any]) -> str:
     rows = [
         [
@@ -317,6 +332,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "python bench/plan_vs_measured.py",
         plan_vs_measured,
     ),
+    ("Peak memory per step, world 4", "peak-memory-w4.json", "python bench/peak_memory.py", peak_memory),
     (
         "Step time against the previous commit",
         "against-commit.json",

@@ -17,12 +17,13 @@ from rich.table import Table
 
 from meshkit.cli.estimate import estimate_command
 from meshkit.cli.plan import plan_command
+from meshkit.config.idle import idle_values
 from meshkit.config.resolve import ResolvedConfig, default_config_path, parse_assignments, resolve
 from meshkit.config.schema import LaunchSettings
 from meshkit.core.errors import MeshkitError, one_line
 from meshkit.launching.cluster import cluster_settings
 from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
-from meshkit.launching.preflight import check_job, check_layout, check_recipe, check_resume_path, idle_settings
+from meshkit.launching.preflight import check_job, check_layout, check_recipe, check_resume_path
 from meshkit.planning.commbench import OPS, parse_ops, parse_sizes
 from meshkit.runtime.mesh import ProcessInfo
 
@@ -91,6 +92,12 @@ def print_resolved(resolved: ResolvedConfig) -> None:
         Console(stderr=True).print(f"[yellow]warning:[/] {conflict.message()}")
 
 
+def tell_idle_settings(resolved: ResolvedConfig) -> None:
+    """One notice per value a person chose that changes nothing here (a scheduler's values pass)."""
+    for note in idle_values(resolved.config, dict(resolved.sources)):
+        print(f"meshkit launch: {note}", file=sys.stderr, flush=True)
+
+
 NprocOpt = Annotated[Optional[int], typer.Option("--nproc-per-node", help="worker processes on this node")]
 NnodesOpt = Annotated[
     Optional[str], typer.Option("--nnodes", help="number of nodes, or MIN:MAX for an elastic job (e.g. 1:4)")
@@ -103,6 +110,12 @@ LocalAddrOpt = Annotated[
     typer.Option("--local-addr", help="this node's address for its stores (default: the route to node 0)"),
 ]
 RestartsOpt = Annotated[Optional[int], typer.Option("--max-restarts", help="restarts after a failure")]
+BackendOpt = Annotated[
+    Optional[str], typer.Option("--backend", help="elastic (torch's agent on each node) or ray (a Ray cluster)")
+]
+RayAddressOpt = Annotated[
+    Optional[str], typer.Option("--ray-address", help="backend ray: auto, ray://host:10001; default a local cluster")
+]
 RdzvOpt = Annotated[Optional[float], typer.Option("--rdzv-timeout", help="seconds to wait for all nodes")]
 ConfigFileOpt = Annotated[Optional[Path], typer.Option("--config-file", help="YAML config file")]
 PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="no, bf16 or fp16")]
@@ -123,6 +136,8 @@ def launch_command(
     local_addr: LocalAddrOpt = None,
     max_restarts: RestartsOpt = None,
     rdzv_timeout: RdzvOpt = None,
+    backend: BackendOpt = None,
+    ray_address: RayAddressOpt = None,
     config_file: ConfigFileOpt = None,
     precision: PrecisionOpt = None,
     set_: SetOpt = None,
@@ -140,6 +155,8 @@ def launch_command(
             "launch.local_addr": ("--local-addr", local_addr),
             "launch.max_restarts": ("--max-restarts", max_restarts),
             "launch.rdzv_timeout_s": ("--rdzv-timeout", rdzv_timeout),
+            "launch.backend": ("--backend", backend),
+            "launch.ray_address": ("--ray-address", ray_address),
             "precision": ("--precision", precision),
         },
         set_ or [],
@@ -147,8 +164,7 @@ def launch_command(
     cluster = cluster_settings(os.environ)
     resolved = resolve(flags=flags, flag_labels=labels, file=config_file, cluster=cluster)
     check_job(resolved.config, dict(resolved.sources))
-    for note in idle_settings(resolved.config, dict(resolved.sources), set(cluster[1].values())):
-        print(f"meshkit launch: {note}", file=sys.stderr, flush=True)
+    tell_idle_settings(resolved)
     plan = LaunchPlan.from_config(
         resolved.config, config_file=str(config_file) if config_file else None, flags=flags, flag_labels=labels
     )
@@ -170,10 +186,11 @@ def train(
     launched = ProcessInfo.from_env().launched  # a worker: RANK and WORLD_SIZE are torch's ranks, not nodes
     resolved = resolve_recipe(config, assignments, cluster=not launched)
     settings = resolved.config.launch
-    if launched or settings.nproc_per_node * settings.nnodes == 1:
+    if launched or (settings.backend == "elastic" and settings.world_size == 1):
         run_recipe(resolved)
         return
     check_recipe(resolved.config)
+    tell_idle_settings(resolved)
     target = LaunchTarget("meshkit.recipes.train", (str(config), *assignments), module=True)
     raise typer.Exit(launch(target, LaunchPlan.from_config(resolved.config)))
 
@@ -194,11 +211,12 @@ def finetune(
     launched = ProcessInfo.from_env().launched
     job = resolve_finetune(config, assignments, cluster=not launched)
     settings = job.resolved.config.launch
-    if launched or settings.nproc_per_node * settings.nnodes == 1:
+    if launched or (settings.backend == "elastic" and settings.world_size == 1):
         run_recipe(job)
         return
     check_layout(job.resolved.config)
     check_resume_path(job.resolved.config)
+    tell_idle_settings(job.resolved)
     target = LaunchTarget("meshkit.recipes.finetune", (str(config), *assignments), module=True)
     raise typer.Exit(launch(target, LaunchPlan.from_config(job.resolved.config)))
 

@@ -128,8 +128,24 @@ class LoggingConfig(Section):
 
 
 class LaunchSettings(Section):
-    """How `meshkit launch` starts the workers (torch elastic agent underneath)."""
+    """How `meshkit launch` starts the workers: torch's elastic agent on each node, or a Ray cluster."""
 
+    backend: Literal["elastic", "ray"] = Field(
+        "elastic", description="elastic: one launcher per node (torch's elastic agent); ray: workers on a Ray cluster"
+    )
+    ray_address: str | None = Field(
+        None, description="backend ray: the cluster (auto, ray://host:10001, host:6379); null = a local one for the run"
+    )
+    ray_num_workers: int | None = Field(
+        None, ge=1, description="backend ray: ranks in the job; null = nproc_per_node × nnodes"
+    )
+    ray_cpus_per_worker: float = Field(1.0, gt=0, description="backend ray: CPUs Ray reserves for each rank")
+    ray_gpus_per_worker: float | None = Field(
+        None, ge=0, description="backend ray: GPUs for each rank; null = 1 when the device is cuda, else 0"
+    )
+    ray_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="backend ray: placement-group strategy (PACK fills a node before the next)"
+    )
     nproc_per_node: int = Field(1, ge=1, description="worker processes per node")
     nnodes: int = Field(1, ge=1, description="number of nodes (elastic: the most nodes)")
     min_nnodes: int | None = Field(
@@ -159,6 +175,13 @@ class LaunchSettings(Section):
     shutdown_grace_s: float = seconds(
         30.0, "after the preemption signal, seconds the workers get to checkpoint and exit before SIGKILL"
     )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job (its most, for an elastic one)."""
+        if self.backend == "ray" and self.ray_num_workers is not None:
+            return self.ray_num_workers
+        return self.nproc_per_node * self.nnodes
 
     @model_validator(mode="after")
     def _node_rank_in_range(self) -> LaunchSettings:
@@ -341,7 +364,8 @@ class RunConfig(Section):
         16.0,
         ge=0,
         description="CPU ranks: hand freed heap memory back to the system when resident memory exceeds the most "
-        "the first 3 steps held by this much (MB); null = never (glibc's malloc keeps it, fragmented)",
+        "the first 3 steps held by this much (MB), and start workers with large blocks mapped on their own; "
+        "null = neither (glibc's malloc keeps freed memory, fragmented)",
     )
     structure: StructureConfig = StructureConfig()
     activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig()

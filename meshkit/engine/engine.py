@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshkit.config.idle import idle_values
 from meshkit.config.resolve import ResolvedConfig, explicit_values, resolve
 from meshkit.config.schema import RunConfig
 from meshkit.core.seed import set_seed
@@ -41,6 +42,7 @@ from meshkit.engine.prepared import EngineError, PreparedObjects
 from meshkit.engine.processes import Processes
 from meshkit.engine.weights import Weights
 from meshkit.launching.affinity import apply_affinity
+from meshkit.launching.worker import LAUNCHER_PID_ENV
 from meshkit.parallel.dataparallel import WrappedModelWarning  # noqa: F401 - re-exported
 from meshkit.paramserver.run import ParameterServerRun
 from meshkit.runtime import collectives
@@ -196,6 +198,10 @@ class Engine:
         if self.is_main_process:
             for conflict in self.resolved.conflicts:
                 warnings.warn(conflict.message(), ConfigConflictWarning, stacklevel=2)
+        # Values that change nothing here: meshkit's launcher named those it saw; code values only the Engine sees.
+        only = ("code",) if LAUNCHER_PID_ENV in os.environ else ()
+        for note in idle_values(config_, self.resolved.sources, only):
+            self._say_once(f"meshkit: {note}")
 
     def _place(self, config: RunConfig) -> Placement:
         """The device mesh and everything that follows the layout (again once `layout: auto` has chosen)."""

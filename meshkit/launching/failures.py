@@ -10,16 +10,26 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
+from typing import Protocol
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from meshkit.core.errors import one_line
-from meshkit.launching.supervisor import WorkerSupervisor
 
 # What the agent sends the others after a failure (its SIGKILL comes only 30 s later, and the supervisor's
 # own kills are known by pid): a tie between exits seen in one poll goes to the rank that did not get it.
 _AGENT_STOP = {signal.SIGTERM.value}
+
+
+class ExitClock(Protocol):
+    """When each worker's exit was seen, by pid (`WorkerSupervisor`, or the Ray driver's record)."""
+
+    killed: Collection[int]  # pids the launcher itself killed after the grace
+
+    def refresh(self) -> None: ...
+
+    def exit_time(self, pid: int) -> float | None: ...
 
 
 def _recorded(failure: ProcessFailure) -> bool:
@@ -27,7 +37,7 @@ def _recorded(failure: ProcessFailure) -> bool:
 
 
 def root_cause(
-    failures: Mapping[int, ProcessFailure], supervisor: WorkerSupervisor | None = None
+    failures: Mapping[int, ProcessFailure], supervisor: ExitClock | None = None
 ) -> tuple[int, ProcessFailure]:
     """(global rank, failure) of the rank that failed first."""
     if supervisor is not None:
@@ -69,7 +79,10 @@ def describe_failure(rank: int, failure: ProcessFailure) -> str:
 
 
 def failure_report(
-    failures: Mapping[int, ProcessFailure], max_restarts: int, supervisor: WorkerSupervisor | None = None
+    failures: Mapping[int, ProcessFailure],
+    max_restarts: int,
+    supervisor: ExitClock | None = None,
+    describe: Callable[[int, ProcessFailure], str] = describe_failure,
 ) -> tuple[str, int]:
     """The line the launcher prints, and its exit code (the first failure's, at least 1)."""
     rank, first = root_cause(failures, supervisor)
@@ -77,4 +90,4 @@ def failure_report(
     others = sorted(r for r, f in failures.items() if r != rank and (f.exitcode > 0 or _recorded(f)))
     also = f"; also failed: rank {', '.join(map(str, others))}" if others else ""
     restarts = f"; restarts used up ({max_restarts} of {max_restarts})" if max_restarts else ""
-    return f"{describe_failure(rank, first)}{also}{restarts}", first.exitcode if first.exitcode > 0 else 1
+    return f"{describe(rank, first)}{also}{restarts}", first.exitcode if first.exitcode > 0 else 1

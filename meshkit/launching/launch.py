@@ -14,14 +14,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,124 +28,17 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
-from meshkit.config.resolve import ENV_CONFIG_FILE, ENV_LAUNCH_FLAGS, launch_flags_to_env
-from meshkit.config.schema import LaunchSettings, RunConfig
-from meshkit.core.errors import MeshkitError
+from meshkit.config.schema import LaunchSettings
 from meshkit.launching.failures import failure_report
-from meshkit.launching.interfaces import GLOO_INTERFACE_ENV, gloo_interface
+from meshkit.launching.job import LaunchError, LaunchPlan, LaunchTarget  # noqa: F401 - LaunchError: importable here
 from meshkit.launching.roster import NodeRoster
 from meshkit.launching.stderr_filter import filtered_stderr
-from meshkit.launching.stores import (
-    ENV_STORE_BIND,
-    LOOPBACK,
-    WILDCARD,
-    Addresses,
-    listen,
-    node_addresses,
-    serve,
-    wait_reachable,
-)
+from meshkit.launching.stores import LOOPBACK, WILDCARD, listen, node_addresses, serve, wait_reachable
 from meshkit.launching.supervisor import WorkerSupervisor
 from meshkit.launching.tolerant_agent import LostWorker, TolerantAgent, agent_class
-from meshkit.launching.worker import LAUNCH_LOG_ENV, LAUNCHER_PID_ENV
 from meshkit.runtime.preemption import PREEMPTED_EXIT_CODE, signal_number
 
-MULTI_NODE_DEFAULT_PORT = 29500
 RUN_ID_ENV = "MESHKIT_RUN_ID"
-_TORCH_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-
-
-class LaunchError(MeshkitError):
-    """The job could not start or finish; the message names the cause."""
-
-
-@dataclass(frozen=True)
-class LaunchTarget:
-    """What each worker runs: a script path or (module=True) a module name, with its arguments."""
-
-    program: str
-    args: tuple[str, ...] = ()
-    module: bool = False
-
-    def check(self) -> None:
-        if self.module:
-            try:
-                found = importlib.util.find_spec(self.program) is not None
-            except (ImportError, ValueError):  # a parent package that does not exist, or an empty name
-                found = False
-            if not found:
-                raise LaunchError(f"module '{self.program}' was not found: check the name, or drop -m for a script")
-        elif not Path(self.program).is_file():
-            raise LaunchError(f"script '{self.program}' does not exist")
-
-    def worker_args(self) -> list[str]:
-        return ["-u", "-m", "meshkit.launching.worker", *(["-m"] if self.module else []), self.program, *self.args]
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """The resolved settings the launcher needs, plus what the workers must inherit."""
-
-    settings: LaunchSettings
-    threads_per_process: int | None = None
-    device: str = "auto"
-    preempt_signal: str = "SIGTERM"
-    log_dir: Path | None = None  # where `launch-node<N>.log` goes (the launcher's full stderr)
-    config_file: str | None = None
-    flags: Mapping[str, Any] = field(default_factory=dict)
-    flag_labels: Mapping[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, config: RunConfig, **kwargs: Any) -> LaunchPlan:
-        return cls(
-            config.launch,
-            config.threads_per_process,
-            config.device,
-            config.checkpoint.preempt_signal,
-            config.logging.dir,
-            **kwargs,
-        )
-
-    @property
-    def port(self) -> int:
-        if self.settings.master_port is not None:
-            return self.settings.master_port
-        return MULTI_NODE_DEFAULT_PORT if self.settings.nnodes > 1 else 0  # 0: any free port
-
-    def worker_env(self, addresses: Addresses) -> dict[str, str]:
-        """Variables for the agent (this process) and the workers it starts."""
-        env = {
-            ENV_LAUNCH_FLAGS: launch_flags_to_env(self.flags, self.flag_labels),
-            # A store shared between the rendezvous and the workers keeps the previous attempt's keys, so
-            # restarted workers read dead peers' addresses (pytorch/pytorch#135712): one store per attempt,
-            # hosted by global rank 0's worker on this address (`stores.host_worker_store`).
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            ENV_STORE_BIND: "" if addresses.bind == WILDCARD else addresses.bind,
-            LAUNCHER_PID_ENV: str(os.getpid()),
-            # torch's agent turns these signals into a stop of every worker; the preemption signal is
-            # handled by the launcher itself (`_PreemptionHandler`), so it is left out.
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(s for s in _TORCH_HANDLED_SIGNALS if s != self.preempt_signal),
-        }
-        # The workers' own connections use the interface of the address this node advertises (on one node:
-        # loopback), not the one gloo would pick from the hostname (`interfaces.py`).
-        interface = gloo_interface(addresses.advertise, dict(os.environ))
-        if interface is not None:
-            env[GLOO_INTERFACE_ENV] = interface
-        if self.config_file:
-            env[ENV_CONFIG_FILE] = str(Path(self.config_file).resolve())
-        if self.log_dir is not None:  # where a rank that lost a peer leaves its traceback (`worker.py`)
-            env[LAUNCH_LOG_ENV] = str((Path(self.log_dir) / f"launch-node{self.settings.node_rank}.log").absolute())
-        if torch.cuda.is_available():
-            # NCCL's flight recorder: on a collective timeout every rank dumps its last collectives (what it
-            # waited in, with sequence numbers) for `torch.distributed.flight_recorder` to compare.
-            for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")):
-                if name not in os.environ:
-                    env[name] = value
-        if "OMP_NUM_THREADS" not in os.environ:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            threads = self.threads_per_process or max(1, cores // self.settings.nproc_per_node)
-            env["OMP_NUM_THREADS"] = str(threads)
-        return env
 
 
 @contextlib.contextmanager
@@ -238,7 +128,12 @@ def _agent_config(settings: LaunchSettings, run_id: str, endpoint: str, local_ad
 
 
 def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
-    """Run `target` on this node's workers; returns the job's exit code (0 when every rank succeeded)."""
+    """Run `target` on this node's workers; returns the job's exit code (0 when every rank succeeded).
+    With `launch.backend: ray` the whole job runs on a Ray cluster instead (`ray_backend.py`)."""
+    if plan.settings.backend == "ray":
+        from meshkit.launching.ray_backend import launch_on_ray
+
+        return launch_on_ray(target, plan)
     target.check()
     settings = plan.settings
     run_id = os.environ.get(RUN_ID_ENV, "meshkit")

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshkit.config.idle import UNCHOSEN as _NOT_SET
 from meshkit.config.layout import Layout
 from meshkit.config.schema import RunConfig
 from meshkit.core.errors import MeshkitError
-
-_NOT_SET = ("default", "derived from other settings")
 
 
 class PreflightError(MeshkitError):
@@ -19,6 +18,8 @@ class PreflightError(MeshkitError):
 def worlds(config: RunConfig) -> list[tuple[int, str]]:
     """(world size, how it comes about) for the node counts the job may run with."""
     launch = config.launch
+    if launch.backend == "ray":
+        return [(launch.world_size, f"{launch.world_size} Ray worker(s)")]
     counts = sorted({launch.min_nnodes or launch.nnodes, launch.nnodes}, reverse=True)
     return [(n * launch.nproc_per_node, f"{n} node(s) × {launch.nproc_per_node} process(es)") for n in counts]
 
@@ -64,23 +65,3 @@ def check_recipe(config: RunConfig) -> None:
             model = GPT(config.model)
         check_heads(model, tp)
     check_resume_path(config)
-
-
-def idle_settings(config: RunConfig, sources: dict[str, str], scheduler_labels: set[str]) -> list[str]:
-    """Launch settings a person set that change nothing in this job, one notice each: on one node the ranks meet
-    on loopback, so the rendezvous address and the local address are unused (the port is still the store's).
-    Values a scheduler's variables gave (`scheduler_labels`) are not the person's doing and pass silently."""
-    launch = config.launch
-    if launch.nnodes > 1 or (launch.min_nnodes or 1) > 1:
-        return []
-    notes = []
-    for key in ("launch.master_addr", "launch.local_addr"):
-        source = sources.get(key, "default")
-        if source in _NOT_SET or source in scheduler_labels:
-            continue
-        name = key.removeprefix("launch.")
-        notes.append(
-            f"{name}={getattr(launch, name)} ({source}) has no effect on one node: its ranks meet on loopback "
-            "(it is used with nnodes > 1)"
-        )
-    return notes

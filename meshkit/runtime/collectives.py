@@ -81,10 +81,29 @@ def start_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Callable
     return result
 
 
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """Every rank's `shard`, concatenated into `output` in rank order (`shard` may be a view of `output`)."""
+def all_gather_flat(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, piece_bytes: int | None = None
+) -> None:
+    """Every rank's `shard`, concatenated into `output` in rank order (`shard` may be a view of `output`).
+
+    gloo stages the whole output in a buffer of its own (a second copy of every parameter for ZeRO-1/2's
+    gather, the peak of each step): with `piece_bytes` it is gathered in pieces of at most that many bytes per
+    rank, through one staging buffer of a piece per rank. NCCL writes in place and takes it whole.
+    """
     gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
-    gather_single(output, shard, group=group)
+    size = shard.numel()
+    piece = size if piece_bytes is None else max(1, piece_bytes // shard.element_size())
+    if piece >= size or dist.get_backend(group) != "gloo":
+        gather_single(output, shard, group=group)
+        return
+    world = output.numel() // size
+    staging = torch.empty(piece * world, dtype=output.dtype, device=output.device)
+    rows = output.view(world, size)  # [rank, element]
+    for start in range(0, size, piece):
+        length = min(piece, size - start)
+        gathered = staging[: length * world]
+        gather_single(gathered, shard[start : start + length], group=group)
+        rows[:, start : start + length].copy_(gathered.view(world, length))
 
 
 def reduce_scatter_flat(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:

@@ -128,6 +128,19 @@ def test_trackers_and_schedules_by_their_axolotl_names(tmp_path, material) -> No
     assert job.settings.wandb_project == "ft" and job.settings.wandb_mode == "offline"
 
 
+def test_axolotls_ray_keys_choose_the_ray_launch_backend(tmp_path, material) -> None:
+    keys = axolotl_lora(material, tmp_path, use_ray=True, ray_num_workers=2, ray_run_name="sft",
+                        resources_per_worker={"GPU": 0, "CPU": 2, "accelerator_type:A100": 1})  # fmt: skip
+    job = resolve_finetune(_write(tmp_path / "r.yml", keys), [], env={})
+    launch, sources = job.resolved.config.launch, job.resolved.sources
+    assert (launch.backend, launch.ray_num_workers, launch.world_size) == ("ray", 2, 2)
+    assert (launch.ray_cpus_per_worker, launch.ray_gpus_per_worker) == (2.0, 0.0)
+    assert sources["launch.backend"].endswith("(use_ray)")
+    assert sources["launch.ray_cpus_per_worker"].endswith("(resources_per_worker.CPU)")
+    assert len(job.notes) == 2 and any("accelerator_type:A100" in note for note in job.notes)
+    assert any(note.startswith("ray_run_name") for note in job.notes)
+
+
 @pytest.mark.parametrize(
     ("keys", "expected"),
     [

@@ -236,8 +236,10 @@ _add(G, ("context_parallel_size", "sequence_parallel_degree"),
 _add(G, ("heads_k_stride", "ring_attn_func"), noted("meshkit's ring attention passes whole K/V blocks around the ring"))
 _add(G, "expert_parallel_size",
      KeyRule("refused", "expert parallelism is not supported yet: remove the key (or set 1)", off=(1, "1")))
-_add(G, ("use_ray", "ray_num_workers", "ray_run_name"),
-     refused("Ray launching is not supported yet: run meshkit finetune under meshkit launch, SLURM or Kubernetes"))
+_add(G, ("use_ray", "ray_num_workers", "resources_per_worker"),
+     honoured("`launch.backend: ray`, `launch.ray_num_workers`, `launch.ray_cpus_per_worker` / `ray_gpus_per_worker`",
+              reader=layout.ray))
+_add(G, "ray_run_name", noted("Ray names no run here: the run is its `logging.dir` (output_dir)"))
 
 G = "trackers"
 _add(G, ("wandb_project", "use_wandb"), honoured("the wandb tracker joins logging.trackers, in this project",

@@ -121,6 +121,24 @@ def tensorboard(name: str, value: Any, sink: Sink) -> None:
         sink.trackers.append("tensorboard")
 
 
+def ray(name: str, value: Any, sink: Sink) -> None:
+    """use_ray, ray_num_workers, resources_per_worker ({GPU: 1, CPU: 4}): meshkit's Ray launch backend."""
+    if name == "use_ray":
+        if value in (True, "true", "True"):
+            sink.set("launch.backend", "ray", name)
+    elif name == "ray_num_workers":
+        sink.set("launch.ray_num_workers", int(value), name)
+    elif name == "resources_per_worker":
+        if not isinstance(value, dict):
+            raise ImportingError(f"resources_per_worker: {value!r}: give a mapping such as {{GPU: 1, CPU: 4}}")
+        for resource, key in (("CPU", "launch.ray_cpus_per_worker"), ("GPU", "launch.ray_gpus_per_worker")):
+            if resource in value:
+                sink.set(key, float(value[resource]), f"{name}.{resource}")
+        for other in sorted(set(value) - {"CPU", "GPU"}):
+            sink.skip(f"{name}.{other}", "meshkit reserves CPUs and GPUs per rank")
+        sink.skipped_note(name)
+
+
 def checkpointing_kwargs(name: str, value: Any, sink: Sink) -> None:
     if isinstance(value, dict) and value.get("use_reentrant") in (True, "true", "True"):
         sink.notes.append(f"{name}: use_reentrant: true — meshkit checkpoints non-reentrant (the same gradients)")
