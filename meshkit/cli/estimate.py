@@ -115,6 +115,21 @@ def estimate_command(
     Console().print(
         _table(f"memory per device (dp={dp} tp={tp} pp={pp} cp={cp}, ZeRO-{zero_stage}, {precision})", estimate)
     )
+    if shape.expert_params:
+        Console().print(
+            f"mixture of experts: {_count(shape.params)} parameters, {_count(shape.active_params)} active per token "
+            f"({shape.active_expert_fraction:.0%} of the {_count(shape.expert_params)} in experts); every rank holds "
+            "every expert's states (no expert parallelism yet)",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f}"
 
 
 def _table(title: str, estimate: Estimate) -> Table:

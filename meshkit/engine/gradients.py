@@ -133,7 +133,7 @@ class GradientSync:
                 self._scale_gradients(factor)
             for reducer in self.reducers:
                 reducer.reduce_gradients()
-            for optimizer in zero:  # (gradients reduced during backward were not among the parameters' above)
+            for optimizer in zero:  # gradients reduced during backward that no parameter's .grad above views
                 if factor != 1.0:
                     optimizer.scale_reduced(factor)
             state.end_window()

@@ -3,7 +3,8 @@
 The blocks live in one container, an `nn.ModuleList` or an `nn.Sequential` (the model itself may be one).
 The container chosen is the one with the most parameter-bearing children of a single class (a run of
 decoder layers, or the Linear layers of a `Sequential(Linear, ReLU, Linear, ...)` stack), the outermost on a
-tie. Parameter-free children (activations, dropout) stay in place but are not units of their own.
+tie; an MoE block's list of experts never counts. Parameter-free children (activations, dropout) stay in place
+but are not units of their own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from meshkit.core.errors import MeshkitError
+from meshkit.models.experts import expert_banks
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
 
@@ -49,10 +51,11 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
         if not isinstance(found, CONTAINERS):
             raise BlockError(f"'{path}' is a {type(found).__name__}, not an nn.ModuleList or nn.Sequential of blocks")
         return path, found
+    banks = expert_banks(model)  # a list of 64 experts is not the model's blocks
     candidates = [
         (name, module, repeats)
         for name, module in model.named_modules()
-        if isinstance(module, CONTAINERS) and (repeats := _repeats(module)) > 1
+        if isinstance(module, CONTAINERS) and id(module) not in banks and (repeats := _repeats(module)) > 1
     ]
     if not candidates:
         raise BlockError(

@@ -37,6 +37,28 @@ class AttentionFacts:
 
 
 @dataclass(frozen=True)
+class ExpertFacts:
+    """One mixture-of-experts block: a router picks `top_k` of `experts` expert MLPs for each token."""
+
+    path: str  # dotted module name of the MoE block (e.g. model.layers.3.mlp)
+    router: str  # its router's name, relative to the block (gate, router)
+    bank: str  # the expert bank, relative to the block (experts)
+    experts: int
+    top_k: int | None  # None: the model's config does not say
+    fused: bool  # True: one 3-D tensor per projection, experts first (transformers 5); False: a list of MLPs
+    bank_parameters: tuple[str, ...]  # the bank's parameters, relative to the block (experts.gate_up_proj, ...)
+    shared: str | None = None  # shared expert(s) every token passes through (DeepSeek, Qwen2-MoE), if any
+
+
+@dataclass(frozen=True)
+class RouterLoss:
+    """The load-balancing (auxiliary) loss the model adds when asked: coefficient and the switch that asks."""
+
+    coefficient: float
+    switch: str | None  # the config attribute that turns it on (output_router_logits), None: always on
+
+
+@dataclass(frozen=True)
 class ModelStructure:
     family: str  # "gpt" (reference), a transformers model_type ("llama", "gpt2", ...), or "generic"
     blocks: str | None  # dotted path of the block container; '' = the model itself; None = none found
@@ -49,6 +71,13 @@ class ModelStructure:
     causal_lm: bool = False  # forward returns next-token logits (with .logits / a tensor)
     vocabulary: tuple[str, ...] = ()  # parameters with one row per token (input embedding, output head)
     notes: dict[str, str] = field(default_factory=dict)  # layout -> why this model cannot run it
+    moe: tuple[ExpertFacts, ...] = ()  # mixture-of-experts blocks, in block order (empty: a dense model)
+    router_loss: RouterLoss | None = None
+
+    @property
+    def expert_parameters(self) -> tuple[str, ...]:
+        """Full names of every routed expert's parameters (what expert parallelism places by expert)."""
+        return tuple(f"{facts.path}.{name}" for facts in self.moe for name in facts.bank_parameters)
 
     def aliases(self) -> dict[str, str]:
         """Tied parameter name -> the one name it is stored under (the first of its group)."""

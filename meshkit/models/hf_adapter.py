@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from meshkit.models.blocks import block_units, find_blocks
+from meshkit.models.experts import describe_experts, router_loss
 from meshkit.models.facts import AttentionFacts, ModelStructure, StructureError, takes_argument, tied_parameters
 
 ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "Wqkv", "query_key_value"}
@@ -121,6 +122,7 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
     if head is not None and head is not base and id(head) in names:
         last.append(names[id(head)])
     causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    moe = describe_experts(path, block_units(blocks), config)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocabulary = tuple(f"{names[id(m)]}.weight" for m in (embedding, head) if m is not None and id(m) in names)
     return ModelStructure(
@@ -135,4 +137,6 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
         causal_lm=causal,
         notes=_cannot(config, family),
         vocabulary=tuple(dict.fromkeys(vocabulary)),
+        moe=moe,
+        router_loss=router_loss(config, moe),
     )

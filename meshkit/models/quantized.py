@@ -113,9 +113,10 @@ def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
 
 def keep_training_layout(model: nn.Module) -> None:
     """bitsandbytes repacks a 4-bit weight in place for CPU inference (AVX512-BF16 hosts) on an eval forward;
-    a trained model (its weight sharded by ZeRO-3 or checkpointed) keeps the one layout it was loaded in."""
-    for name in quantized_layers(model):
-        module = model.get_submodule(name)
+    a trained model (its weight sharded by ZeRO-3 or checkpointed) keeps the one layout it was loaded in. Every
+    4-bit layer is asked, quantized yet or not (bitsandbytes may quantize on the first move or forward); the repack
+    also fails outright on layers narrower than its block size."""
+    for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
 

@@ -5,7 +5,8 @@ nested or the model itself), which modules only the first and the last pipeline 
 norm and head), which parameters are tied, each attention's head counts, and under which argument name the
 model's forward takes token positions. `describe()` answers from, in order: the user's override (config keys
 `blocks` and `structure.*`), an adapter for `transformers` models (recognised structurally, imported lazily),
-the reference GPT, and a generic rule for any `nn.Module`.
+the reference GPT, and a generic rule for any `nn.Module`. Mixture-of-experts blocks (router, expert bank,
+shared experts, top-k) are recognised by shape in any of them (`experts.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 from meshkit.config.schema import StructureConfig
 from meshkit.models import hf_adapter
 from meshkit.models.blocks import BlockError, block_units, find_blocks
+from meshkit.models.experts import describe_experts
 from meshkit.models.facts import (
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
@@ -92,6 +94,7 @@ def _generic(model: nn.Module, blocks_path: str | None) -> ModelStructure:
         attention=_generic_attention(path, blocks),
         position_argument=position,
         tied=tied_parameters(model),
+        moe=describe_experts(path, block_units(blocks)),
     )
 
 

@@ -82,6 +82,7 @@ def flops_per_token(model: ModelShape, seq_len: int) -> tuple[float, float, floa
     """(block FLOPs, attention-core FLOPs, head FLOPs) per token, forward + backward."""
     layers, hidden, vocab = model.layers or 0, model.hidden or 0, model.vocab or 0
     block_params = layers * (model.largest_layer_params or 0) or max(0.0, model.params - 2 * vocab * hidden)
+    block_params -= model.expert_params * (1.0 - model.active_expert_fraction)  # MoE: only top-k experts compute
     return 6 * block_params, 12 * layers * seq_len * hidden, 6 * vocab * hidden
 
 

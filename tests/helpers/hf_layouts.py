@@ -8,6 +8,7 @@ import torch
 
 from meshkit import Engine
 from tests.helpers.hf_models import causal_lm
+from tests.helpers.moe_models import MOE_FAMILIES, moe_causal_lm
 
 STEPS, GLOBAL_BATCH, SEQ = 4, 4, 16
 CLIP = 0.1  # small enough that every step of the test clips
@@ -25,8 +26,16 @@ LAYOUTS = {
     "pp2_cp2": {"pp": 2, "cp": 2, "schedule": "1f1b"},
     "pp2_tp2_sp": {"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "1f1b"},
     "pp2_clipped": {"pp": 2, "schedule": "1f1b", "max_grad_norm": CLIP},  # tied copies counted once in the norm
+    "ddp4": {},
+    "zero3_4": {"zero_stage": 3},
+    "zero1_4": {"zero_stage": 1},
 }
 MATRIX = ("tp2", "tp2_sp", "cp2", "pp2_1f1b", "pp2_tp2", "fsdp2_tp2", "zero3_cp2")
+
+
+def build(family: str, seed: int = 0) -> torch.nn.Module:
+    """The tiny model of `family`: a dense one (`hf_models`) or a mixture of experts (`moe_models`)."""
+    return moe_causal_lm(family, seed) if family in MOE_FAMILIES else causal_lm(family, seed)
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -51,7 +60,7 @@ def batches(steps: int = STEPS, global_batch: int = GLOBAL_BATCH, seq: int = SEQ
 def reference(family: str, max_grad_norm: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The user's plain loop in one process: model(**batch).loss, backward, step."""
     torch.set_num_threads(1)
-    model = causal_lm(family)
+    model = build(family)
     optimizer = make_optimizer(model)
     losses = []
     for batch in batches():
@@ -78,7 +87,7 @@ def run_families(rank: int, cells: dict[str, list[str]]) -> dict[tuple[str, str]
 
 def _train(family: str, overrides: dict) -> dict:
     engine = Engine(seed=0, **overrides)
-    model = causal_lm(family)
+    model = build(family)
     try:
         model, _ = engine.prepare(model, make_optimizer(model))
     except Exception as err:  # noqa: BLE001 - a refusal is a result: the test checks its message

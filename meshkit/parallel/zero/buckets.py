@@ -194,6 +194,12 @@ class BucketedReduce:
             self.shard_grad = torch.zeros_like(template)
         return self.shard_grad
 
+    @property
+    def grads_view_the_reduced(self) -> bool:
+        """The parameters' .grad are views of the reduced full gradients (stage 1 without copies): scaling
+        them scales this rank's chunk too."""
+        return self.stage == 1 and not self.copies
+
     def release(self) -> None:
         """After the step: the gradients are not needed any more (stage 1 frees its full buffer too)."""
         self.shard_grad = self.full = None

@@ -260,9 +260,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shard.after_backward()
 
     def scale_reduced(self, factor: float) -> None:
-        """Scale gradients already reduced into the chunks (reduced in buckets during backward)."""
+        """Scale gradients already reduced into the chunks (reduced in buckets during backward) that the
+        parameters' own gradients do not view (those were scaled with the parameters')."""
         for shard in self.shards:
-            if shard.bucketed is not None and shard.shard.grad is not None:
+            bucketed = shard.bucketed
+            if bucketed is not None and shard.shard.grad is not None and not bucketed.grads_view_the_reduced:
                 shard.shard.grad.mul_(factor)
 
     def reduce_gradients(self) -> None:

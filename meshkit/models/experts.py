@@ -1,0 +1,103 @@
+"""Mixture-of-experts blocks, recognised by their shape: a router and a bank of expert MLPs side by side.
+
+An MoE block is a module with two children: an expert bank — one module whose own parameters are 3-D with the
+experts first (transformers 5 fuses them: `experts.gate_up_proj` [E, 2·I, H], `experts.down_proj` [E, H, I]), or
+a ModuleList of E alike expert MLPs — and a router whose `weight` has one row per expert ([E, H]). A child named
+`shared_expert(s)` is the MLP every token also passes through (DeepSeek, Qwen2-MoE). Mixtral, Qwen2/3-MoE, OLMoE,
+DeepSeek-V2/V3 and gpt-oss all read this way, and so does a user's own model built alike; nothing here is keyed
+on a family name. Top-k comes from the router or block (`top_k`), else the model config; the load-balancing
+loss from the config (`router_aux_loss_coef`, switched on by `output_router_logits`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from meshkit.models.facts import ExpertFacts, RouterLoss
+
+TOP_K_ATTRIBUTES = ("top_k", "num_experts_per_tok", "moe_top_k", "num_selected_experts")
+ROUTER_LOSS_COEFFICIENT = "router_aux_loss_coef"
+ROUTER_LOSS_SWITCH = "output_router_logits"
+
+
+def _int_attribute(owner: Any, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(owner, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _bank_size(module: nn.Module) -> tuple[int, bool] | None:
+    """(experts, fused) when `module` is an expert bank, else None."""
+    own = [param for _, param in module.named_parameters(recurse=False)]
+    if own and all(param.dim() == 3 for param in own) and len({param.shape[0] for param in own}) == 1:
+        experts = own[0].shape[0]
+        return (experts, True) if experts >= 2 else None
+    if isinstance(module, nn.ModuleList) and len(module) >= 2:
+        kinds = {type(child) for child in module}
+        if len(kinds) == 1 and all(next(child.parameters(), None) is not None for child in module):
+            return len(module), False
+    return None
+
+
+def _router(block: nn.Module, bank: str, experts: int) -> str | None:
+    for name, child in block.named_children():
+        weight = getattr(child, "weight", None)
+        if name != bank and isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape[0] == experts:
+            return name
+    return None
+
+
+def moe_block(path: str, block: nn.Module, config: Any = None) -> ExpertFacts | None:
+    """The facts of `block` if it is a mixture-of-experts block."""
+    for bank, child in block.named_children():
+        found = _bank_size(child)
+        if found is None:
+            continue
+        experts, fused = found
+        router = _router(block, bank, experts)
+        if router is None:
+            continue
+        router_module = getattr(block, router)
+        top_k = _int_attribute(router_module, TOP_K_ATTRIBUTES) or _int_attribute(block, TOP_K_ATTRIBUTES)
+        top_k = top_k or _int_attribute(config, TOP_K_ATTRIBUTES)
+        shared = next((name for name, _ in block.named_children() if name.startswith("shared_expert")), None)
+        parameters = tuple(f"{bank}.{name}" for name, _ in child.named_parameters())
+        return ExpertFacts(path, router, bank, experts, top_k, fused, parameters, shared)
+    return None
+
+
+def expert_banks(model: nn.Module) -> set[int]:
+    """ids of the modules that are an MoE block's expert bank (never a list of repeated blocks)."""
+    banks = set()
+    for _, module in model.named_modules():
+        facts = moe_block("", module)
+        if facts is not None:
+            banks.add(id(module.get_submodule(facts.bank)))
+    return banks
+
+
+def describe_experts(
+    blocks_path: str, units: Iterable[tuple[int, nn.Module]], config: Any = None
+) -> tuple[ExpertFacts, ...]:
+    """Every MoE block inside the repeated blocks (`block_units`), in order (a model may mix dense and MoE)."""
+    found = []
+    for index, unit in units:
+        for name, module in unit.named_modules():
+            where = ".".join(part for part in (blocks_path, str(index), name) if part)
+            facts = moe_block(where, module, config)
+            if facts is not None:
+                found.append(facts)
+    return tuple(found)
+
+
+def router_loss(config: Any, moe: tuple[ExpertFacts, ...]) -> RouterLoss | None:
+    """The load-balancing loss the model's config defines, when it has MoE blocks and a coefficient."""
+    coefficient = getattr(config, ROUTER_LOSS_COEFFICIENT, None)
+    if not moe or not isinstance(coefficient, (int, float)) or isinstance(coefficient, bool):
+        return None
+    return RouterLoss(float(coefficient), ROUTER_LOSS_SWITCH if hasattr(config, ROUTER_LOSS_SWITCH) else None)

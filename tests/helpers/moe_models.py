@@ -1,0 +1,51 @@
+"""Tiny mixture-of-experts causal LMs built offline from configs: 4 experts, top-2, random init."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, EXPERTS, TOP_K = 64, 32, 4, 2, 2, 4, 2
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
+# (MoE blocks, shared experts, router loss coefficient) of each tiny model
+EXPECTED = {
+    "mixtral": (LAYERS, None, 0.001),
+    "qwen3_moe": (LAYERS, None, 0.001),
+    "qwen2_moe": (LAYERS, "shared_expert", 0.001),
+    "deepseek_v3": (LAYERS - 1, "shared_experts", None),  # its first block is dense; no auxiliary loss
+}
+
+
+def moe_config(family: str, **overrides: Any) -> Any:
+    common = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_experts_per_tok=TOP_K,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    if family == "mixtral":
+        settings = dict(common, num_local_experts=EXPERTS)
+        return transformers.MixtralConfig(**{**settings, **overrides})
+    if family == "qwen3_moe":
+        settings = dict(common, num_experts=EXPERTS, moe_intermediate_size=HIDDEN, decoder_sparse_step=1,
+                        mlp_only_layers=[], head_dim=HIDDEN // HEADS)  # fmt: skip
+        return transformers.Qwen3MoeConfig(**{**settings, **overrides})
+    if family == "qwen2_moe":
+        settings = dict(common, num_experts=EXPERTS, moe_intermediate_size=HIDDEN, decoder_sparse_step=1,
+                        mlp_only_layers=[], shared_expert_intermediate_size=HIDDEN)  # fmt: skip
+        return transformers.Qwen2MoeConfig(**{**settings, **overrides})
+    if family == "deepseek_v3":
+        settings = dict(common, num_key_value_heads=HEADS, n_routed_experts=EXPERTS, moe_intermediate_size=HIDDEN,
+                        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None,
+                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)  # fmt: skip
+        return transformers.DeepseekV3Config(**{**settings, **overrides})
+    raise ValueError(family)
+
+
+def moe_causal_lm(family: str, seed: int = 0, **overrides: Any) -> Any:
+    import torch
+
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(moe_config(family, **overrides), dtype=torch.float32)
