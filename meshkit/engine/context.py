@@ -30,6 +30,7 @@ from meshkit.runtime.mesh import ParallelMesh, ProcessInfo
 from meshkit.runtime.preemption import PreemptionWatch
 from meshkit.runtime.tracking import TrackerSet
 from meshkit.training.accumulation import GradientState
+from meshkit.training.loss import is_causal_lm_batch, shifted_for_split
 
 
 @dataclass(frozen=True)
@@ -118,11 +119,17 @@ class EngineContext:
         return tensor_parallel_loss() if self.objects.logits_sharded else contextlib.nullcontext()
 
     def shard_sequence(self, batch: Any, dim: int = 1) -> Any:
-        """Under context parallel, this rank's two chunks of every tensor's sequence dim; else the batch."""
+        """Under context parallel, this rank's two chunks of every tensor's sequence dim; else the batch. A causal
+        LM's HF batch (input_ids, labels) gets its labels shifted first, so `model(**chunks).loss` is right."""
         cp = self.mesh.size("cp")
         if cp == 1:
             return batch
-        return map_tensors(lambda t: shard_sequence(t, cp, self.mesh.coordinate("cp"), dim), batch)
+        split = lambda t: shard_sequence(t, cp, self.mesh.coordinate("cp"), dim)  # noqa: E731
+        if self.objects.causal_lm and is_causal_lm_batch(batch):
+            shifted = shifted_for_split(batch, cp)
+            items = shifted.pop("num_items_in_batch")
+            return {**map_tensors(split, shifted), "num_items_in_batch": items}
+        return map_tensors(split, batch)
 
 
 class EngineComponent:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -239,7 +240,7 @@ class RayJob:
             if stop_at is not None and time.monotonic() >= stop_at:
                 for rank, actor in ordered:
                     if rank.rank not in exits:
-                        self.clock.killed.add(-(rank.rank + 2))
+                        self.clock.killed.add(clock_key(rank.rank))
                         actor.stop.remote(signal.SIGKILL)
                 stop_at = float("inf")
             if len(exits) < len(ordered):
@@ -260,7 +261,7 @@ class RayJob:
 
     def _failure(self, rank: Rank, progress: Progress | None) -> ProcessFailure:
         """The rank's exit as torch's agent would report it (its error record copied to this machine)."""
-        pid = -(rank.rank + 2)  # a key for the exit clock: the rank's real pid is on its own node
+        pid = clock_key(rank.rank)
         if progress is None:
             return ProcessFailure(rank.local_rank, pid, -int(signal.SIGKILL), "")
         self.clock.exited(pid, progress.exited_at)
@@ -272,6 +273,11 @@ class RayJob:
                 os.utime(path, (progress.exited_at, progress.exited_at))
             record = str(path)
         return ProcessFailure(rank.local_rank, pid, progress.exitcode or 0, record)
+
+
+def clock_key(rank: int) -> int:
+    """A rank's key in the exit clock, where the elastic launcher uses pids (a Ray rank's pid is on its node)."""
+    return -(rank + 2)
 
 
 class ExitTimes:
@@ -292,7 +298,7 @@ class ExitTimes:
             self._times.setdefault(pid, at)
 
     def lost(self, rank: int) -> None:
-        self._times.setdefault(-(rank + 2), time.time())
+        self._times.setdefault(clock_key(rank), time.time())
 
 
 def launch_on_ray(target: LaunchTarget, plan: LaunchPlan) -> int:
@@ -304,24 +310,26 @@ def launch_on_ray(target: LaunchTarget, plan: LaunchPlan) -> int:
     if started_here:
         address = settings.ray_address
         try:
-            local = {}
+            local: dict[str, Any] = {}
             if not address and not os.environ.get("RAY_ADDRESS"):
-                # a cluster for this run holds the whole job, oversubscribed as under `meshkit launch`
+                # a new cluster for this run ("local": never one found on this machine) holds the whole job,
+                # oversubscribed as under `meshkit launch`
                 cores = os.cpu_count() or 1
                 local = {"num_cpus": max(cores, math.ceil(settings.world_size * settings.ray_cpus_per_worker))}
-                local["include_dashboard"] = False
+                local.update(include_dashboard=False, address="local")
             ray.init(
-                address=address or None,
+                **{"address": address or None, **local},
                 namespace=f"meshkit-{uuid.uuid4().hex[:8]}",
                 log_to_driver=False,
                 configure_logging=False,
-                **local,
             )
         except (ConnectionError, RuntimeError, ValueError) as err:
             where = f"at {address}" if address else "on this machine"
             raise RayLaunchError(f"could not start or reach a Ray cluster {where}: {one_line(str(err))}") from None
+    job = RayJob(target, plan, ray)
     try:
-        return RayJob(target, plan, ray).run()
+        return job.run()
     finally:
+        shutil.rmtree(job.records, ignore_errors=True)
         if started_here:
             ray.shutdown()

@@ -77,6 +77,16 @@ def split_causal_lm_batch(batch: Mapping[str, Any]) -> tuple[dict[str, Any], tor
     return inputs, targets
 
 
+def shifted_for_split(batch: Mapping[str, Any], parts: int) -> dict[str, Any]:
+    """An HF-style batch a model's own loss still reads after a sequence split into `parts` (context parallel):
+    the labels shifted on the whole sequence (`shift_labels`, which transformers' loss takes as they are), and
+    `num_items_in_batch` = the whole sequence's target count / `parts`, so each part's loss is its share of
+    the whole's mean times `parts`: averaged over the parts (as their gradients are), the whole's mean."""
+    inputs, targets = split_causal_lm_batch(batch)
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
+    return {**inputs, "labels": batch["labels"], "shift_labels": targets, "num_items_in_batch": count / parts}
+
+
 def logits_of(output: Any) -> torch.Tensor:
     """The logits of a model's output: the tensor itself, `.logits` or `["logits"]`."""
     if isinstance(output, torch.Tensor):

@@ -140,3 +140,17 @@ def test_a_killed_ray_worker_is_restarted_and_the_run_resumes_from_its_checkpoin
     resumed = json.loads((tmp_path / "killed" / "summary.json").read_text())
     assert 0 < resumed["resumed_at_step"] < 14, "the restarted ranks did not resume from a checkpoint"
     assert resumed["params_sha256"] == reference["params_sha256"]
+
+
+def test_without_an_address_the_job_runs_on_a_local_cluster_of_its_own(tmp_path) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'meshkit[ray]')")
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import os, sys\nimport torch\nfrom meshkit import Engine\nengine = Engine()\n"
+        "total = engine.reduce(torch.tensor(float(engine.process_index)), op='sum').item()\n"
+        "sys.stdout.write(f'RANK {engine.process_index} of {engine.num_processes} sum {total:g} "
+        'threads {os.environ["OMP_NUM_THREADS"]}\\n\')\nengine.end()\n'
+    )
+    proc = meshkit("launch", "--backend", "ray", "--nproc-per-node", "2", str(script), timeout=180, env=QUIET_RAY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RANK 0 of 2 sum 1 threads 1" in proc.stdout and "RANK 1 of 2 sum 1 threads 1" in proc.stdout

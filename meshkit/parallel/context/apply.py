@@ -96,10 +96,11 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, structure
     argument = structure.position_argument
 
     def forward_with_positions(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("labels") is not None:
+        if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
             raise ContextParallelError(
-                "under context parallel the model sees sequence chunks and cannot shift labels itself: call "
-                "engine.train_step(batch) (it shifts them before the split), or pass loss_fn= to prepare()"
+                "under context parallel the model sees sequence chunks and cannot shift labels itself: pass "
+                "engine.shard_sequence(batch) (it shifts them on the whole sequence first), call "
+                "engine.train_step(batch), or pass loss_fn= to prepare()"
             )
         if kwargs.get(argument) is None:
             tokens = args[0] if args else kwargs.get("input_ids")
