@@ -159,6 +159,13 @@ class Checkpoints(EngineComponent):
         cfg = self.ctx.config.checkpoint
         return Path(cfg.dir) if cfg.dir is not None else Path(self.ctx.config.logging.dir) / "checkpoints"
 
+    def arm_preemption(self) -> None:
+        """Take the preemption signal from now on (the first `save_checkpoint()` does it otherwise): for a loop
+        that calls `save_checkpoint()` every step, so that a signal during its first step stops it at a checkpoint
+        too. A loop that never calls it must not arm: the signal would be noted and never acted on."""
+        if self.ctx.placement.ps is None:  # (as in save_checkpoint: the agreement is a collective over every rank)
+            self.ctx.preemption.arm()
+
     def save_checkpoint(self, *, extra: dict[str, Any] | None = None, force: bool = False) -> Path | None:
         """Save `<root>/step-NNNNNN/` when the step is a multiple of `checkpoint.every_steps` (or `force`);
         moves `latest` and keeps the newest `checkpoint.keep_last`. Returns the directory, or None.

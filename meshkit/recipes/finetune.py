@@ -207,6 +207,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         )
     val = eval_batches(data.validation, engine, data.collate, s.eval_batch_size)
     resumed = engine.resume()
+    engine.checkpoints.arm_preemption()  # save_checkpoint() ends every step: a signal in step 1 checkpoints too
     losses: list[float] = list(resumed.get("losses", [])) if resumed else []
     evals: list[dict[str, float]] = list(resumed.get("evals", [])) if resumed else []
     first_step = len(losses)

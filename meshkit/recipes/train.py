@@ -135,6 +135,7 @@ def _train(engine: Engine, probed: list[Candidate] | None = None) -> dict[str, A
             flush=True,
         )
     resumed = engine.resume()  # checkpoint.resume: auto | PATH (restores data position, RNG, optimizer, ...)
+    engine.checkpoints.arm_preemption()  # save_checkpoint() ends every step: a signal in step 1 checkpoints too
     losses: list[float] = list(resumed.get("losses", [])) if resumed else []
     first_step = len(losses)
     batches = endless(loader)

@@ -3,8 +3,9 @@ exits with `PREEMPTED_EXIT_CODE`.
 
 Schedulers announce the end of a job with a signal and kill it a grace period later (SLURM `--signal`,
 Kubernetes SIGTERM then SIGKILL after `terminationGracePeriodSeconds`). The handler only notes the signal.
-The watch is armed by the first `engine.save_checkpoint()` call — a loop that checkpoints that way can
-stop at a step boundary; before that (or in a loop that never checkpoints) the signal keeps its default
+The watch is armed by the first `engine.save_checkpoint()` call (or up front by
+`engine.checkpoints.arm_preemption()`, as the recipes do) — a loop that checkpoints that way can stop at a step
+boundary; before that (or in a loop that never checkpoints) the signal keeps its default
 action. Once armed, every `save_checkpoint()` call all-reduces one flag (a tiny gloo all-reduce on a group
 of its own), so all ranks see the signal at the same call, save there and stop together.
 """

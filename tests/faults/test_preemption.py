@@ -37,3 +37,19 @@ def test_sigterm_checkpoints_every_rank_at_one_step_and_the_rerun_resumes(tmp_pa
     resumed = meshkit("train", str(config), f"train.steps={step + 2}", timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert summary(tmp_path)["resumed_at_step"] == step
+
+
+def test_a_loop_that_checkpoints_every_step_can_take_the_signal_from_its_first_step() -> None:
+    """The recipes arm the watch before their first step (the first save_checkpoint() would, after it): a signal
+    that comes while step 1 runs is noted, not the process's end."""
+    from meshkit import Engine
+
+    engine = Engine()
+    try:
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and not engine.ctx.preemption.received
+        engine.checkpoints.arm_preemption()
+        os.kill(os.getpid(), signal.SIGTERM)  # noted by the watch; the default action would end this test
+        assert engine.ctx.preemption.received
+    finally:
+        engine.end()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # disarmed again by end()
