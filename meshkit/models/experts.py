@@ -31,13 +31,15 @@ def _int_attribute(owner: Any, names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _bank_size(module: nn.Module) -> tuple[int, bool] | None:
-    """(experts, fused) when `module` is an expert bank, else None."""
+def _bank_size(name: str, module: nn.Module) -> tuple[int, bool] | None:
+    """(experts, fused) when `module` (the child `name`) is an expert bank, else None. A list of modules counts
+    only under an expert's name (`experts`, `local_experts`): a model's own list of blocks beside a head with
+    one row per block is not a mixture of experts."""
     own = [param for _, param in module.named_parameters(recurse=False)]
     if own and all(param.dim() == 3 for param in own) and len({param.shape[0] for param in own}) == 1:
         experts = own[0].shape[0]
         return (experts, True) if experts >= 2 else None
-    if isinstance(module, nn.ModuleList) and len(module) >= 2:
+    if isinstance(module, nn.ModuleList) and len(module) >= 2 and "expert" in name:
         kinds = {type(child) for child in module}
         if len(kinds) == 1 and all(next(child.parameters(), None) is not None for child in module):
             return len(module), False
@@ -55,7 +57,7 @@ def _router(block: nn.Module, bank: str, experts: int) -> str | None:
 def moe_block(path: str, block: nn.Module, config: Any = None) -> ExpertFacts | None:
     """The facts of `block` if it is a mixture-of-experts block."""
     for bank, child in block.named_children():
-        found = _bank_size(child)
+        found = _bank_size(bank, child)
         if found is None:
             continue
         experts, fused = found

@@ -79,3 +79,17 @@ def test_a_users_own_moe_with_a_list_of_experts_is_described() -> None:
     facts = found.moe[0]
     assert (facts.router, facts.bank, facts.experts, facts.top_k, facts.fused) == ("router", "experts", 3, 1, False)
     assert facts.bank_parameters[:2] == ("experts.0.up.weight", "experts.0.up.bias") and facts.shared is None
+
+
+class Classifier(nn.Module):
+    """Four blocks and a head with one row per block: a dense model, not a mixture of experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 4)
+
+
+def test_a_list_of_blocks_beside_a_head_with_as_many_rows_is_not_an_expert_bank() -> None:
+    found = describe(Classifier())
+    assert found.blocks == "layers" and found.moe == ()
