@@ -86,6 +86,7 @@ class Layout:
     stages_per_rank: int = 1  # model chunks per rank (> 1: the interleaved 1F1B schedule)
     activation_checkpointing: str = "none"  # none | selective | full
     offload: str = "none"  # none | cpu | nvme (optimizer states)
+    ep: int = 1  # expert parallel: a factor of dp × cp (the ranks that see other tokens), not a mesh size of its own
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> Layout:
@@ -111,7 +112,13 @@ class Layout:
                 f"parallel sizes {named} multiply to {fixed}, but the world size is {world_size}: "
                 f"make them multiply to {world_size}, or set one of them to -1 (the rest)"
             )
-        return cls(**sizes)
+        tokens = sizes["dp_replicate"] * sizes["dp_shard"] * sizes["cp"]
+        if tokens % cfg.ep:
+            raise MeshError(
+                f"ep={cfg.ep} must divide the {tokens} ranks that see other tokens (dp_replicate × dp_shard × cp): "
+                f"choose {_choices(divisors(tokens))}"
+            )
+        return cls(**sizes, ep=cfg.ep)
 
     @classmethod
     def planned(
@@ -156,7 +163,8 @@ class Layout:
     def describe(self) -> str:
         """Compact mesh, e.g. 'dp_replicate4' or 'pp2 × dp_shard2 × tp2'; 'single process' for world 1."""
         parts = [f"{name}{size}" for name, size in self.mesh_sizes().items() if size > 1]
-        return " × ".join(parts) if parts else "single process"
+        text = " × ".join(parts) if parts else "single process"
+        return f"{text}, experts over ep{self.ep}" if self.ep > 1 else text
 
     def summary(self) -> str:
         """The planner's words: 'dp4 tp2 pp1 cp1 ZeRO-1 accum8 AC selective'."""

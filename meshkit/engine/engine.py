@@ -31,6 +31,7 @@ from meshkit.config.schema import RunConfig
 from meshkit.core.seed import set_seed
 from meshkit.engine.accelerate.loop_verbs import AccelerateLoopVerbs
 from meshkit.engine.accelerate.verbs import AccelerateVerbs
+from meshkit.engine.causal_step import causal_lm_micro_step
 from meshkit.engine.checkpointing import Checkpoints
 from meshkit.engine.context import EngineContext, Placement, place
 from meshkit.engine.delegation import Delegated
@@ -45,23 +46,13 @@ from meshkit.launching.affinity import apply_affinity
 from meshkit.launching.worker import LAUNCHER_PID_ENV
 from meshkit.parallel.dataparallel import WrappedModelWarning  # noqa: F401 - re-exported
 from meshkit.paramserver.run import ParameterServerRun
-from meshkit.runtime import collectives
 from meshkit.runtime.hang_doctor import HangDoctor, watched
 from meshkit.runtime.host_memory import ResidentGuard
 from meshkit.runtime.mesh import ParallelMesh, ProcessInfo, select_device, start_process_group
 from meshkit.runtime.preemption import Preempted, PreemptionWatch
 from meshkit.runtime.tracking import TrackerSet, check_trackers
 from meshkit.training.accumulation import GradientState
-from meshkit.training.loss import (
-    IGNORE_INDEX,
-    LossFn,
-    compute_loss,
-    is_causal_lm_batch,
-    logits_of,
-    pipeline_pair,
-    split_causal_lm_batch,
-    token_loss_sum,
-)
+from meshkit.training.loss import LossFn, compute_loss, is_causal_lm_batch, pipeline_pair, split_causal_lm_batch
 from meshkit.training.precision import make_grad_scaler
 
 __all__ = ["ConfigConflictWarning", "Engine", "EngineError", "WrappedModelWarning"]
@@ -349,26 +340,20 @@ class Engine:
         objects = self.ctx.objects
         model, optimizer = objects.only_model(), objects.only_optimizer()
         causal = objects.loss_fn is None and objects.causal_lm and is_causal_lm_batch(batch)
+        mask = batch.get("attention_mask") if causal and objects.balancing is not None else None
         if causal:  # labels shifted before any sequence split; the loss is the mean over the step's tokens
             batch = split_causal_lm_batch(batch)
         if self.mesh.size("cp") > 1:
             batch = self.shard_sequence(batch)
+            mask = None if mask is None else self.shard_sequence(mask)
         with self.accumulate():
             if objects.pipeline is not None:
                 with self.loss_parallel():
                     loss = objects.pipeline.step(*pipeline_pair(batch, causal), self.mesh.grad_group)
                 self._gradients.reduce_after_schedule()
             elif causal:
-                inputs, targets = batch
-                with self.loss_parallel():
-                    total = token_loss_sum(logits_of(model(**inputs)), targets)
-                count = (targets != IGNORE_INDEX).sum()
-                # the step's loss sum and token count over every rank, summed while backward runs
-                summed = collectives.start_sum(
-                    torch.stack((total.detach().float(), count.float())), self.ctx.placement.grad_group
-                )
-                self._gradients.backward(total / count.clamp(min=1), count, global_items=lambda: float(summed()[1]))
-                loss = summed()[0] / summed()[1].clamp(min=1)
+                group, balancing = self.ctx.placement.grad_group, objects.balancing
+                loss = causal_lm_micro_step(model, batch, self._gradients, group, self.loss_parallel, balancing, mask)
             else:
                 with self.loss_parallel():
                     loss = compute_loss(model, batch, objects.loss_fn)

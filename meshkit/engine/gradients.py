@@ -205,10 +205,13 @@ def clip_arguments(args: tuple[Any, ...], norm_type: float) -> tuple[float, floa
 
 def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """The norm over every gradient. DTensor gradients (sharded by FSDP, split by TP) reduce their parts; plain
-    ones (e.g. norms left whole under tensor parallel) are the same on every rank. The two kinds cannot share
-    one foreach call, so each gets its own and the results are combined."""
+    ones (e.g. norms left whole under tensor parallel) are the same on every rank. Plain tensors and the DTensors
+    of each mesh cannot share one foreach call, so each kind gets its own and the results are combined."""
+    kinds: dict[Any, list[torch.Tensor]] = {}  # plain tensors, and DTensors by mesh (expert banks have their own)
+    for grad in grads:
+        kinds.setdefault(id(grad.device_mesh) if isinstance(grad, DTensor) else None, []).append(grad)
     parts = []
-    for kind in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
+    for kind in kinds.values():
         if kind:
             norm: Any = nn.utils.get_total_norm(kind, norm_type)
             parts.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())

@@ -24,6 +24,7 @@ from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.zero.sharding import rebind_params, renamed_parameters, shard_optimizer
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
 from meshkit.training.loss import CausalLMLoss, LossFn
+from meshkit.training.router_loss import balancing_loss
 
 
 class Preparation(EngineComponent):
@@ -75,14 +76,24 @@ class Preparation(EngineComponent):
         objects.user_modules[id(done.model)] = model
         objects.tied_aliases[id(done.model)] = done.structure.aliases() if done.structure else {}
         objects.causal_lm = done.structure is not None and done.structure.causal_lm  # HF batches get the LM loss
+        if done.structure is not None:
+            structure, pp = done.structure, ctx.mesh.size("pp")
+            mode = ctx.config.moe.router_aux_loss
+            objects.balancing = balancing_loss(structure.router_loss, structure.moe, mode, pp)
         if done.notice:
             print_once_per_node(ctx.info, done.notice)
         objects.checkpointed.extend(done.checkpointed)
         if done.partial_over_tp:
             partial = [now[name] for name in done.partial_over_tp if name in now]
             gradients.model_reducers.append(GradientAllReduce(partial, ctx.mesh.group("tp"), average=False))
+        experts = {id(param) for bank in done.experts for param in bank.parameters()}
         if done.needs_gradient_reduce:
-            gradients.model_reducers.append(GradientAllReduce(list(now.values()), ctx.mesh.grad_group))
+            others = [param for param in now.values() if id(param) not in experts]
+            gradients.model_reducers.append(GradientAllReduce(others, ctx.mesh.grad_group))
+        if experts and ctx.placement.zero_stage == 0:  # (FSDP reduces them over edp itself)
+            banks = [param for param in now.values() if id(param) in experts]
+            edp = ctx.mesh.expert_dim("edp").get_group()
+            gradients.model_reducers.append(GradientAllReduce(banks, edp, divisor=ctx.mesh.grad_size))
         if isinstance(done.model, PipelineModel):
             loss_fn = objects.loss_fn
             if loss_fn is None and done.structure is not None and done.structure.causal_lm:

@@ -16,6 +16,7 @@ from meshkit.parallel.activation import CheckpointedBlock
 from meshkit.parallel.pipeline.schedule import PipelineRunner
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
 from meshkit.training.loss import LossFn
+from meshkit.training.router_loss import BalancingLoss
 
 
 class EngineError(MeshkitError):
@@ -36,6 +37,7 @@ class PreparedObjects:
     renamed_params: dict[int, nn.Parameter | None] = field(default_factory=dict)
     logits_sharded: bool = False  # a prepared model returns vocab-sharded logits (tensor parallel)
     causal_lm: bool = False  # the prepared model is a causal LM (next-token logits)
+    balancing: BalancingLoss | None = None  # the router's balancing loss train_step adds (mixture of experts)
     uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
     # id(prepared model) -> ...
     fused_qkv: dict[int, dict[str, int]] = field(default_factory=dict)  # interleaved weights and their dim

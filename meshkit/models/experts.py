@@ -1,7 +1,8 @@
 """Mixture-of-experts blocks, recognised by their shape: a router and a bank of expert MLPs side by side.
 
 An MoE block is a module with two children: an expert bank — one module whose own parameters are 3-D with the
-experts first (transformers 5 fuses them: `experts.gate_up_proj` [E, 2·I, H], `experts.down_proj` [E, H, I]), or
+experts first (transformers 5 fuses them: `experts.gate_up_proj` [E, 2·I, H], `experts.down_proj` [E, H, I];
+biases beside them are [E, out]), or
 a ModuleList of E alike expert MLPs — and a router whose `weight` has one row per expert ([E, H]). A child named
 `shared_expert(s)` is the MLP every token also passes through (DeepSeek, Qwen2-MoE). Mixtral, Qwen2/3-MoE, OLMoE,
 DeepSeek-V2/V3 and gpt-oss all read this way, and so does a user's own model built alike; nothing here is keyed
@@ -36,7 +37,8 @@ def _bank_size(name: str, module: nn.Module) -> tuple[int, bool] | None:
     only under an expert's name (`experts`, `local_experts`): a model's own list of blocks beside a head with
     one row per block is not a mixture of experts."""
     own = [param for _, param in module.named_parameters(recurse=False)]
-    if own and all(param.dim() == 3 for param in own) and len({param.shape[0] for param in own}) == 1:
+    stacked = own and all(param.dim() >= 2 for param in own) and any(param.dim() == 3 for param in own)
+    if stacked and len({param.shape[0] for param in own}) == 1:  # (gpt-oss: 2-D biases [E, out] beside them)
         experts = own[0].shape[0]
         return (experts, True) if experts >= 2 else None
     if isinstance(module, nn.ModuleList) and len(module) >= 2 and "expert" in name:
@@ -73,6 +75,12 @@ def moe_block(path: str, block: nn.Module, config: Any = None) -> ExpertFacts | 
     return None
 
 
+def moe_blocks(model: nn.Module, config: Any = None) -> list[ExpertFacts]:
+    """Every MoE block inside `model` (a whole model or one pipeline stage of it), paths relative to `model`."""
+    found = (moe_block(name, module, config) for name, module in model.named_modules())
+    return [facts for facts in found if facts is not None]
+
+
 def expert_banks(model: nn.Module) -> set[int]:
     """ids of the modules that are an MoE block's expert bank (never a list of repeated blocks)."""
     banks = set()
@@ -102,4 +110,5 @@ def router_loss(config: Any, moe: tuple[ExpertFacts, ...]) -> RouterLoss | None:
     coefficient = getattr(config, ROUTER_LOSS_COEFFICIENT, None)
     if not moe or not isinstance(coefficient, (int, float)) or isinstance(coefficient, bool):
         return None
-    return RouterLoss(float(coefficient), ROUTER_LOSS_SWITCH if hasattr(config, ROUTER_LOSS_SWITCH) else None)
+    switch = ROUTER_LOSS_SWITCH if hasattr(config, ROUTER_LOSS_SWITCH) else None
+    return RouterLoss(float(coefficient), switch, bool(getattr(config, switch)) if switch else True)

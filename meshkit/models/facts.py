@@ -56,6 +56,7 @@ class RouterLoss:
 
     coefficient: float
     switch: str | None  # the config attribute that turns it on (output_router_logits), None: always on
+    enabled: bool = True  # the switch's value when the model was described: the model returns router logits
 
 
 @dataclass(frozen=True)

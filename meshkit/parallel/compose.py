@@ -1,9 +1,9 @@
 """The composition layer: apply the strategies of a run to a model, always in the same order.
 
 Order (each step relies on the previous one's result): pipeline split -> tensor/sequence parallel -> context
-parallel -> activation checkpointing -> compile -> FSDP or DDP. Compile comes before the data-parallel
-wrapper so that DDP's bucket hooks see the compiled module and FSDP shards compiled blocks. A model built on
-the meta device is materialised once every split is done (only this rank's shards are ever allocated).
+parallel -> expert parallel -> activation checkpointing -> compile -> FSDP or DDP. Compile comes before the
+data-parallel wrapper so that DDP's bucket hooks see the compiled module and FSDP shards compiled blocks. A model
+built on the meta device is materialised once every split is done (only this rank's shards are ever allocated).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from meshkit.parallel.compile import apply_compile
 from meshkit.parallel.context.apply import apply_context_parallel
 from meshkit.parallel.dataparallel import apply_dataparallel
 from meshkit.parallel.ddp import apply_ddp
+from meshkit.parallel.expert.apply import apply_expert_parallel, check_expert_parallel
 from meshkit.parallel.fsdp import apply_fsdp
 from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
 from meshkit.parallel.pipeline.stages import PipelineError, PipelineModel, chunks_per_rank, split_model, stage_ids
@@ -38,6 +39,7 @@ class Parallelized:
     partial_over_tp: list[str] = field(default_factory=list)  # gradients summed over tp after backward
     needs_gradient_reduce: bool = False  # data parallel that no wrapper reduces (DTensor parameters)
     checkpointed: list[CheckpointedBlock] = field(default_factory=list)  # blocks with checkpointing/offload
+    experts: list[nn.Module] = field(default_factory=list)  # expert banks split over ep (their gradients: edp)
     notice: str | None = None  # one line for the user about how the layout was applied
 
 
@@ -50,13 +52,20 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
     """
     structure = describe(model, config.blocks, config.structure)
     pp = mesh.size("pp")
+    notice = None
+    if mesh.dims.ep > 1:
+        check_expert_parallel(structure.moe, mesh.dims.ep, mesh.grad_size, zero_stage, config.strategy)
+        if not structure.moe:
+            notice = f"meshkit: parallel.ep={mesh.dims.ep} changes nothing: the model has no mixture-of-experts blocks"
     if config.strategy == "dataparallel":  # one process: the wrapper replicates the model on every forward
         result = _parallelize_one(model, mesh, config, zero_stage, structure, autocast=False)
         result.model, result.notice = apply_dataparallel(result.model, mesh.device)
         autocast_forward(result.model, config.precision, mesh.device.type)  # autocast reaches its replica threads
         return result
     if pp == 1:
-        return _parallelize_one(model, mesh, config, zero_stage, structure)
+        result = _parallelize_one(model, mesh, config, zero_stage, structure)
+        result.notice = result.notice or notice
+        return result
     if config.tensor_parallel.sequence_parallel and structure.family != "gpt":
         # A stage would hand sequence shards to the next, whose shape inference and hooks expect whole ones.
         raise PipelineError(
@@ -75,6 +84,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
         partial_over_tp=[name for part in parts for name in part.partial_over_tp],
         needs_gradient_reduce=any(part.needs_gradient_reduce for part in parts),
         checkpointed=[block for part in parts for block in part.checkpointed],
+        experts=[bank for part in parts for bank in part.experts],
+        notice=notice,
     )
 
 
@@ -107,12 +118,14 @@ def _parallelize_one(
         result.partial_over_tp = split.partial_over_tp
     if mesh.size("cp") > 1:
         apply_context_parallel(model, mesh.group("cp"), structure)
+    if mesh.dims.ep > 1:
+        result.experts = apply_expert_parallel(model, mesh.expert_dim("ep"), mesh.expert_dim("edp"))
     result.checkpointed = apply_activation_checkpointing(
         model, config.activation_checkpointing, config.activation_offload, mesh.device, structure.blocks
     )
     model = apply_compile(model, config.compile, structure.blocks)
     if zero_stage == 3:
-        model = apply_fsdp(model, mesh, sharding, config.precision, structure.blocks)
+        model = apply_fsdp(model, mesh, sharding, config.precision, structure.blocks, result.experts)
     if on_meta:
         materialize(
             model,
@@ -130,7 +143,7 @@ def _parallelize_one(
         if tp > 1 or in_pipeline:
             result.needs_gradient_reduce = True
         else:
-            model = apply_ddp(model, mesh, config.ddp)
+            model = apply_ddp(model, mesh, config.ddp, ignored=result.experts)
             if config.ddp.static_graph and config.grad_accum_steps > 1:
                 result.notice = (
                     f"meshkit: ddp.static_graph with grad_accum_steps={config.grad_accum_steps}: gradients are "

@@ -13,10 +13,15 @@ from meshkit.runtime.mesh import ParallelMesh
 _DDP_PARAMETERS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 
 
-def apply_ddp(model: nn.Module, mesh: ParallelMesh, cfg: DDPConfig) -> nn.Module:
-    """Wrap in DDP over the gradient group (dp × cp); a single rank there has nothing to synchronise."""
+def apply_ddp(model: nn.Module, mesh: ParallelMesh, cfg: DDPConfig, ignored: list[nn.Module] = ()) -> nn.Module:
+    """Wrap in DDP over the gradient group (dp × cp); a single rank there has nothing to synchronise.
+    The parameters of the `ignored` modules (expert banks split over ep) are left to their own reducer."""
     if mesh.grad_size == 1:
         return model
+    if ignored:
+        own = {id(param) for module in ignored for param in module.parameters()}
+        names = [name for name, param in model.named_parameters() if id(param) in own]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     # torch >= 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning for True/False here).
     buffers_arg = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMETERS else "broadcast_buffers"
     return DistributedDataParallel(

@@ -51,15 +51,28 @@ def offload_policy(cfg: ShardingConfig, device: torch.device) -> CPUOffloadPolic
 
 
 def apply_fsdp(
-    model: nn.Module, mesh: ParallelMesh, cfg: ShardingConfig, precision: str, blocks: str | None = None
+    model: nn.Module,
+    mesh: ParallelMesh,
+    cfg: ShardingConfig,
+    precision: str,
+    blocks: str | None = None,
+    experts: list[nn.Module] = (),
 ) -> nn.Module:
-    """Shard each block, then the root. Returns the same module object (FSDP2 works in place)."""
+    """Shard each expert bank (split over ep: over the edp ranks that hold the same experts), each block, then
+    the root. Returns the same module object (FSDP2 works in place)."""
     _, block_list = find_blocks(model, blocks)
     blocks = [block for _, block in block_units(block_list)]
     options = {"mesh": fsdp_mesh(mesh), "mp_policy": mixed_precision_policy(cfg, precision)}
     policy = offload_policy(cfg, mesh.device)
     if policy is not None:
         options["offload_policy"] = policy
+    for bank in experts:
+        fully_shard(bank, **{**options, "mesh": mesh.expert_dim("edp")})
+        # the bank's gradient sums its ep group's tokens: dividing by every dp × cp rank gives the average
+        bank.set_gradient_divide_factor(float(mesh.grad_size))
+        # a sum, then the division (gloo has no pre-scaled sum); on one edp rank FSDP divides in its copy, and
+        # forcing the sum there would divide twice
+        bank.set_force_sum_reduction_for_comms(mesh.expert_dim("edp").size() > 1)
     for index, block in enumerate(blocks):
         # The last block runs first in backward: freeing its parameters after forward would only make
         # backward gather them again at once.

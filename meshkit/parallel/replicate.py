@@ -28,10 +28,13 @@ class GradientAllReduce:
         group: dist.ProcessGroup,
         bucket_bytes: int = BUCKET_BYTES,
         average: bool = True,
+        divisor: int | None = None,
     ) -> None:
+        """`average=False`: the plain sum; `divisor`: the sum divided by it (expert banks: by every dp × cp rank,
+        summed over the edp ranks only), else the average over `group`."""
         self.params = params
         self.group = group
-        self.world = dist.get_world_size(group) if average else 1  # average=False: the plain sum
+        self.world = divisor or (dist.get_world_size(group) if average else 1)
         self.bucket_bytes = bucket_bytes
 
     def before_backward(self) -> None:

@@ -2,7 +2,8 @@
 
 The sizes come resolved and validated as a `Layout` (`config/layout.py`, the one layout type).
 `ParallelMesh` builds the single DeviceMesh with named dims in the fixed order (pp, dp_replicate, dp_shard,
-cp, tp) and answers every rank question ("my dp rank?", "am I the last pipeline stage?").
+cp, tp) and answers every rank question ("my dp rank?", "am I the last pipeline stage?"). Under expert
+parallel a second mesh (pp, edp, ep, tp) numbers the same ranks with dp × cp split into edp × ep.
 """
 
 from __future__ import annotations
@@ -108,6 +109,14 @@ class ParallelMesh:
             if replicas > 1
             else shard_cp
         )
+        self.expert_mesh: DeviceMesh | None = None
+        if dims.ep > 1:
+            # Expert parallel splits the dp × cp ranks (flattened in mesh order) into edp groups of ep ranks that
+            # share out the experts; ranks number the same as in the main mesh. A root mesh of its own, so that
+            # FSDP over edp and the experts' DTensors over ep share one parent, as FSDP requires.
+            tokens = self.grad_mesh.size()
+            shape = (dims.pp, tokens // dims.ep, dims.ep, dims.tp)
+            self.expert_mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
 
     # ranks of the whole world
     @property
@@ -162,6 +171,13 @@ class ParallelMesh:
     @property
     def grad_group(self) -> dist.ProcessGroup:
         return self.grad_mesh.get_group()
+
+    # expert parallel
+    def expert_dim(self, dim: str) -> DeviceMesh:
+        """`ep` (the ranks that split the experts) or `edp` (the ranks that hold the same experts)."""
+        if self.expert_mesh is None:
+            raise MeshError("expert parallel is off (parallel.ep=1): there is no expert mesh")
+        return self.expert_mesh[dim]
 
     # pipeline
     @property

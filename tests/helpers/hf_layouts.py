@@ -8,7 +8,7 @@ import torch
 
 from meshkit import Engine
 from tests.helpers.hf_models import causal_lm
-from tests.helpers.moe_models import MOE_FAMILIES, moe_causal_lm
+from tests.helpers.moe_models import MOE_FAMILIES, TEST_VARIANTS, moe_causal_lm
 
 STEPS, GLOBAL_BATCH, SEQ = 4, 4, 16
 CLIP = 0.1  # small enough that every step of the test clips
@@ -29,13 +29,30 @@ LAYOUTS = {
     "ddp4": {},
     "zero3_4": {"zero_stage": 3},
     "zero1_4": {"zero_stage": 1},
+    # expert parallel (mixture-of-experts models)
+    "ep4": {"ep": 4},
+    "ep2_dp2": {"ep": 2},
+    "ep2_zero3": {"ep": 2, "zero_stage": 3},
+    "ep4_zero3": {"ep": 4, "zero_stage": 3},
+    "ep2_tp2": {"ep": 2, "tp": 2},
+    "ep2_pp2": {"ep": 2, "pp": 2, "schedule": "1f1b"},
+    "ep2_clipped": {"ep": 2, "max_grad_norm": CLIP},
+    # the router's balancing loss over the global batch (what one process computes)
+    "ddp4_global_aux": {"router_aux_loss": "global_batch"},
+    "zero3_4_global_aux": {"zero_stage": 3, "router_aux_loss": "global_batch"},
+    "ep4_global_aux": {"ep": 4, "router_aux_loss": "global_batch"},
+    "ep2_zero3_global_aux": {"ep": 2, "zero_stage": 3, "router_aux_loss": "global_batch"},
+    "ep2_tp2_global_aux": {"ep": 2, "tp": 2, "router_aux_loss": "global_batch"},
+    "ep2_cp2_global_aux": {"ep": 2, "cp": 2, "router_aux_loss": "global_batch"},
+    "ddp4_aux": {},  # per micro-batch: each rank's own (differs from one process)
 }
 MATRIX = ("tp2", "tp2_sp", "cp2", "pp2_1f1b", "pp2_tp2", "fsdp2_tp2", "zero3_cp2")
 
 
 def build(family: str, seed: int = 0) -> torch.nn.Module:
     """The tiny model of `family`: a dense one (`hf_models`) or a mixture of experts (`moe_models`)."""
-    return moe_causal_lm(family, seed) if family in MOE_FAMILIES else causal_lm(family, seed)
+    moe = family in MOE_FAMILIES or family in TEST_VARIANTS
+    return moe_causal_lm(family, seed) if moe else causal_lm(family, seed)
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, EXPERTS, TOP_K = 64, 32, 4, 2, 2, 4, 2
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
+TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux")  # see moe_causal_lm
 # (MoE blocks, shared experts, router loss coefficient) of each tiny model
 EXPECTED = {
     "mixtral": (LAYERS, None, 0.001),
@@ -44,8 +45,25 @@ def moe_config(family: str, **overrides: Any) -> Any:
     raise ValueError(family)
 
 
+ONE_SIDED = "mixtral_one_sided"  # Mixtral whose routers send every token to the same two experts at first
+# "<family>_aux": the same model with the router's balancing loss on (a coefficient large enough to matter)
+WITH_ROUTER_LOSS = {"mixtral_aux": "mixtral", "qwen3_moe_aux": "qwen3_moe"}
+ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+
+
 def moe_causal_lm(family: str, seed: int = 0, **overrides: Any) -> Any:
     import torch
 
+    if family in WITH_ROUTER_LOSS:
+        family, overrides = WITH_ROUTER_LOSS[family], {**ROUTER_LOSS, **overrides}
+    one_sided = family == ONE_SIDED
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(moe_config(family, **overrides), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        moe_config("mixtral" if one_sided else family, **overrides), dtype=torch.float32
+    )
+    if one_sided:  # every router starts at zero, so ties choose the same experts and the others get no token;
+        # the loop over experts (eager) leaves an expert without tokens out of the graph altogether
+        model.config._experts_implementation = "eager"
+        for layer in model.model.layers:
+            torch.nn.init.zeros_(layer.mlp.gate.weight)
+    return model

@@ -1,0 +1,122 @@
+"""Expert parallelism on a model: each MoE block's expert bank split over the `ep` ranks.
+
+The bank's parameters become DTensors sharded on dim 0 (the experts) over the ep mesh, so a full state dict,
+an export and a checkpoint that reshards see whole banks. Its forward becomes dispatch → the model's own expert
+computation on this rank's experts → combine (`dispatch.py`): any bank that takes (hidden, top_k_index,
+top_k_weights) — transformers 5's fused experts, Mixtral to DeepSeek-V3 and gpt-oss — runs without a kernel of
+its own. The router, shared experts and everything else stay as the other layouts leave them.
+
+Gradients: a bank's gradient on a rank sums the losses of every token its ep group routed to it, so it is
+summed over the edp ranks (which hold the same experts) and divided by all dp × cp ranks — the same average
+every other parameter gets (FSDP's divide factor, or `GradientAllReduce(divisor=)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from meshkit.core.errors import MeshkitError
+from meshkit.models.experts import moe_blocks
+from meshkit.models.facts import ExpertFacts
+from meshkit.parallel.expert.dispatch import routed_experts
+
+EXPERT_COUNT_ATTRIBUTES = ("num_experts", "num_local_experts")  # what a bank's own forward reads its size from
+
+
+class ExpertParallelError(MeshkitError):
+    """An expert-parallel layout that cannot run; the message says what to change."""
+
+
+def _choices(values: list[int]) -> str:
+    text = [str(v) for v in values]
+    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
+
+
+def check_expert_parallel(
+    moe: tuple[ExpertFacts, ...], ep: int, token_ranks: int, zero_stage: int, strategy: str
+) -> None:
+    """Refuse, in one line, what expert parallelism cannot do; `token_ranks` = dp × cp."""
+    if strategy in ("parameter_server", "dataparallel"):
+        raise ExpertParallelError(f"parallel.ep={ep} needs the mesh strategy, not {strategy}: set parallel.ep=1")
+    if zero_stage in (1, 2):
+        raise ExpertParallelError(
+            f"parallel.ep={ep} with zero_stage={zero_stage}: ZeRO-1/2 shard optimizer states over every "
+            "data-parallel rank, whose experts differ under ep; use zero_stage=3 (FSDP) or 0 (DDP)"
+        )
+    for facts in moe:
+        if not facts.fused:
+            raise ExpertParallelError(
+                f"parallel.ep={ep}: the experts of {facts.path} are a list of modules; expert parallel splits a "
+                "fused bank (one 3-D tensor per projection, experts first, as transformers 5 builds them)"
+            )
+        if facts.experts % ep:
+            fits = [d for d in range(1, facts.experts + 1) if facts.experts % d == 0 and token_ranks % d == 0]
+            raise ExpertParallelError(
+                f"parallel.ep={ep} does not divide the {facts.experts} experts of {facts.path}: choose {_choices(fits)}"
+            )
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, edp_mesh: DeviceMesh) -> list[nn.Module]:
+    """Split every expert bank of `model` over `ep_mesh`; returns the banks (their gradients need edp reduction)."""
+    banks = []
+    for facts in moe_blocks(model):
+        bank = model.get_submodule(facts.path).get_submodule(facts.bank)
+        for name, param in list(bank.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])  # rank 0 of each ep group deals its experts
+            if edp_mesh.size() > 1 and not sharded.is_meta:  # replicas of the experts start equal, as DDP's do
+                dist.broadcast(sharded.to_local(), group=edp_mesh.get_group(), group_src=0)
+            bank.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        bank.forward = ExpertParallelForward(bank, facts.experts, ep_mesh)  # type: ignore[method-assign]
+        banks.append(bank)
+    return banks
+
+
+class ExpertParallelForward:
+    """The bank's forward under expert parallel: route, run the bank's own forward on this rank's experts, combine."""
+
+    def __init__(self, bank: nn.Module, experts: int, ep_mesh: DeviceMesh) -> None:
+        self.bank = bank
+        self.experts = experts
+        self.group = ep_mesh.get_group()
+        self.local_experts = experts // ep_mesh.size()
+        self.own_forward = type(bank).forward  # the class's: the instance attribute is this object
+
+    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return routed_experts(hidden, top_k_index, top_k_weights, self.experts, self.group, self._compute)
+
+    def _compute(self, tokens: torch.Tensor, local_expert: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        with self._local_experts() as anchor:
+            out = self.own_forward(self.bank, tokens, local_expert, weights)
+        # Every local expert and the tokens that arrived take part in the graph even when no token came (a loop
+        # over the experts hit leaves them out): each rank then has a gradient for every expert parameter (zero
+        # where no token came), so the edp reductions match, and each joins the all-to-all of backward.
+        return out + anchor + tokens.reshape(-1)[:1].sum() * 0
+
+    @contextlib.contextmanager
+    def _local_experts(self) -> Iterator[torch.Tensor]:
+        """The bank's parameters as this rank's plain pieces, and its expert count as theirs, for one call."""
+        held = dict(self.bank._parameters)
+        counts = {name: getattr(self.bank, name) for name in EXPERT_COUNT_ATTRIBUTES if hasattr(self.bank, name)}
+        try:
+            anchor = None
+            for name, param in held.items():
+                if param is None:
+                    continue
+                local = param.to_local() if isinstance(param, DTensor) else param
+                self.bank._parameters[name] = local  # type: ignore[assignment]
+                touch = local.reshape(-1)[:1].sum() * 0
+                anchor = touch if anchor is None else anchor + touch
+            for name in counts:
+                setattr(self.bank, name, self.local_experts)
+            yield anchor if anchor is not None else torch.zeros(())
+        finally:
+            self.bank._parameters.update(held)
+            for name, value in counts.items():
+                setattr(self.bank, name, value)

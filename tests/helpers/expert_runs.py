@@ -1,0 +1,59 @@
+"""Expert-parallel runs that save, resume at another ep size, and export (workers for run_world)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from meshkit import Engine
+from tests.helpers.hf_layouts import GLOBAL_BATCH, batches, build, make_optimizer
+
+
+def _engine(family: str, overrides: dict) -> tuple[Engine, torch.nn.Module]:
+    engine = Engine(seed=0, **overrides)
+    model = build(family)
+    model, _ = engine.prepare(model, make_optimizer(model))
+    return engine, model
+
+
+def _steps(engine: Engine, chosen: list[dict[str, torch.Tensor]]) -> list[float]:
+    local = GLOBAL_BATCH // engine.dp_size
+    losses = []
+    for batch in chosen:
+        part = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batch.items()}
+        losses.append(engine.train_step(part).item())
+    return losses
+
+
+def save_then_resume(rank: int, family: str, first: dict, second: dict, directory: str) -> dict:
+    """Two steps in layout `first`, save_state and save_model; two more in layout `second` from the checkpoint."""
+    torch.distributed.init_process_group("gloo")
+    all_batches = batches()
+    engine, _ = _engine(family, first)
+    losses = _steps(engine, all_batches[:2])
+    engine.save_state(Path(directory) / "state")
+    engine.save_model(Path(directory) / "export")
+    saved = engine.full_state_dict()
+    engine.end()
+    engine, _ = _engine(family, second)
+    engine.load_state(Path(directory) / "state")
+    resumed = engine.full_state_dict()
+    losses += _steps(engine, all_batches[2:])
+    out = {"losses": losses, "saved": saved, "resumed": resumed, "state": engine.full_state_dict()}
+    engine.end()
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def grads_after_backward(rank: int, family: str, overrides: dict) -> dict[str, bool]:
+    """Which expert-bank parameters hold a gradient after one backward (the plain loop, no optimizer step)."""
+    torch.distributed.init_process_group("gloo")
+    engine, model = _engine(family, overrides)
+    local = GLOBAL_BATCH // engine.dp_size
+    batch = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batches()[0].items()}
+    engine.backward(model(**batch).loss)
+    out = {name: param.grad is not None for name, param in model.named_parameters() if "experts" in name}
+    engine.end()
+    torch.distributed.destroy_process_group()
+    return out

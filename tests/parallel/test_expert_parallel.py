@@ -1,0 +1,112 @@
+"""Expert parallelism (`parallel.ep`): each MoE block's experts split over ep ranks, tokens routed by all-to-all.
+
+Mixtral, Qwen3-MoE and DeepSeek-V3 (shared experts, a dense first block) against one plain-torch process on the
+same global batch: losses and weights within 1e-5 over 4 steps — ep 4, ep 2 (× dp 2), each with FSDP on the
+rest, ep × tp, ep × pp, with clipping; the router's balancing loss over the global batch equal to one process
+in every layout; a checkpoint saved at ep 4 resumes at ep 2 under ZeRO-3 and exports for from_pretrained.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshkit.config.layout import Layout, MeshError
+from meshkit.config.schema import ParallelConfig
+from meshkit.models.facts import ExpertFacts
+from meshkit.parallel.expert.apply import ExpertParallelError, check_expert_parallel
+from tests.helpers.distributed import run_world
+from tests.helpers.expert_runs import grads_after_backward, save_then_resume
+from tests.helpers.hf_layouts import CLIP, batches, build, reference, run_families
+from tests.helpers.moe_models import transformers
+from tests.helpers.training import assert_close_relative, assert_state_close
+
+CELLS = {
+    "mixtral": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2", "ep2_clipped"],
+    "qwen3_moe": ["ep4", "ep2_dp2", "ep2_zero3", "ep2_tp2", "ep2_pp2"],
+    "deepseek_v3": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_pp2"],  # (its latent attention refuses tp)
+}
+GLOBAL_AUX = ["ddp4_global_aux", "zero3_4_global_aux", "ep4_global_aux", "ep2_zero3_global_aux",
+              "ep2_tp2_global_aux", "ep2_cp2_global_aux"]  # fmt: skip
+
+
+def _assert_like_one_process(family: str, layout: str, results: list[dict]) -> None:
+    losses, state = reference(family, CLIP if "clipped" in layout else None)
+    for rank, by_cell in enumerate(results):
+        got = by_cell[family, layout]
+        assert "refused" not in got, f"{family} {layout} refused on rank {rank}: {got['refused']}"
+        assert_close_relative(got["losses"], losses, 1e-5)
+        assert_state_close(got["state"], state, 1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(CELLS))
+def test_moe_models_train_like_one_process_under_expert_parallel(family: str) -> None:
+    results = run_world(run_families, 4, {family: CELLS[family]}, timeout=400)
+    for layout in CELLS[family]:
+        _assert_like_one_process(family, layout, results)
+
+
+@pytest.mark.parametrize("family", ["mixtral_aux", "qwen3_moe_aux"])
+def test_the_global_batch_router_loss_equals_one_process(family: str) -> None:
+    cells = [*GLOBAL_AUX, "ddp4_aux", "ep2_pp2"]
+    results = run_world(run_families, 4, {family: cells}, timeout=400)
+    for layout in GLOBAL_AUX:
+        _assert_like_one_process(family, layout, results)
+    # per micro-batch (the default): each rank's loss is the model's own on its quarter of the batch
+    model, first = build(family), batches()[0]
+    with torch.no_grad():
+        own = [model(**{k: v[i : i + 1] for k, v in first.items()}).loss.item() for i in range(4)]
+    whole = reference(family)[0][0]
+    got = results[0][family, "ddp4_aux"]["losses"][0]
+    assert got == pytest.approx(sum(own) / 4, rel=1e-6) and abs(got - whole) > 1e-5
+    refused = results[0][family, "ep2_pp2"]["refused"]
+    assert "balancing loss under pp" in refused and "\n" not in refused
+
+
+def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_exports(tmp_path) -> None:
+    first, second = {"ep": 4}, {"ep": 2, "zero_stage": 3}
+    results = run_world(save_then_resume, 4, "mixtral", first, second, str(tmp_path), timeout=400)
+    losses, state = reference("mixtral")
+    for got in results:
+        assert_close_relative(got["losses"], losses, 1e-5)
+        assert_state_close(got["state"], state, 1e-5)
+        for name, tensor in got["saved"].items():
+            assert torch.equal(tensor, got["resumed"][name]), name
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    saved = results[0]["saved"]
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+    plain = build("mixtral")
+    plain.load_state_dict(saved)
+    ids = batches()[0]["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, plain(ids).logits)
+
+
+def test_experts_that_receive_no_token_still_get_a_zero_gradient() -> None:
+    # the routers start at zero, so every token goes to experts 2 and 3: ep rank 0 (experts 0, 1) receives none,
+    # yet it must join backward's all-to-all and reduce gradients of the same shapes as everyone (else: a hang)
+    for got in run_world(grads_after_backward, 2, "mixtral_one_sided", {"ep": 2}, timeout=120):
+        assert got and all(got.values()), got
+    results = run_world(run_families, 4, {"mixtral_one_sided": ["ep4", "ep2_zero3"]}, timeout=300)
+    for layout in ("ep4", "ep2_zero3"):  # (and the model's loop over experts trains like one process)
+        _assert_like_one_process("mixtral_one_sided", layout, results)
+
+
+def _facts(experts: int, fused: bool = True) -> ExpertFacts:
+    return ExpertFacts("model.layers.0.mlp", "gate", "experts", experts, 2, fused, ("experts.gate_up_proj",))
+
+
+def test_an_ep_that_does_not_fit_is_one_line_naming_the_choices() -> None:
+    with pytest.raises(ExpertParallelError, match=r"ep=4 does not divide the 6 experts of model.layers.0.mlp: "
+                       r"choose 1 or 2$"):  # fmt: skip
+        check_expert_parallel((_facts(6),), 4, 4, 0, "auto")
+    with pytest.raises(ExpertParallelError, match="use zero_stage=3 .FSDP. or 0 .DDP."):
+        check_expert_parallel((_facts(4),), 2, 4, 1, "auto")
+    with pytest.raises(ExpertParallelError, match="are a list of modules"):
+        check_expert_parallel((_facts(4, fused=False),), 2, 4, 0, "auto")
+    with pytest.raises(MeshError, match=r"ep=3 must divide the 4 ranks .* choose 1, 2 or 4"):
+        Layout.from_config(ParallelConfig(ep=3), 4)
+    assert Layout.from_config(ParallelConfig(ep=2, tp=2, dp_replicate=-1), 8).describe() == (
+        "dp_replicate4 × tp2, experts over ep2"
+    )
