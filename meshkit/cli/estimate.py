@@ -66,6 +66,7 @@ def estimate_command(
     tp: Annotated[int, typer.Option("--tp")] = 1,
     pp: Annotated[int, typer.Option("--pp")] = 1,
     cp: Annotated[int, typer.Option("--cp")] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="expert parallel: experts split over this many dp·cp ranks")] = 1,
     activation_checkpointing: Annotated[
         str, typer.Option("--activation-checkpointing", help="none, selective or full")
     ] = "none",
@@ -108,18 +109,23 @@ def estimate_command(
         activation_checkpointing=activation_checkpointing,  # type: ignore[arg-type]
         offload=offload,  # type: ignore[arg-type]
         runtime_gb=runtime_gb,
+        ep=ep,
     )
     if as_json:
         print(json.dumps(estimate.as_json(), indent=2))
         return
     Console().print(
-        _table(f"memory per device (dp={dp} tp={tp} pp={pp} cp={cp}, ZeRO-{zero_stage}, {precision})", estimate)
+        _table(
+            f"memory per device (dp={dp} tp={tp} pp={pp} cp={cp}{f' ep={ep}' if ep > 1 else ''}, "
+            f"ZeRO-{zero_stage}, {precision})",
+            estimate,
+        )
     )
     if shape.expert_params:
+        held = f"each rank holds 1/{ep} of the experts" if ep > 1 else "every rank holds every expert (--ep: split)"
         Console().print(
             f"mixture of experts: {_count(shape.params)} parameters, {_count(shape.active_params)} active per token "
-            f"({shape.active_expert_fraction:.0%} of the {_count(shape.expert_params)} in experts); every rank holds "
-            "every expert's states (no expert parallelism yet)",
+            f"({shape.active_expert_fraction:.0%} of the {_count(shape.expert_params)} in experts); {held}",
             highlight=False,
             soft_wrap=True,
         )

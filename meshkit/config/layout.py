@@ -132,11 +132,12 @@ class Layout:
         activation_checkpointing: str = "none",
         offload: str = "none",
         stages_per_rank: int = 1,
+        ep: int = 1,
     ) -> Layout:
         """A planner's layout: `dp` data-parallel ranks, sharded (dp_shard) under ZeRO-3, replicated otherwise."""
         replicate, shard = (1, dp) if zero_stage == 3 else (dp, 1)
         return cls(pp, replicate, shard, cp, tp, zero_stage, microbatches, stages_per_rank, activation_checkpointing,
-                   offload)  # fmt: skip
+                   offload, ep)  # fmt: skip
 
     # ------------------------------------------------------------------ sizes
     def mesh_sizes(self) -> dict[str, int]:
@@ -169,6 +170,7 @@ class Layout:
     def summary(self) -> str:
         """The planner's words: 'dp4 tp2 pp1 cp1 ZeRO-1 accum8 AC selective'."""
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}", f"ZeRO-{self.zero_stage}"]
+        parts[4:4] = [f"ep{self.ep}"] if self.ep > 1 else []
         parts.append(f"{'m' if self.pp > 1 else 'accum'}{self.microbatches}")
         if self.stages_per_rank > 1:
             parts.append(f"interleaved v{self.stages_per_rank}")
@@ -179,7 +181,7 @@ class Layout:
         return " ".join(parts)
 
     def as_json(self) -> dict[str, Any]:
-        keys = ("dp", "tp", "pp", "cp", "zero_stage", "microbatches", "stages_per_rank")
+        keys = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "microbatches", "stages_per_rank")
         out: dict[str, Any] = {key: getattr(self, key) for key in keys}
         out.update(activation_checkpointing=self.activation_checkpointing, offload=self.offload)
         return out

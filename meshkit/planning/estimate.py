@@ -48,6 +48,14 @@ class ModelShape:
     kv_heads: int | None = None  # grouped-query attention: K/V heads (None: as many as heads)
     expert_params: float = 0.0  # mixture of experts: every routed expert's parameters, all layers (in `params`)
     active_expert_fraction: float = 1.0  # top-k / experts: the share of the experts a token passes through
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    top_k: int = 0  # experts each token is routed to
+    moe_layers: int = 0  # blocks with an expert bank
+
+    def local_params(self, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[float, float]:
+        """(dense, expert) parameters one rank holds before ZeRO: tensor parallel splits the dense ones, expert
+        parallel the routed experts (tensor parallel keeps each expert bank whole)."""
+        return (self.params - self.expert_params) / (tp * pp), self.expert_params / (ep * pp)
 
     @property
     def active_params(self) -> float:
@@ -146,6 +154,9 @@ def moe_shape(config: dict[str, Any]) -> ModelShape:
         kv_heads=kv_heads,
         expert_params=float(len(moe_layers) * bank),
         active_expert_fraction=min(1.0, top_k / experts),
+        experts=experts,
+        top_k=top_k,
+        moe_layers=len(moe_layers),
     )
 
 
@@ -232,20 +243,31 @@ def estimate_memory(
     gradient_as_bucket_view: bool = False,
     zero_bucket_mb: float = 25.0,
     runtime_gb: float = 0.0,
+    ep: int = 1,
 ) -> Estimate:
     """Per-device GB (10^9 bytes) for params, grads, optimizer, activations, buffers and the runtime, with
     formulas. `runtime_gb` is what the process holds outside tensors (measured: torch's kernels and the
-    distributed runtime on a CPU rank, 17-23 MB; on a GPU the CUDA context and library workspaces)."""
-    _check_layout(model, zero_stage, dp, tp, pp, cp)
+    distributed runtime on a CPU rank, 17-23 MB; on a GPU the CUDA context and library workspaces).
+    A mixture of experts keeps its routed experts whole under tp; `ep` splits them, and ZeRO-3 shards each
+    rank's experts over the dp·cp/ep ranks that hold the same ones."""
+    _check_layout(model, zero_stage, dp, tp, pp, cp, ep)
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
     weight_b, grad_b, optim_b = model_state_bytes(precision, optimizer)
-    local = model.params / (tp * pp)  # parameters this device owns before ZeRO
+    dense, experts = model.local_params(tp, pp, ep)
+    local = dense + experts  # parameters this device owns before ZeRO
     shards = dp * cp  # ZeRO/FSDP shards over the data-parallel (and context-parallel) ranks
+
+    def sharded(stage: int) -> float:  # parameters left per rank when ZeRO stage `stage` shards them
+        return dense / shards + experts / (shards // ep) if zero_stage >= stage else local
+
     nd = f"Nd={shards}"
     psi = f"Ψ/(tp·pp)={local:.4g}"
-    params = weight_b * local / (shards if zero_stage >= 3 else 1)
-    grads = grad_b * local / (shards if zero_stage >= 2 else 1)
-    optim = optim_b * local / (shards if zero_stage >= 1 else 1)
+    if model.expert_params:
+        psi = f"(Ψdense/(tp·pp) + Ψexperts/(ep·pp))={local:.4g}"
+        nd += f", experts over Nd/ep={shards // ep}"
+    params = weight_b * sharded(3)
+    grads = grad_b * sharded(2)
+    optim = optim_b * sharded(1)
     lines = [
         Line("params", params / GB, f"{weight_b}·{psi}" + (f"/{nd} (ZeRO-3)" if zero_stage >= 3 else "")),
         Line("grads", grads / GB, f"{grad_b}·{psi}" + (f"/{nd} (ZeRO-2+)" if zero_stage >= 2 else "")),
@@ -261,7 +283,7 @@ def estimate_memory(
     bucket = full_grads if zero_stage == 0 and not gradient_as_bucket_view else 0.0
     if zero_stage == 2 and shards > 1:  # buckets in flight during backward, each within one rank's chunk
         bucket = BUCKETS_IN_FLIGHT * min(zero_bucket_mb * 1e6, grads)
-    lines.append(_buffers(model, zero_stage, dp, cp, tp, weight_b, bucket))
+    lines.append(_buffers(model, zero_stage, dp, cp, tp, weight_b, bucket, ep))
     lines.append(Line("runtime", runtime_gb, "given" if runtime_gb else "not counted (runtime_gb / --runtime-gb)"))
     kept = pp == 1 and shards > 1 and (zero_stage == 1 or zero_stage == 0 and gradient_as_bucket_view)
     return Estimate(lines, grads_meet_activations=kept)
@@ -318,9 +340,17 @@ def _activations(
     return Line("activations", total / GB, formula)
 
 
-def _buffers(model: ModelShape, zero_stage: int, dp: int, cp: int, tp: int, weight_b: int, bucket: float) -> Line:
+def _buffers(
+    model: ModelShape, zero_stage: int, dp: int, cp: int, tp: int, weight_b: int, bucket: float, ep: int = 1
+) -> Line:
     if zero_stage >= 3:
         layer = model.largest_layer_params or model.params / max(1, model.layers or 1)
+        if model.moe_layers:  # an MoE block: its dense part split by tp, its experts (kept whole by tp) by ep
+            bank = model.expert_params / model.moe_layers
+            per_rank = (layer - bank) / tp + bank / ep
+            gathered = 2 * weight_b * per_rank
+            formula = f"2 gathered layers: 2·{weight_b}·((block − experts)/tp + experts/ep)={per_rank:.4g}"
+            return Line("buffers", gathered / GB, formula)
         gathered = 2 * weight_b * layer / tp  # the layer in use and the one prefetched
         return Line("buffers", gathered / GB, f"2 gathered layers: 2·{weight_b}·{layer:.4g}/tp")
     if dp * cp > 1 and zero_stage == 0 and bucket:
@@ -330,12 +360,17 @@ def _buffers(model: ModelShape, zero_stage: int, dp: int, cp: int, tp: int, weig
     return Line("buffers", 0.0, "none")
 
 
-def _check_layout(model: ModelShape, zero_stage: int, dp: int, tp: int, pp: int, cp: int) -> None:
+def _check_layout(model: ModelShape, zero_stage: int, dp: int, tp: int, pp: int, cp: int, ep: int = 1) -> None:
     if not 0 <= zero_stage <= 3:
         raise EstimateError(f"zero_stage={zero_stage}: choose 0, 1, 2 or 3")
-    for name, size in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
+    for name, size in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if size < 1:
             raise EstimateError(f"{name}={size}: sizes are 1 or more")
+    if ep > 1:
+        if (dp * cp) % ep or (model.experts and model.experts % ep):
+            raise EstimateError(f"ep={ep} must divide dp·cp={dp * cp} and the {model.experts or '?'} experts")
+        if zero_stage in (1, 2):
+            raise EstimateError(f"ep={ep} runs with ZeRO-0 or ZeRO-3, not ZeRO-{zero_stage}")
     if model.heads is not None and (tp > model.heads or model.heads % tp):
         raise EstimateError(f"tp={tp} does not divide the {model.heads} attention heads")
     if model.layers is not None and pp > model.layers:

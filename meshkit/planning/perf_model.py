@@ -28,6 +28,11 @@ bytes, all-gather / reduce-scatter (n−1)/n, each with n−1 (or 2(n−1)) late
   pipeline of pp / ranks_per_device devices' worth of stages: only that pipeline's ramp is lost.
 - Context parallel (ring attention): K and V travel the ring (cp − 1 steps, dK/dV too in backward), each step
   hidden behind the attention of the block it arrived with.
+- Expert parallel: per MoE layer and micro-batch, four all-to-alls of the routed copies (k·s·b·h, of which
+  (ep − 1)/ep leave the rank): dispatch and combine, forward and backward (forward again under full
+  recomputation), on the critical path. The busiest ep rank's experts compute `expert_imbalance` × the mean
+  (the most tokens one rank's experts receive over the mean; `bench/moe.py` measures it). Expert gradients are
+  reduced over the dp·cp/ep ranks that hold the same experts.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ OPTIMIZER_BYTES_PER_PARAM = {"adam": 30, "adam8bit": 16, "sgd": 22}
 HOST_MEMORY_GBPS = 50.0  # a CPU optimizer's share of host memory bandwidth
 DDP_BUCKET_BYTES = 25 * 2**20
 TP_BACKWARD_REDUCES = 5  # column-parallel linears per block whose input gradients are all-reduced (q, k, v, gate, up)
+EXPERT_IMBALANCE = 1.2  # busiest ep rank's routed tokens over the mean, when nothing measured says otherwise
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,16 @@ def _ring(volume: float, ranks: int, gbps: float, latency: float, kind: str) -> 
     return factor * volume / (gbps * 1e9) + steps * latency
 
 
+def all_to_all_bytes(model: ModelShape, layout: Layout, *, seq_len: int, micro_batch: int, act_b: int) -> float:
+    """Bytes one rank sends in one MoE layer's expert-parallel all-to-alls for one micro-batch (forward and
+    backward; the routed copies bound for other ranks)."""
+    if layout.ep == 1 or not model.moe_layers:
+        return 0.0
+    routed = model.top_k * seq_len / layout.cp * micro_batch * (model.hidden or 0) * act_b
+    passes = 6 if layout.activation_checkpointing == "full" else 4
+    return passes * routed * (layout.ep - 1) / layout.ep
+
+
 def tp_layer_comm(
     hardware: Hardware,
     topology: Topology,
@@ -129,6 +145,7 @@ def predict(
     micro_batch: int = 1,
     precision: str = "bf16",
     optimizer: str = "adam",
+    expert_imbalance: float = EXPERT_IMBALANCE,
 ) -> StepTime:
     """Seconds per optimizer step of `global_batch` sequences of `seq_len` tokens on this layout."""
     gpus = topology.gpus
@@ -140,6 +157,9 @@ def predict(
     rate = hardware.peak_tflops * 1e12 * hardware.matmul_efficiency
     model_flops = (blocks + attention + head) * tokens
     compute = model_flops / gpus / rate
+    if layout.ep > 1:  # the busiest rank's experts set the pace
+        expert_flops = 6 * model.expert_params * model.active_expert_fraction * tokens
+        compute += (expert_imbalance - 1) * expert_flops / gpus / rate
     extra = {"full": (blocks + attention) / 3, "selective": attention / 3}.get(layout.activation_checkpointing, 0.0)
     recompute = extra * tokens / gpus / rate
     m, v, pp = layout.microbatches, layout.stages_per_rank, layout.pp
@@ -159,12 +179,16 @@ def predict(
     comm: dict[str, float] = {}
     links: dict[str, str] = {}
     overhead = 0.0
-    local_params = model.params / (layout.tp * pp)
+    dense, experts = model.local_params(layout.tp, pp, layout.ep)
+    local_params = dense + experts
     shards = layout.dp * layout.cp
     dp_span = layout.tp * layout.cp * layout.dp
+    # expert gradients are reduced over the dp·cp/ep ranks that hold the same experts: as if there were fewer
+    edp = shards // layout.ep
+    reduced = dense + experts * ((edp - 1) / edp) / ((shards - 1) / shards) if shards > 1 and experts else local_params
     if shards > 1 and layout.zero_stage < 3:
         kind = "gather" if layout.zero_stage == 2 else "all_reduce"  # stage 2 reduces each bucket to its owner
-        full, links["dp_grads"] = seconds(dp_span, grad_b * local_params, shards, kind)
+        full, links["dp_grads"] = seconds(dp_span, grad_b * reduced, shards, kind)
         if pp == 1:  # DDP's and ZeRO-1/2's buckets overlap the backward that reduces them
             tail = full * min(1.0, DDP_BUCKET_BYTES / max(1.0, grad_b * local_params))
             comm["dp_grads"] = max(full - backward_last, tail) * (m if layout.zero_stage == 2 else 1)
@@ -174,9 +198,9 @@ def predict(
             comm["zero_gather"], links["zero_gather"] = seconds(dp_span, weight_b * local_params, shards, "gather")
     elif shards > 1:
         block = (model.largest_layer_params or local_params / max(1, layers)) / layout.tp
-        gather, links["zero3_gather"] = seconds(dp_span, weight_b * local_params, shards, "gather")
+        gather, links["zero3_gather"] = seconds(dp_span, weight_b * reduced, shards, "gather")
         first, _ = seconds(dp_span, weight_b * block, shards, "gather")
-        reduce, links["zero3_reduce"] = seconds(dp_span, grad_b * local_params, shards, "gather")
+        reduce, links["zero3_reduce"] = seconds(dp_span, grad_b * reduced, shards, "gather")
         forward, backward = per_micro / 3, per_micro * 2 / 3
         comm["zero3_gather"] = m * (max(0.0, gather - forward) + max(0.0, gather - backward) + first)
         comm["zero3_reduce"] = max(0.0, reduce - backward) + reduce * block / max(1.0, local_params)
@@ -205,7 +229,15 @@ def predict(
         step_attention = 4 * chunk * chunk * micro_batch * hidden / layout.tp / rate  # forward, one KV chunk
         hidden_behind = max(0.0, step_comm - step_attention) + max(0.0, 2 * step_comm - 2 * step_attention)
         comm["cp"] = (layout.cp - 1) * hidden_behind * layers / pp * m
-    optimizer_params = local_params / (shards if layout.zero_stage >= 1 else 1)
+    volume = all_to_all_bytes(model, layout, seq_len=seq_len, micro_batch=micro_batch, act_b=act_b)
+    if volume:
+        link = links["ep_all_to_all"] = topology.link(layout.tp * layout.ep)
+        gbps = hardware.intra_gbps if link == "intra" else hardware.inter_gbps
+        latency = hardware.intra_latency_s if link == "intra" else hardware.inter_latency_s
+        calls = 6 if layout.activation_checkpointing == "full" else 4
+        per_layer = volume / (gbps * 1e9) + calls * (layout.ep - 1) * latency
+        comm["ep_all_to_all"] = per_layer * model.moe_layers / pp * m
+    optimizer_params = (dense / shards + experts / edp) if layout.zero_stage >= 1 else local_params
     step_bytes = OPTIMIZER_BYTES_PER_PARAM[optimizer]
     optimizer_s = optimizer_params * step_bytes / (hardware.memory_tbps * 1e12)
     offload = 0.0

@@ -2,7 +2,8 @@
 step time, with tokens/s, MFU and reasons.
 
 Every combination of tp (within a node, dividing the heads), pp (dividing the layers; 1 or more model chunks
-per rank), cp, ZeRO stage, activation checkpointing and offload is costed with `estimate_memory`; those that
+per rank), cp, ep (a mixture of experts: dividing its experts and dp·cp; ZeRO-0 or 3), ZeRO stage, activation
+checkpointing and offload is costed with `estimate_memory`; those that
 fit in the GPU's memory (with 10 % headroom) are ranked by `perf_model.predict`: compute, recomputation,
 pipeline bubble, exposed communication per collective and link class, optimizer and offload time. The device
 and its links come from a preset (`--gpu`), a measured profile (`--profile`) or the link flags.
@@ -18,7 +19,7 @@ from meshkit.config.layout import Layout
 from meshkit.core.errors import MeshkitError
 from meshkit.planning.estimate import EstimateError, ModelShape, estimate_memory
 from meshkit.planning.hardware import PRESETS, Hardware
-from meshkit.planning.perf_model import StepTime, Topology, predict
+from meshkit.planning.perf_model import StepTime, Topology, all_to_all_bytes, predict
 
 HEADROOM = 0.9
 INTRA_LINKS = ("nvlink", "nvlink4", "pcie")
@@ -103,13 +104,20 @@ def candidates(model: ModelShape, cluster: Cluster, seq_len: int, global_batch: 
                 if pp > 1 and microbatches < pp:
                     continue
                 chunks = [v for v in (1, 2, 4) if v == 1 or (layers >= pp * v and microbatches % pp == 0)]
-                for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-                    for recompute in ("none", "selective", "full"):
-                        for offload in ("none", "cpu") if zero == 3 else ("none",):
-                            for v in chunks if pp > 1 else [1]:
-                                layout = Layout.planned(dp, tp, pp, cp, zero, microbatches, recompute, offload, v)
-                                out.append(layout)
+                for ep in expert_parallel_sizes(model, dp * cp):
+                    for zero in (0, 1, 2, 3) if dp * cp > 1 and ep == 1 else (0, 3) if ep > 1 else (0,):
+                        for recompute in ("none", "selective", "full"):
+                            for offload in ("none", "cpu") if zero == 3 else ("none",):
+                                for v in chunks if pp > 1 else [1]:
+                                    out.append(
+                                        Layout.planned(dp, tp, pp, cp, zero, microbatches, recompute, offload, v, ep)
+                                    )
     return out
+
+
+def expert_parallel_sizes(model: ModelShape, token_ranks: int) -> list[int]:
+    """ep sizes to try: 1, and for a mixture of experts every size dividing both its experts and dp·cp."""
+    return [ep for ep in _divisors(token_ranks) if ep == 1 or (model.experts and model.experts % ep == 0)]
 
 
 def cost(
@@ -136,20 +144,24 @@ def cost(
         cp=layout.cp,
         activation_checkpointing=layout.activation_checkpointing,
         offload=layout.offload,  # type: ignore[arg-type]
+        ep=layout.ep,
     )
-    grads = 2 * model.params / (layout.tp * layout.pp)
+    grads = 2 * sum(model.local_params(layout.tp, layout.pp, layout.ep))
     n = layout.dp * layout.cp
     dp_volume = (2 * (n - 1) / n * grads * (1.5 if layout.zero_stage == 3 else 1.0)) if n > 1 else 0.0
     sbh = seq_len / layout.cp * micro_batch * (model.hidden or 0) * 2
     steps = layout.microbatches
     tp_volume = 4 * 2 * (layout.tp - 1) / layout.tp * sbh * (model.layers or 0) / layout.pp * steps
     pp_volume = 2 * sbh * steps * layout.stages_per_rank if layout.pp > 1 else 0.0
+    per_layer = all_to_all_bytes(model, layout, seq_len=seq_len, micro_batch=micro_batch, act_b=2)
+    ep_volume = per_layer * model.moe_layers / layout.pp * steps
     bubble = (layout.pp - 1) / (layout.stages_per_rank * layout.microbatches + layout.pp - 1) if layout.pp > 1 else 0.0
     time = predict(
         model, layout, cluster.topology(), cluster.hardware,
         seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, precision=precision, optimizer=optimizer,
     )  # fmt: skip
-    return PlannedLayout(layout, estimate.total_gb, (dp_volume + tp_volume + pp_volume) / 1e9, bubble, time=time)
+    volume = dp_volume + tp_volume + pp_volume + ep_volume
+    return PlannedLayout(layout, estimate.total_gb, volume / 1e9, bubble, time=time)
 
 
 def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool) -> str:
@@ -172,6 +184,8 @@ def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool
         why.append(f"ZeRO-{layout.zero_stage}" + (" over fast links" if fast else " (sharding saves the memory)"))
     if layout.cp > 1:
         why.append(f"CP={layout.cp} for the {layout.cp}× shorter local sequence")
+    if layout.ep > 1:
+        why.append(f"EP={layout.ep}: each rank holds 1/{layout.ep} of the experts, tokens sent by all-to-all")
     if layout.activation_checkpointing != "none":
         why.append(f"{layout.activation_checkpointing} recompute to fit the activations")
     if layout.offload != "none":
@@ -189,7 +203,7 @@ def simplicity(layout: Layout) -> tuple[int, ...]:
     """Fewer model-parallel ranks, a lower ZeRO stage, less recomputation, no offload, fewer chunks first."""
     recompute = _RECOMPUTE_ORDER[layout.activation_checkpointing]
     return (
-        layout.tp * layout.pp * layout.cp,
+        layout.tp * layout.pp * layout.cp * layout.ep,
         layout.zero_stage,
         recompute,
         layout.offload != "none",
@@ -283,7 +297,8 @@ def to_config(layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
     """The layout as a meshkit YAML mapping (`meshkit train` accepts it)."""
     config: dict[str, Any] = {
         "launch": {"nproc_per_node": cluster.gpus_per_node, "nnodes": cluster.nodes},
-        "parallel": {name: getattr(layout, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp")},
+        "parallel": {name: getattr(layout, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}
+        | ({"ep": layout.ep} if layout.ep > 1 else {}),
         "sharding": {"zero_stage": layout.zero_stage, **({"offload": "cpu"} if layout.offload == "cpu" else {})},
         "precision": "no" if precision == "fp32" else precision,
     }

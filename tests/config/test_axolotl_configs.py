@@ -119,6 +119,12 @@ def test_deepspeed_fsdp_and_the_parallel_size_keys_land_on_the_layout(tmp_path, 
     assert (cfg.sharding.zero_stage, cfg.sharding.reshard_after_forward) == (3, True)
     assert (cfg.parallel.dp_shard, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.dp_replicate) == (2, 2, 1, 1)
 
+    # Axolotl's expert-parallel examples (Qwen3-30B-A3B): expert_parallel_size is parallel.ep
+    moe = axolotl_lora(material, tmp_path, adapter=None, fsdp_version=2, dp_shard_size=4, expert_parallel_size=4)
+    job = resolve_finetune(_write(tmp_path / "e.yml", moe), [], env={})
+    assert (job.resolved.config.parallel.ep, job.resolved.config.parallel.dp_shard) == (4, 4)
+    assert "e.yml" in job.resolved.sources["parallel.ep"] and not job.notes
+
 
 def test_trackers_and_schedules_by_their_axolotl_names(tmp_path, material) -> None:
     keys = axolotl_lora(material, tmp_path, wandb_project="ft", wandb_mode="offline", use_tensorboard=True,

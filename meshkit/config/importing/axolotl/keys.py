@@ -234,8 +234,7 @@ _add(G, "tensor_parallel_size", honoured("`parallel.tp`", "parallel.tp"))
 _add(G, ("context_parallel_size", "sequence_parallel_degree"),
      honoured("`parallel.cp` (ring attention)", "parallel.cp"))
 _add(G, ("heads_k_stride", "ring_attn_func"), noted("meshkit's ring attention passes whole K/V blocks around the ring"))
-_add(G, "expert_parallel_size",
-     KeyRule("refused", "expert parallelism is not supported yet: remove the key (or set 1)", off=(1, "1")))
+_add(G, "expert_parallel_size", honoured("`parallel.ep` (experts split over the data-parallel ranks)", "parallel.ep"))
 _add(G, ("use_ray", "ray_num_workers", "resources_per_worker"),
      honoured("`launch.backend: ray`, `launch.ray_num_workers`, `launch.ray_cpus_per_worker` / `ray_gpus_per_worker`",
               reader=layout.ray))
