@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/peers_deepspeed.py
 	$(BIN)/python bench/plan_published.py
 	$(BIN)/python bench/plan_vs_measured.py
+	$(BIN)/python bench/moe.py
 	$(BIN)/meshkit bench comm --nproc-per-node 2 --out bench/results/comm-w2.json
 	$(BIN)/python bench/report.py
 

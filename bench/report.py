@@ -252,6 +252,38 @@ def peak_memory(data: dict[str, Any]) -> str:
     )
 
 
+def moe(data: dict[str, Any]) -> str:
+    rows = [
+        [row["layout"], f"{row['median_step_s'] * 1e3:.0f} ms", f"{row['step_ratio_vs_ddp']:.2f}",
+         f"{row['states_mb']:.1f}", f"{row['peak_rss_mb']:.0f}",
+         f"{row['all_to_all_mb_per_step']:.2f} / {row['formula_mb_per_step']:.2f}", f"{row['ep_rank_imbalance']:.2f}",
+         f"{row['expert_imbalance']:.2f}" if row["expert_imbalance"] else "-"]
+        for row in data["rows"]
+    ]  # fmt: skip
+    model = data["model"]
+    return (
+        f"World {data['nproc']}, a Mixtral-style model of {model['layers']} MoE blocks ({model['experts']} experts, "
+        f"top-{model['top_k']}, hidden {model['hidden']}, expert FFN {model['expert_ffn']}), global batch "
+        f"{model['global_batch']} × {model['seq']} tokens, SGD with momentum, {data['steps']} steps (median, slowest "
+        "rank). States = weights, gradients and momentum a rank holds; all-to-all = what a rank's expert layers send "
+        "to other ranks per step, against the uniform-routing formula; balance = the busiest ep rank's (and expert's) "
+        "routed tokens over the mean.\n\n"
+        + _table(
+            [
+                "layout",
+                "step",
+                "vs DDP",
+                "states MB",
+                "peak MB",
+                "all-to-all MB / formula",
+                "ep rank max/mean",
+                "expert max/mean",
+            ],
+            rows,
+        )  # fmt: skip
+    )
+
+
 def plan_vs_measured(data: dict[str, Any]) -> str:
     rows = [
         [
@@ -333,6 +365,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         plan_vs_measured,
     ),
     ("Peak memory per step, world 4", "peak-memory-w4.json", "python bench/peak_memory.py", peak_memory),
+    ("Expert parallelism on a mixture of experts, world 4", "moe-w4.json", "python bench/moe.py", moe),
     (
         "Step time against the previous commit",
         "against-commit.json",
