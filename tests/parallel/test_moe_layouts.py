@@ -10,14 +10,9 @@ import pytest
 
 from tests.helpers.distributed import run_world
 from tests.helpers.hf_layouts import LAYOUTS, reference, run_families
+from tests.helpers.moe_matrix import LAYOUT_CELLS as CELLS
+from tests.helpers.moe_matrix import REFUSED
 from tests.helpers.training import assert_close_relative, assert_state_close
-
-CELLS = {
-    "mixtral": ["ddp4", "zero3_4", "tp2", "pp2_1f1b"],
-    "qwen3_moe": ["zero1_4", "zero3_4", "fsdp2_tp2", "cp2"],
-    "deepseek_v3": ["ddp4", "zero3_4", "tp2", "pp2_1f1b"],
-}
-REFUSED = {("deepseek_v3", "tp2"): "has no rule for Linear layers ['model.layers.0.self_attn.kv_a_proj_with_mqa'"}
 
 
 @pytest.mark.parametrize("family", sorted(CELLS))

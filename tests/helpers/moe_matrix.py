@@ -1,0 +1,49 @@
+"""The mixture-of-experts cells the layout tests run, and the support matrix of docs/any-model.md made from them."""
+
+from __future__ import annotations
+
+# family -> layouts (of hf_layouts.LAYOUTS) trained equal to one process, the router's balancing loss off
+LAYOUT_CELLS = {  # tests/parallel/test_moe_layouts.py
+    "mixtral": ["ddp4", "zero3_4", "tp2", "pp2_1f1b"],
+    "qwen3_moe": ["zero1_4", "zero3_4", "fsdp2_tp2", "cp2"],
+    "deepseek_v3": ["ddp4", "zero3_4", "tp2", "pp2_1f1b"],
+}
+EXPERT_CELLS = {  # tests/parallel/test_expert_parallel.py
+    "mixtral": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2", "ep2_clipped"],
+    "qwen3_moe": ["ep4", "ep2_dp2", "ep2_zero3", "ep2_tp2", "ep2_pp2"],
+    "deepseek_v3": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2"],
+}
+# the router's balancing loss over the global batch (the "<family>_aux" models), equal to one process
+GLOBAL_AUX = ["ddp4_global_aux", "zero3_4_global_aux", "ep4_global_aux", "ep2_zero3_global_aux",
+              "ep2_tp2_global_aux", "ep2_cp2_global_aux"]  # fmt: skip
+GLOBAL_AUX_FAMILIES = ("mixtral", "qwen3_moe")  # DeepSeek-V3 has no auxiliary loss (it balances by router bias)
+LATENT_ATTENTION_UNDER_TP = "has no rule for Linear layers ['model.layers.0.self_attn.kv_a_proj_with_mqa'"
+REFUSED = {("deepseek_v3", "tp2"): LATENT_ATTENTION_UNDER_TP, ("deepseek_v3", "ep2_tp2"): LATENT_ATTENTION_UNDER_TP}
+COLUMNS = {
+    "ddp4": "DDP",
+    "zero1_4": "ZeRO-1",
+    "zero3_4": "ZeRO-3",
+    "tp2": "tp 2",
+    "cp2": "cp 2",
+    "pp2_1f1b": "pp 2",
+    "ep4": "ep 4",
+    "ep2_dp2": "ep 2 × dp 2",
+    "ep2_zero3": "ep 2 + ZeRO-3",
+    "ep2_tp2": "ep 2 × tp 2",
+    "ep2_pp2": "ep 2 × pp 2",
+    "global_aux": "global aux loss",
+}
+
+
+def render_moe_matrix() -> str:
+    """What the MoE tests check, family by family (✓: equal to one process; refused¹: one line; n/a²: the model
+    has no auxiliary loss)."""
+    lines = ["| family | " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
+    for family in LAYOUT_CELLS:
+        run = set(LAYOUT_CELLS[family]) | set(EXPERT_CELLS[family])
+        if family in GLOBAL_AUX_FAMILIES:
+            run.add("global_aux")
+        cells = ["refused¹" if (family, c) in REFUSED else "✓" if c in run else "not run" for c in COLUMNS]
+        cells[-1] = cells[-1] if family in GLOBAL_AUX_FAMILIES else "n/a²"
+        lines.append(f"| {family} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
