@@ -73,6 +73,7 @@ RULES = (
         lambda c: c.strategy != "parameter_server",
         "without strategy=parameter_server",
     ),
+    IdleRule(("moe.capacity_factor",), lambda c: c.parallel.ep == 1, "with parallel.ep=1 (the model routes itself)"),
     IdleRule(
         _keys("probe", ("top_k", "steps", "memory_limit_gb")),
         lambda c: c.layout != "auto",

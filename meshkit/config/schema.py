@@ -280,6 +280,12 @@ class ExpertsConfig(Section):
         "micro-batch; global_batch = its token fractions over every data-parallel (× cp) rank's tokens of the "
         "micro-step (with grad_accum_steps=1, equal to one process on the global batch)",
     )
+    capacity_factor: float | None = Field(
+        None,
+        gt=0,
+        description="under parallel.ep: each expert takes at most capacity_factor × (its even share of a rank's "
+        "routed tokens) from that rank, the rest dropped (their expert output is zero); null = dropless",
+    )
 
 
 class RunConfig(Section):

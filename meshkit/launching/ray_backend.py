@@ -215,12 +215,17 @@ class RayJob:
         lost: dict[int, str] = {}  # rank -> why its actor is gone
         stop_at: float | None = None
         while len(exits) < len(ordered):
-            for rank, actor in ordered:
+            # every running rank is asked at once, and answers are awaited together (one round trip per poll)
+            asked = {rank.rank: actor.progress.remote() for rank, actor in ordered if rank.rank not in exits}
+            answered, _ = self.ray.wait(list(asked.values()), num_returns=len(asked), timeout=ANSWER_S)
+            for rank, _actor in ordered:
                 if rank.rank in exits:
                     continue
                 try:
-                    progress = self.ray.get(actor.progress.remote(), timeout=ANSWER_S)
-                except Exception as err:  # the actor or its node is gone (RayActorError, GetTimeoutError)
+                    if asked[rank.rank] not in answered:
+                        raise TimeoutError(f"its actor did not answer within {ANSWER_S:g}s")
+                    progress = self.ray.get(asked[rank.rank])
+                except Exception as err:  # the actor or its node is gone (RayActorError, or no answer)
                     exits[rank.rank] = None
                     self.clock.lost(rank.rank)
                     lost[rank.rank] = one_line(f"{type(err).__name__}: {err}")[:160]

@@ -119,7 +119,8 @@ def _parallelize_one(
     if mesh.size("cp") > 1:
         apply_context_parallel(model, mesh.group("cp"), structure)
     if mesh.dims.ep > 1:
-        result.experts = apply_expert_parallel(model, mesh.expert_dim("ep"), mesh.expert_dim("edp"))
+        ep_mesh, edp_mesh = mesh.expert_dim("ep"), mesh.expert_dim("edp")
+        result.experts = apply_expert_parallel(model, ep_mesh, edp_mesh, config.moe.capacity_factor)
     result.checkpointed = apply_activation_checkpointing(
         model, config.activation_checkpointing, config.activation_offload, mesh.device, structure.blocks
     )

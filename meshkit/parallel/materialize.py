@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshkit.core.errors import MeshkitError
 from meshkit.models import hf_adapter
 from meshkit.models.adapters import adapter_submodules, base_checkpoint_name, is_adapter_parameter, reset_adapter
+from meshkit.models.checkpoint_names import CheckpointConversion
 from meshkit.parallel.tensor.auto import interleave_fused_qkv
 
 
@@ -167,34 +168,76 @@ def load_safetensors(
             tied = base_checkpoint_name(aliases.get(name, name))
             stored_as[name] = stored if stored in files or tied not in files else tied
     missing = sorted(name for name, stored in stored_as.items() if stored not in files)
-    unexpected = [] if stage_only else sorted(set(files) - set(stored_as.values()))
+    converted = _converted(model, files, missing, stored_as)
+    missing = [name for name in missing if stored_as[name] not in converted]
+    used = set(stored_as.values()) | {key for parts in converted.values() for key, _ in parts}
+    unexpected = [] if stage_only else sorted(set(files) - used)
     if missing or unexpected:
         raise MaterializeError(
             f"'{source}' does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     by_file: dict[Path, list[str]] = {}
     for name, stored in stored_as.items():
+        if stored in converted:
+            continue
         by_file.setdefault(files[stored], []).append(name)
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as handle:
             for name in names:
-                full, target = handle.get_tensor(stored_as[name]), targets[name]
-                if base_checkpoint_name(name) in vocabulary:
-                    full = grown_rows(full, target.shape[0])
-                if tuple(full.shape) != tuple(target.shape):
-                    raise MaterializeError(
-                        f"'{name}' has shape {tuple(full.shape)} in {file.name}; the model has {tuple(target.shape)}"
-                    )
-                if fused and name in fused:
-                    full = interleave_fused_qkv(full, tp, fused[name])
-                device = (target.to_local() if isinstance(target, DTensor) else target).device
-                set_local(target, full.to(device=device, dtype=target.dtype))
+                _fill(targets[name], name, handle.get_tensor(stored_as[name]), file.name, vocabulary, fused, tp)
+    for name, stored in stored_as.items():
+        if stored in converted:  # merged from several tensors, as transformers' from_pretrained does
+            full = converted.conversion.tensor(stored, converted[stored], lambda key: _read(files[key], key))
+            _fill(targets[name], name, full, "the merged checkpoint tensors", vocabulary, fused, tp)
     init = getattr(model, "init_module", None) or hf_adapter.module_initializer(model)
     for name, module in model.named_modules():
         _reset_adapters(name, module)
         owns_parameters = any(True for _ in module.parameters(recurse=False))
         if init and module._non_persistent_buffers_set and not owns_parameters:  # e.g. RoPE tables
             init(name, module)
+
+
+class _Converted(dict):
+    """Model tensor name -> its file tensors, and the conversion that merges them."""
+
+    conversion: CheckpointConversion
+
+
+def _converted(model: nn.Module, files: dict[str, Path], missing: list[str], stored_as: dict[str, str]) -> _Converted:
+    """The missing tensors transformers' conversion makes from the file's (empty when it has none)."""
+    out = _Converted()
+    conversion = CheckpointConversion.of(model) if missing else None
+    if conversion is not None:
+        wanted = {stored_as[name] for name in missing}
+        out.update(conversion.sources((key for key in files if key not in stored_as.values()), wanted))
+        out.conversion = conversion
+    return out
+
+
+def _read(file: Path, key: str) -> torch.Tensor:
+    with safe_open(str(file), framework="pt") as handle:
+        return handle.get_tensor(key)
+
+
+def _fill(
+    target: torch.Tensor,
+    name: str,
+    full: torch.Tensor,
+    where: str,
+    vocabulary: tuple[str, ...],
+    fused: dict[str, int] | None,
+    tp: int,
+) -> None:
+    """Copy this rank's part of the checkpoint's `full` tensor into the model's `target` (parameter `name`)."""
+    if base_checkpoint_name(name) in vocabulary:
+        full = grown_rows(full, target.shape[0])
+    if tuple(full.shape) != tuple(target.shape):
+        shapes = f"has shape {tuple(full.shape)} in {where}; the model has {tuple(target.shape)}"
+        raise MaterializeError(f"'{name}' {shapes}")
+    if fused and name in fused:
+        full = interleave_fused_qkv(full, tp, fused[name])
+    device = (target.to_local() if isinstance(target, DTensor) else target).device
+    set_local(target, full.to(device=device, dtype=target.dtype))
 
 
 def grown_rows(stored: torch.Tensor, rows: int) -> torch.Tensor:

@@ -57,3 +57,40 @@ def grads_after_backward(rank: int, family: str, overrides: dict) -> dict[str, b
     engine.end()
     torch.distributed.destroy_process_group()
     return out
+
+
+def plain_loop(rank: int, family: str, overrides: dict) -> dict:
+    """The loop users already have (`model(**batch).loss`, engine.backward, optimizer.step), in `overrides`."""
+    torch.distributed.init_process_group("gloo")
+    engine = Engine(seed=0, **overrides)
+    model = build(family)
+    model, optimizer = engine.prepare(model, make_optimizer(model))
+    local = GLOBAL_BATCH // engine.dp_size
+    losses = []
+    for batch in batches():
+        part = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batch.items()}
+        with engine.accumulate():
+            loss = model(**part).loss
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(engine.reduce(loss.detach(), "mean").item())
+    out = {"losses": losses, "state": engine.full_state_dict()}
+    engine.end()
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def route_with_capacity(rank: int, capacity_factor: float | None) -> dict:
+    """Route.plan and routed_experts in a world of one: 8 tokens, top-2 of 4 experts, all on experts 0 and 1."""
+    from meshkit.parallel.expert.dispatch import Route, routed_experts
+
+    torch.distributed.init_process_group("gloo")
+    group = torch.distributed.group.WORLD
+    top_k_index = torch.tensor([[0, 1]] * 6 + [[2, 1]] * 2)
+    weights = torch.full((8, 2), 0.5)
+    hidden = torch.arange(8.0).unsqueeze(1).repeat(1, 3)
+    route = Route.plan(top_k_index, 4, group, capacity_factor)
+    out = routed_experts(hidden, top_k_index, weights, 4, group, lambda x, e, w: x * w, capacity_factor)
+    torch.distributed.destroy_process_group()
+    return {"send": route.send, "kept": route.order.tolist(), "out": out[:, 0].tolist()}

@@ -94,7 +94,7 @@ def run_finetune(rank: int, config: str, assignments: list[str]) -> dict[str, An
     from meshkit.recipes.finetune_config import resolve_finetune
 
     summary = finetune(resolve_finetune(config, assignments))
-    keep = ("losses", "evals", "outputs", "trainable_parameters", "resumed_at_step", "layout")
+    keep = ("losses", "evals", "outputs", "trainable_parameters", "resumed_at_step", "layout", "layout_description")
     return {key: summary[key] for key in keep}
 
 
@@ -123,5 +123,23 @@ def make_gpt2_base(root: Path, material: dict[str, Path]) -> Path:
     torch.manual_seed(0)
     out = root / "gpt2-base"
     GPT2LMHeadModel(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def make_moe_base(root: Path, material: dict[str, Path]) -> Path:
+    """A tiny Mixtral (4 experts, top-2) with the Llama base's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(material["base"])
+    config = MixtralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = root / "mixtral-base"
+    MixtralForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

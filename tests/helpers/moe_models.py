@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, EXPERTS, TOP_K = 64, 32, 4, 2, 2, 4, 2
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
-TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux")  # see moe_causal_lm
+TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux", "gpt_oss")  # see moe_causal_lm
 # (MoE blocks, shared experts, router loss coefficient) of each tiny model
 EXPECTED = {
     "mixtral": (LAYERS, None, 0.001),
@@ -42,6 +42,10 @@ def moe_config(family: str, **overrides: Any) -> Any:
                         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None,
                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)  # fmt: skip
         return transformers.DeepseekV3Config(**{**settings, **overrides})
+    if family == "gpt_oss":  # fused gate/up stored [E, H, 2·I] with biases beside them; sliding-window layers
+        settings = dict(common, num_local_experts=EXPERTS, head_dim=HIDDEN // HEADS, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+        return transformers.GptOssConfig(**{**settings, **overrides})
     raise ValueError(family)
 
 

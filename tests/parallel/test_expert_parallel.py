@@ -18,7 +18,7 @@ from meshkit.config.schema import ParallelConfig
 from meshkit.models.facts import ExpertFacts
 from meshkit.parallel.expert.apply import ExpertParallelError, check_expert_parallel
 from tests.helpers.distributed import run_world
-from tests.helpers.expert_runs import grads_after_backward, save_then_resume
+from tests.helpers.expert_runs import grads_after_backward, plain_loop, route_with_capacity, save_then_resume
 from tests.helpers.hf_layouts import CLIP, batches, build, reference, run_families
 from tests.helpers.moe_matrix import EXPERT_CELLS as CELLS  # (DeepSeek's latent attention refuses tp)
 from tests.helpers.moe_matrix import GLOBAL_AUX, GLOBAL_AUX_FAMILIES, REFUSED, render_moe_matrix
@@ -64,6 +64,15 @@ def test_the_global_batch_router_loss_equals_one_process(family: str) -> None:
     assert "balancing loss under pp" in refused and "\n" not in refused
 
 
+@pytest.mark.parametrize("layout", [{"ep": 4}, {"ep": 2, "zero_stage": 3}], ids=["ep4", "ep2_zero3"])
+def test_the_loop_users_already_have_trains_like_one_process(layout: dict) -> None:
+    results = run_world(plain_loop, 4, "qwen3_moe", layout, timeout=300)
+    losses, state = reference("qwen3_moe")
+    for got in results:  # (every rank's quarter holds as many tokens: the mean of the means is the whole's)
+        assert_close_relative(got["losses"], losses, 1e-5)
+        assert_state_close(got["state"], state, 1e-5)
+
+
 def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_exports(tmp_path) -> None:
     first, second = {"ep": 4}, {"ep": 2, "zero_stage": 3}
     results = run_world(save_then_resume, 4, "mixtral", first, second, str(tmp_path), timeout=400)
@@ -99,6 +108,19 @@ def test_the_any_model_page_holds_the_moe_matrix_as_rendered() -> None:
         "docs/any-model.md's MoE matrix differs: paste "
         "python -c 'from tests.helpers.moe_matrix import render_moe_matrix; print(render_moe_matrix())'"
     )
+
+
+def test_a_capacity_factor_drops_the_copies_over_an_experts_share() -> None:
+    dropless = run_world(route_with_capacity, 1, None, timeout=60)[0]
+    assert dropless["send"] == [16] and dropless["out"] == [float(t) for t in range(8)]  # 0.5 + 0.5 of each token
+    # 16 copies over 4 experts, factor 1: at most 4 per expert, the earliest tokens first. Expert 0 keeps tokens
+    # 0-3 of its 6, expert 1 tokens 0-3 of its 8, expert 2 both of its 2.
+    capped = run_world(route_with_capacity, 1, 1.0, timeout=60)[0]
+    assert capped["send"] == [10]
+    assert capped["kept"] == [0, 2, 4, 6, 1, 3, 5, 7, 12, 14]  # copies (token·2 + choice), by expert
+    assert capped["out"] == [0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 3.0, 3.5]  # dropped copies add nothing
+    results = run_world(run_families, 4, {"mixtral": ["ep4_capacity_ample"]}, timeout=300)
+    _assert_like_one_process("mixtral", "ep4_capacity_ample", results)  # a capacity no expert reaches: dropless
 
 
 def _facts(experts: int, fused: bool = True) -> ExpertFacts:

@@ -63,8 +63,11 @@ def check_expert_parallel(
             )
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, edp_mesh: DeviceMesh) -> list[nn.Module]:
-    """Split every expert bank of `model` over `ep_mesh`; returns the banks (their gradients need edp reduction)."""
+def apply_expert_parallel(
+    model: nn.Module, ep_mesh: DeviceMesh, edp_mesh: DeviceMesh, capacity_factor: float | None = None
+) -> list[nn.Module]:
+    """Split every expert bank of `model` over `ep_mesh`; returns the banks (their gradients need edp reduction).
+    `capacity_factor`: None routes every token (dropless), else see `dispatch.Route.plan`."""
     banks = []
     for facts in moe_blocks(model):
         bank = model.get_submodule(facts.path).get_submodule(facts.bank)
@@ -73,7 +76,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, edp_mesh: Devic
             if edp_mesh.size() > 1 and not sharded.is_meta:  # replicas of the experts start equal, as DDP's do
                 dist.broadcast(sharded.to_local(), group=edp_mesh.get_group(), group_src=0)
             bank.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        bank.forward = ExpertParallelForward(bank, facts.experts, ep_mesh)  # type: ignore[method-assign]
+        bank.forward = ExpertParallelForward(bank, facts.experts, ep_mesh, capacity_factor)  # type: ignore[method-assign]
         banks.append(bank)
     return banks
 
@@ -81,15 +84,18 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, edp_mesh: Devic
 class ExpertParallelForward:
     """The bank's forward under expert parallel: route, run the bank's own forward on this rank's experts, combine."""
 
-    def __init__(self, bank: nn.Module, experts: int, ep_mesh: DeviceMesh) -> None:
+    def __init__(self, bank: nn.Module, experts: int, ep_mesh: DeviceMesh, capacity_factor: float | None) -> None:
         self.bank = bank
         self.experts = experts
+        self.capacity_factor = capacity_factor
         self.group = ep_mesh.get_group()
         self.local_experts = experts // ep_mesh.size()
         self.own_forward = type(bank).forward  # the class's: the instance attribute is this object
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        return routed_experts(hidden, top_k_index, top_k_weights, self.experts, self.group, self._compute)
+        return routed_experts(
+            hidden, top_k_index, top_k_weights, self.experts, self.group, self._compute, self.capacity_factor
+        )
 
     def _compute(self, tokens: torch.Tensor, local_expert: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         with self._local_experts() as anchor:

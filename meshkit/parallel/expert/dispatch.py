@@ -4,11 +4,13 @@ compute there, and combine the results back on the token's own rank (dropless: n
 The experts of an MoE block are dealt out in order: ep rank j holds experts [j·E/ep, (j+1)·E/ep). A rank sorts
 its (token, expert) pairs by expert, so each destination's tokens are one contiguous piece, swaps piece sizes
 with one small all-to-all, then the hidden states with a second (autograd carries the gradients back the same
-way). What arrives is grouped by source rank, then by local expert.
+way). What arrives is grouped by source rank, then by local expert. With a capacity factor, an expert takes at
+most its share × the factor of each rank's copies (GShard's capacity, per source rank); the rest are dropped.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,12 +33,22 @@ class Route:
     local_expert: torch.Tensor  # this rank's expert (0 .. E/ep - 1) of each received copy
 
     @classmethod
-    def plan(cls, top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup) -> Route:
+    def plan(
+        cls, top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup, capacity_factor: float | None = None
+    ) -> Route:
+        """`capacity_factor`: each expert takes at most capacity_factor × (copies / experts) of this rank's
+        copies, the earliest tokens first; the others are dropped (None: every copy is sent)."""
         ep = dist.get_world_size(group)
         local_experts = experts // ep
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=experts)
+        if capacity_factor is not None:
+            capacity = math.ceil(capacity_factor * flat.numel() / experts)
+            starts = torch.cumsum(counts, 0) - counts
+            place = torch.arange(order.numel(), device=order.device) - starts.repeat_interleave(counts)
+            order = order[place < capacity]  # (still sorted by expert, token order within each)
+            counts = counts.clamp(max=capacity)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=group)
         local = torch.arange(local_experts, device=counts.device).repeat(ep)
@@ -77,10 +89,11 @@ def routed_experts(
     experts: int,
     group: dist.ProcessGroup,
     compute: ExpertCompute,
+    capacity_factor: float | None = None,
 ) -> torch.Tensor:
     """The MoE output of `hidden` [T, H]: Σ over each token's top-k experts of weight × expert(token), with the
-    experts spread over `group` and `compute` running this rank's share."""
-    route = Route.plan(top_k_index, experts, group)
+    experts spread over `group` and `compute` running this rank's share (dropped copies add nothing)."""
+    route = Route.plan(top_k_index, experts, group, capacity_factor)
     arrived = exchange(hidden[route.source_token], route.receive, route.send, group)
     ones = top_k_weights.new_ones((arrived.shape[0], 1))
     computed = compute(arrived, route.local_expert.unsqueeze(1), ones)

@@ -162,8 +162,11 @@ _add(G, ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_do
               "dequantized"))
 _add(G, "gptq", honoured("a GPTQ base loads through transformers where gptqmodel is installed; else refused in one "
                          "line"))
-_add(G, ("peft_init_lora_weights", "relora", "peft_layer_replication", "lora_target_parameters"),
+_add(G, ("peft_init_lora_weights", "relora", "peft_layer_replication"),
      refused("LoRA starts from peft's default initialisation on the listed modules: remove the key"))
+_add(G, "lora_target_parameters",
+     refused("adapters on parameters (mixture-of-experts banks) are not applied yet: adapt attention and dense "
+             "layers with lora_target_modules, or train the experts whole with unfrozen_parameters"))
 
 G = "training"
 for name, target in (("micro_batch_size", "train.micro_batch_size"),

@@ -1,0 +1,35 @@
+"""A checkpoint in the hub's layout (one tensor per expert: `block_sparse_moe.experts.3.w1.weight`) loads into
+transformers 5's fused expert banks through meshkit's streaming loader exactly as from_pretrained loads it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from meshkit.parallel.materialize import MaterializeError, materialize
+from tests.helpers.moe_models import moe_causal_lm, moe_config, transformers
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_per_expert_checkpoint_streams_into_fused_banks_as_from_pretrained_loads_it(tmp_path, family: str) -> None:
+    moe_causal_lm(family, seed=3).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        stored = list(handle.keys())
+    assert any(".experts.3." in key for key in stored) and not any("gate_up_proj" in key for key in stored)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(moe_config(family), dtype=torch.float32)
+    materialize(model, torch.device("cpu"), tmp_path / "model.safetensors")
+    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    got = model.state_dict()
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_a_checkpoint_of_another_model_is_still_one_line(tmp_path) -> None:
+    moe_causal_lm("mixtral").save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(moe_config("qwen3_moe"), dtype=torch.float32)
+    with pytest.raises(MaterializeError, match="does not match the model: missing .* unexpected"):
+        materialize(model, torch.device("cpu"), tmp_path / "model.safetensors")

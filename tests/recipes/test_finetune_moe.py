@@ -1,0 +1,44 @@
+"""`meshkit finetune` on a mixture of experts: an Axolotl config with expert_parallel_size trains like one
+process, alone and with ZeRO-3, and its merged output loads with from_pretrained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from meshkit.checkpoint.model_export import export_checkpoint  # noqa: E402
+from tests.helpers.distributed import run_world  # noqa: E402
+from tests.helpers.finetune_runs import make_moe_base, run_finetune, write_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory, material):
+    root = tmp_path_factory.mktemp("moe")
+    material = {**material, "base": make_moe_base(root, material)}
+    config = write_config(root / "reference.yaml", material, micro_batch_size=4)
+    reference = run_world(run_finetune, 1, str(config), [f"output_dir={root / 'reference'}"], timeout=180)[0]
+    return material, reference
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_expert_parallel_fine_tune_equals_one_process_and_exports(tmp_path, moe, zero_stage: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    material, reference = moe
+    config = write_config(tmp_path / "ft.yaml", material, expert_parallel_size=2, save_steps=4)
+    arguments = [f"output_dir={tmp_path / 'out'}", f"zero_stage={zero_stage}"]
+    summary = run_world(run_finetune, 2, str(config), arguments, timeout=180)[0]
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
+    assert summary["layout_description"].endswith("experts over ep2")
+    trained = load_file(
+        export_checkpoint(tmp_path / "out" / "checkpoints", tmp_path / "ckpt").parent / "model.safetensors"
+    )
+    exported = load_file(tmp_path / "out" / "merged" / "model.safetensors")
+    assert trained.keys() == exported.keys() and all(torch.equal(trained[k], exported[k]) for k in trained)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")
+    bank = model.model.layers[0].mlp.experts.gate_up_proj
+    assert bank.shape[0] == 4 and torch.equal(bank.detach(), exported["model.layers.0.mlp.experts.gate_up_proj"])
