@@ -12,11 +12,13 @@ EXPERT_CELLS = {  # tests/parallel/test_expert_parallel.py
     "mixtral": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2", "ep2_clipped"],
     "qwen3_moe": ["ep4", "ep2_dp2", "ep2_zero3", "ep2_tp2", "ep2_pp2"],
     "deepseek_v3": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2"],
+    "gpt_oss": ["ddp4", "ep4", "ep2_dp2", "ep2_zero3"],  # a bank with biases, stored [E, in, out]
 }
 # the router's balancing loss over the global batch (the "<family>_aux" models), equal to one process
 GLOBAL_AUX = ["ddp4_global_aux", "zero3_4_global_aux", "ep4_global_aux", "ep2_zero3_global_aux",
               "ep2_tp2_global_aux", "ep2_cp2_global_aux"]  # fmt: skip
-GLOBAL_AUX_FAMILIES = ("mixtral", "qwen3_moe")  # DeepSeek-V3 has no auxiliary loss (it balances by router bias)
+GLOBAL_AUX_FAMILIES = ("mixtral", "qwen3_moe")
+NO_AUXILIARY_LOSS = ("deepseek_v3",)  # it balances its experts by a router bias
 LATENT_ATTENTION_UNDER_TP = "has no rule for Linear layers ['model.layers.0.self_attn.kv_a_proj_with_mqa'"
 REFUSED = {("deepseek_v3", "tp2"): LATENT_ATTENTION_UNDER_TP, ("deepseek_v3", "ep2_tp2"): LATENT_ATTENTION_UNDER_TP}
 COLUMNS = {
@@ -39,11 +41,11 @@ def render_moe_matrix() -> str:
     """What the MoE tests check, family by family (✓: equal to one process; refused¹: one line; n/a²: the model
     has no auxiliary loss)."""
     lines = ["| family | " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
-    for family in LAYOUT_CELLS:
-        run = set(LAYOUT_CELLS[family]) | set(EXPERT_CELLS[family])
+    for family in {**LAYOUT_CELLS, **EXPERT_CELLS}:
+        run = set(LAYOUT_CELLS.get(family, ())) | set(EXPERT_CELLS[family])
         if family in GLOBAL_AUX_FAMILIES:
             run.add("global_aux")
         cells = ["refused¹" if (family, c) in REFUSED else "✓" if c in run else "not run" for c in COLUMNS]
-        cells[-1] = cells[-1] if family in GLOBAL_AUX_FAMILIES else "n/a²"
+        cells[-1] = "n/a²" if family in NO_AUXILIARY_LOSS else cells[-1]
         lines.append(f"| {family} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
