@@ -7,17 +7,19 @@ LAYOUT_CELLS = {  # tests/parallel/test_moe_layouts.py
     "mixtral": ["ddp4", "zero3_4", "tp2", "pp2_1f1b"],
     "qwen3_moe": ["zero1_4", "zero3_4", "fsdp2_tp2", "cp2"],
     "deepseek_v3": ["ddp4", "zero3_4", "tp2", "pp2_1f1b"],
+    "qwen2_moe": ["zero3_4", "tp2", "fsdp2_tp2"],  # a shared expert with its own gate, split by tp
 }
 EXPERT_CELLS = {  # tests/parallel/test_expert_parallel.py
     "mixtral": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2", "ep2_clipped"],
     "qwen3_moe": ["ep4", "ep2_dp2", "ep2_zero3", "ep2_tp2", "ep2_pp2"],
     "deepseek_v3": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2"],
+    "qwen2_moe": ["ep4", "ep2_zero3", "ep2_tp2", "ep2_pp2"],
     "gpt_oss": ["ddp4", "ep4", "ep2_dp2", "ep2_zero3"],  # a bank with biases, stored [E, in, out]
 }
 # the router's balancing loss over the global batch (the "<family>_aux" models), equal to one process
 GLOBAL_AUX = ["ddp4_global_aux", "zero3_4_global_aux", "ep4_global_aux", "ep2_zero3_global_aux",
               "ep2_tp2_global_aux", "ep2_cp2_global_aux"]  # fmt: skip
-GLOBAL_AUX_FAMILIES = ("mixtral", "qwen3_moe")
+GLOBAL_AUX_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 NO_AUXILIARY_LOSS = ("deepseek_v3",)  # it balances its experts by a router bias
 LATENT_ATTENTION_UNDER_TP = "has no rule for Linear layers ['model.layers.0.self_attn.kv_a_proj_with_mqa'"
 REFUSED = {("deepseek_v3", "tp2"): LATENT_ATTENTION_UNDER_TP, ("deepseek_v3", "ep2_tp2"): LATENT_ATTENTION_UNDER_TP}

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, EXPERTS, TOP_K = 64, 32, 4, 2, 2, 4, 2
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
-TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux", "gpt_oss")  # see moe_causal_lm
+TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux", "qwen2_moe_aux", "gpt_oss")  # see moe_causal_lm
 # (MoE blocks, shared experts, router loss coefficient) of each tiny model
 EXPECTED = {
     "mixtral": (LAYERS, None, 0.001),
@@ -51,7 +51,7 @@ def moe_config(family: str, **overrides: Any) -> Any:
 
 ONE_SIDED = "mixtral_one_sided"  # Mixtral whose routers send every token to the same two experts at first
 # "<family>_aux": the same model with the router's balancing loss on (a coefficient large enough to matter)
-WITH_ROUTER_LOSS = {"mixtral_aux": "mixtral", "qwen3_moe_aux": "qwen3_moe"}
+WITH_ROUTER_LOSS = {"mixtral_aux": "mixtral", "qwen3_moe_aux": "qwen3_moe", "qwen2_moe_aux": "qwen2_moe"}
 ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.1)
 
 

@@ -138,10 +138,19 @@ def apply_tensor_parallel(
 
 def unsplit_in_split_regions(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[str]:
     """Parameters left whole inside an attention or MLP whose layers are split, e.g. Qwen3's and Gemma3's
-    per-head q/k norms: each tp rank computes their gradient from its own heads only, so the parts are summed."""
+    per-head q/k norms: each tp rank computes their gradient from its own heads only, so the parts are summed.
+    A mixture-of-experts block whose shared expert is split is no such region for its router, expert bank and
+    shared-expert gate: they see the whole input on every tp rank, so their gradients are whole already."""
     return [
         f"{name}.{param_name}"
         for name, region in split_regions(model, structure, split_modules)
         for param_name, param in region.named_parameters()
-        if not isinstance(param, DTensor)
+        if not isinstance(param, DTensor) and not _whole_in_moe_block(f"{name}.{param_name}", structure)
     ]
+
+
+def _whole_in_moe_block(name: str, structure: ModelStructure) -> bool:
+    for facts in structure.moe:
+        if name.startswith(f"{facts.path}."):
+            return not (facts.shared and name.startswith(f"{facts.path}.{facts.shared}."))
+    return False

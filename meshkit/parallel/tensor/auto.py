@@ -33,6 +33,7 @@ AUTO_RULES = {
     "c_fc": "colwise",
     "c_proj": "rowwise",
     "lm_head": "replicate",
+    "shared_expert_gate": "replicate",  # Qwen2-MoE: one gate value per token for its shared expert
 }
 WIDTH_ATTRIBUTES = (
     "num_heads",
