@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 _ADAPTER_PARAMETER = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
 _SAVED_ADAPTER_PART = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(\.|$)")
-_BASE_LAYER = ".base_layer."
+_BASE_LAYERS = re.compile(r"(\.base_layer)+\.")  # one wrapper, or several nested (LoRA on two parameters)
 _SAVED_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")
 _ORIGINAL_COPY = ".original_module."
 
@@ -59,7 +59,16 @@ def adapter_parameter_name(saved: str, adapter: str = "default") -> str:
 
 def base_checkpoint_name(name: str) -> str:
     """Where a (possibly adapter-wrapped) parameter sits in the base model's checkpoint."""
-    return _SAVED_COPY.sub(".", name.replace(_BASE_LAYER, ".").replace(_ORIGINAL_COPY, "."))
+    return _SAVED_COPY.sub(".", _BASE_LAYERS.sub(".", name).replace(_ORIGINAL_COPY, "."))
+
+
+def wrapped_module(module: nn.Module) -> nn.Module:
+    """The module under peft's adapter wrappers (LoRA on a layer or on a parameter, nested), or `module`."""
+    while isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and isinstance(
+        getattr(module, "base_layer", None), nn.Module
+    ):
+        module = module.base_layer
+    return module
 
 
 def _lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -140,6 +149,7 @@ class LoraMerge:
     scaling: float
     transpose: bool  # GPT-2 style Conv1D weights are stored [in, out]
     magnitude: str | None = None  # DoRA: the magnitude vector rescaling each output row
+    experts: int = 0  # LoRA on a 3-D parameter (an expert bank, [E, ., .]): one low-rank update per expert
 
 
 def lora_merges(model: nn.Module, adapter: str = "default") -> dict[str, LoraMerge]:
@@ -149,6 +159,21 @@ def lora_merges(model: nn.Module, adapter: str = "default") -> dict[str, LoraMer
         if adapter not in module.lora_A:
             continue
         prefix = f"{name}." if name else ""
+        parameter = getattr(module, "parameter_name", None)
+        if isinstance(parameter, str):  # peft's LoRA on a parameter: the parameter sits under the wrappers
+            inner, path = module.base_layer, f"{prefix}base_layer"
+            while wrapped_module(inner) is not inner:
+                inner, path = inner.base_layer, f"{path}.base_layer"
+            base = f"{path}.{parameter}"
+            merges[base_checkpoint_name(base)] = LoraMerge(
+                base=base,
+                a=f"{prefix}lora_A.{adapter}.weight",
+                b=f"{prefix}lora_B.{adapter}.weight",
+                scaling=float(module.scaling[adapter]),
+                transpose=False,
+                experts=int(getattr(inner, parameter).shape[0]) if getattr(inner, parameter).dim() == 3 else 0,
+            )
+            continue
         merges[f"{prefix}weight"] = LoraMerge(
             base=f"{prefix}base_layer.weight",
             a=f"{prefix}lora_A.{adapter}.weight",
@@ -167,6 +192,12 @@ def merged_weight(
 ) -> torch.Tensor:
     """The base weight with the adapter folded in, in the base weight's dtype; with DoRA's `magnitude`, each output
     row of W + scaling · B @ A rescaled to that magnitude."""
+    if merge.experts:  # A [E·r, in], B [out, E·r] as peft stacks them: W[e] + scaling · B_e @ A_e
+        low_a = a.float().reshape(merge.experts, -1, a.shape[-1])
+        low_b = b.float().reshape(b.shape[0], -1, merge.experts)
+        delta = torch.einsum("ore,eri->eoi", low_b, low_a) * merge.scaling
+        delta = delta if delta.shape == base.shape else delta.transpose(1, 2)  # banks stored [E, in, out]
+        return (base.float() + delta).to(base.dtype)
     weight = base.float().T if merge.transpose else base.float()  # [out, in]
     weight = weight + (b.float() @ a.float()) * merge.scaling  # [out, r] @ [r, in] -> [out, in]
     if magnitude is not None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from meshkit.models.adapters import wrapped_module
 from meshkit.models.facts import ExpertFacts, RouterLoss
 
 TOP_K_ATTRIBUTES = ("top_k", "num_experts_per_tok", "moe_top_k", "num_selected_experts")
@@ -35,7 +36,8 @@ def _int_attribute(owner: Any, names: tuple[str, ...]) -> int | None:
 def _bank_size(name: str, module: nn.Module) -> tuple[int, bool] | None:
     """(experts, fused) when `module` (the child `name`) is an expert bank, else None. A list of modules counts
     only under an expert's name (`experts`, `local_experts`): a model's own list of blocks beside a head with
-    one row per block is not a mixture of experts."""
+    one row per block is not a mixture of experts. A bank under peft's adapters is read through them."""
+    module = wrapped_module(module)
     own = [param for _, param in module.named_parameters(recurse=False)]
     stacked = own and all(param.dim() >= 2 for param in own) and any(param.dim() == 3 for param in own)
     if stacked and len({param.shape[0] for param in own}) == 1:  # (gpt-oss: 2-D biases [E, out] beside them)
@@ -71,7 +73,8 @@ def moe_block(path: str, block: nn.Module, config: Any = None) -> ExpertFacts | 
         top_k = top_k or _int_attribute(config, TOP_K_ATTRIBUTES)
         shared = next((name for name, _ in block.named_children() if name.startswith("shared_expert")), None)
         parameters = tuple(f"{bank}.{name}" for name, _ in child.named_parameters())
-        return ExpertFacts(path, router, bank, experts, top_k, fused, parameters, shared)
+        adapted = wrapped_module(child) is not child
+        return ExpertFacts(path, router, bank, experts, top_k, fused, parameters, shared, adapted)
     return None
 
 
@@ -87,7 +90,7 @@ def expert_banks(model: nn.Module) -> set[int]:
     for _, module in model.named_modules():
         facts = moe_block("", module)
         if facts is not None:
-            banks.add(id(module.get_submodule(facts.bank)))
+            banks.add(id(wrapped_module(module.get_submodule(facts.bank))))
     return banks
 
 

@@ -48,6 +48,7 @@ class ExpertFacts:
     fused: bool  # True: one 3-D tensor per projection, experts first (transformers 5); False: a list of MLPs
     bank_parameters: tuple[str, ...]  # the bank's parameters, relative to the block (experts.gate_up_proj, ...)
     shared: str | None = None  # shared expert(s) every token passes through (DeepSeek, Qwen2-MoE), if any
+    adapted: bool = False  # the bank's parameters carry adapters (peft's LoRA on parameters wraps the bank)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,11 @@ class FinetuneSettings(Section):
         None, description="module names to adapt, e.g. [q_proj, v_proj]"
     )
     lora_target_linear: bool = Field(False, description="adapt every Linear layer except the output head")
+    lora_target_parameters: tuple[str, ...] | None = Field(
+        None,
+        description="parameters to adapt by name, e.g. [experts.gate_up_proj, experts.down_proj] (a "
+        "mixture-of-experts bank: one low-rank update per expert); with or without lora_target_modules",
+    )
     lora_model_dir: Path | None = Field(
         None, description="continue the adapter a LoRA run wrote there (its settings and weights)"
     )
@@ -123,7 +128,14 @@ class FinetuneSettings(Section):
             return "4bit"
         return "gptq" if self.gptq else None
 
-    @field_validator("lora_target_modules", "lora_modules_to_save", "unfrozen_parameters", "tokens", mode="before")
+    @field_validator(
+        "lora_target_modules",
+        "lora_target_parameters",
+        "lora_modules_to_save",
+        "unfrozen_parameters",
+        "tokens",
+        mode="before",
+    )
     @classmethod
     def _one_name_is_a_list(cls, value: Any) -> Any:
         return (value,) if isinstance(value, str) else value

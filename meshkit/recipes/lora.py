@@ -47,13 +47,17 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
 
 
 def _new_config(settings: Any, LoraConfig: Any) -> Any:  # noqa: N803 (peft's class, imported lazily)
+    parameters = list(getattr(settings, "lora_target_parameters", None) or []) or None
     if settings.lora_target_linear:
         targets: Any = "all-linear"
     elif settings.lora_target_modules:
         targets = list(settings.lora_target_modules)
+    elif parameters:
+        targets = []  # the named parameters only
     else:
         raise LoraSetupError(
-            "adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]) or lora_target_linear: true"
+            "adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]), lora_target_parameters or "
+            "lora_target_linear: true"
         )
     saved = getattr(settings, "lora_modules_to_save", None)
     config = LoraConfig(
@@ -61,6 +65,7 @@ def _new_config(settings: Any, LoraConfig: Any) -> Any:  # noqa: N803 (peft's cl
         lora_alpha=settings.lora_alpha,
         lora_dropout=settings.lora_dropout,
         target_modules=targets,
+        target_parameters=parameters,
         use_rslora=getattr(settings, "peft_use_rslora", False),
         use_dora=getattr(settings, "peft_use_dora", False),
         modules_to_save=list(saved) if saved else None,

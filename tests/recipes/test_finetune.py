@@ -41,7 +41,7 @@ def test_axolotl_keys_map_to_meshkit_keys_with_their_source(tmp_path, material) 
         ({"learnin_rate": 0.1}, "unknown key 'learnin_rate'.*did you mean 'learning_rate'"),
         ({"processor_type": "AutoProcessor"}, "Axolotl key processor_type: 'AutoProcessor' .* is not supported"),
         ({"deepspeed": "ds.json"}, "deepspeed: ds.json: no such file"),
-        ({"lora_target_parameters": ["experts.gate_up_proj"]}, "adapters on parameters .* are not applied yet"),
+        ({"relora": True}, "LoRA starts from peft's default initialisation"),
         ({"adapter": "ia3"}, "'adapter'"),
         ({"learning_rate": 0.1, "meshkit": {"train": {"lr": 0.2}}}, "'train.lr' is set twice"),
     ],

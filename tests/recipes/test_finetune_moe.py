@@ -42,3 +42,44 @@ def test_expert_parallel_fine_tune_equals_one_process_and_exports(tmp_path, moe,
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")
     bank = model.model.layers[0].mlp.experts.gate_up_proj
     assert bank.shape[0] == 4 and torch.equal(bank.detach(), exported["model.layers.0.mlp.experts.gate_up_proj"])
+
+
+LORA_ON_EXPERTS = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"],
+                   "lora_target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory, moe):
+    material, _ = moe
+    root = tmp_path_factory.mktemp("moe-lora")
+    config = write_config(root / "reference.yaml", material, micro_batch_size=4, **LORA_ON_EXPERTS)
+    return run_world(run_finetune, 1, str(config), [f"output_dir={root / 'out'}"], timeout=180)[0]
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_lora_on_the_expert_banks_equals_one_process_and_merges(tmp_path, moe, lora_reference, zero_stage) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    material, _ = moe
+    config = write_config(tmp_path / "ft.yaml", material, **LORA_ON_EXPERTS)
+    summary = run_world(run_finetune, 2, str(config), [f"output_dir={tmp_path / 'out'}", f"zero_stage={zero_stage}"],
+                        timeout=180)[0]  # fmt: skip
+    got, expected = torch.tensor(summary["losses"]), torch.tensor(lora_reference["losses"])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    assert summary["trainable_parameters"] == lora_reference["trainable_parameters"]
+    ids = torch.randint(4, 300, (2, 16))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(material["base"]), tmp_path / "out")
+    base = AutoModelForCausalLM.from_pretrained(material["base"])
+    with torch.no_grad():
+        merged_logits, adapted_logits = merged(input_ids=ids).logits, adapted(input_ids=ids).logits
+        assert (merged_logits - base(input_ids=ids).logits).abs().max() > 1e-4  # the adapters changed the model
+    torch.testing.assert_close(merged_logits, adapted_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_the_expert_banks_under_ep_is_one_line(tmp_path, moe) -> None:
+    material, _ = moe
+    config = write_config(tmp_path / "ft.yaml", material, expert_parallel_size=2, **LORA_ON_EXPERTS)
+    with pytest.raises(AssertionError, match="carry LoRA adapters .lora_target_parameters., which expert parallel"):
+        run_world(run_finetune, 2, str(config), [f"output_dir={tmp_path / 'out'}"], timeout=180)

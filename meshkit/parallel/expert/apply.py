@@ -51,6 +51,11 @@ def check_expert_parallel(
             "data-parallel rank, whose experts differ under ep; use zero_stage=3 (FSDP) or 0 (DDP)"
         )
     for facts in moe:
+        if facts.adapted:
+            raise ExpertParallelError(
+                f"parallel.ep={ep}: the experts of {facts.path} carry LoRA adapters (lora_target_parameters), which "
+                "expert parallel does not split yet: adapt attention and dense layers only, or set parallel.ep=1"
+            )
         if not facts.fused:
             raise ExpertParallelError(
                 f"parallel.ep={ep}: the experts of {facts.path} are a list of modules; expert parallel splits a "

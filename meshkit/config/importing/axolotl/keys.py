@@ -164,9 +164,8 @@ _add(G, "gptq", honoured("a GPTQ base loads through transformers where gptqmodel
                          "line"))
 _add(G, ("peft_init_lora_weights", "relora", "peft_layer_replication"),
      refused("LoRA starts from peft's default initialisation on the listed modules: remove the key"))
-_add(G, "lora_target_parameters",
-     refused("adapters on parameters (mixture-of-experts banks) are not applied yet: adapt attention and dense "
-             "layers with lora_target_modules, or train the experts whole with unfrozen_parameters"))
+_add(G, "lora_target_parameters", honoured("peft target_parameters: LoRA on parameters, e.g. a mixture-of-experts "
+                                           "bank (one low-rank update per expert); not under parallel.ep"))
 
 G = "training"
 for name, target in (("micro_batch_size", "train.micro_batch_size"),
