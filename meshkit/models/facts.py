@@ -34,6 +34,10 @@ class AttentionFacts:
     heads: int | None  # query heads
     kv_heads: int | None  # key/value heads (GQA/MQA); = heads for plain multi-head attention
     head_dim: int | None
+    # latent attention (DeepSeek's MLA): the projection whose output ends in a rotary key shared by every head,
+    # and that key's width; the layers before the per-head ones stay whole, their gradients whole on every tp rank
+    latent: str | None = None
+    rotary_width: int = 0
 
 
 @dataclass(frozen=True)

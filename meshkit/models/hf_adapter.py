@@ -17,7 +17,16 @@ from meshkit.models.blocks import block_units, find_blocks
 from meshkit.models.experts import describe_experts, router_loss
 from meshkit.models.facts import AttentionFacts, ModelStructure, StructureError, takes_argument, tied_parameters
 
-ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "Wqkv", "query_key_value"}
+ATTENTION_CHILDREN = {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "c_attn",
+    "Wqkv",
+    "query_key_value",
+    "kv_a_proj_with_mqa",
+}
 
 
 def is_transformers_model(model: nn.Module) -> bool:
@@ -66,6 +75,7 @@ def _attention(config: Any, blocks_path: str, blocks: nn.Module) -> tuple[Attent
     kv_heads = _config_int(config, "num_key_value_heads") or heads
     hidden = _config_int(config, "hidden_size", "n_embd")
     head_dim = _config_int(config, "head_dim") or (hidden // heads if hidden and heads else None)
+    latent_width = (_config_int(config, "kv_lora_rank") or 0) + (rotary := _config_int(config, "qk_rope_head_dim") or 0)
     found = []
     for index, block in block_units(blocks):
         for name, module in block.named_modules():
@@ -75,7 +85,12 @@ def _attention(config: Any, blocks_path: str, blocks: nn.Module) -> tuple[Attent
             own_kv = _config_int(module, "num_key_value_heads") or kv_heads
             own_dim = _config_int(module, "head_dim") or head_dim
             path = ".".join(part for part in (blocks_path, str(index), name) if part)
-            found.append(AttentionFacts(path, own_heads, own_kv, own_dim))
+            latent = next(  # (a projection to kv_lora_rank + qk_rope_head_dim features)
+                (child for child, sub in module.named_children()
+                 if rotary and getattr(sub, "out_features", None) == latent_width),
+                None,
+            )  # fmt: skip
+            found.append(AttentionFacts(path, own_heads, own_kv, own_dim, latent, rotary if latent else 0))
     return tuple(found)
 
 

@@ -10,7 +10,8 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, EXPERTS, TOP_K = 64, 32, 4, 2, 2, 4, 2
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
-TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux", "qwen2_moe_aux", "gpt_oss")  # see moe_causal_lm
+# see moe_causal_lm
+TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux", "qwen2_moe_aux", "gpt_oss", "deepseek_v3_q_lora")
 # (MoE blocks, shared experts, router loss coefficient) of each tiny model
 EXPECTED = {
     "mixtral": (LAYERS, None, 0.001),
@@ -49,6 +50,7 @@ def moe_config(family: str, **overrides: Any) -> Any:
     raise ValueError(family)
 
 
+LOW_RANK_QUERY = "deepseek_v3_q_lora"
 ONE_SIDED = "mixtral_one_sided"  # Mixtral whose routers send every token to the same two experts at first
 # "<family>_aux": the same model with the router's balancing loss on (a coefficient large enough to matter)
 WITH_ROUTER_LOSS = {"mixtral_aux": "mixtral", "qwen3_moe_aux": "qwen3_moe", "qwen2_moe_aux": "qwen2_moe"}
@@ -60,6 +62,8 @@ def moe_causal_lm(family: str, seed: int = 0, **overrides: Any) -> Any:
 
     if family in WITH_ROUTER_LOSS:
         family, overrides = WITH_ROUTER_LOSS[family], {**ROUTER_LOSS, **overrides}
+    if family == LOW_RANK_QUERY:  # DeepSeek-V3 as released: the query through a low-rank projection too
+        family, overrides = "deepseek_v3", {"q_lora_rank": 16, **overrides}
     one_sided = family == ONE_SIDED
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(

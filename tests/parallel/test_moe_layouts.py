@@ -1,8 +1,8 @@
 """Mixture-of-experts transformers models (Mixtral, Qwen3-MoE, DeepSeek-V3 with shared experts and a dense first
 block) in the layouts that exist today, against one plain-torch process on the same global batch: losses and
 weights within 1e-5 over 4 steps, the router's auxiliary loss off (the models' default). Tensor parallel splits
-attention and dense MLPs as for any model and keeps each expert bank whole on every tp rank. DeepSeek's latent
-attention under tensor parallel is refused in one line (its shared rotary key needs a plan of its own)."""
+attention and dense MLPs as for any model and keeps each expert bank whole on every tp rank; DeepSeek's latent
+attention splits its per-head projections and sums the gradient of the rotary key all heads share."""
 
 from __future__ import annotations
 

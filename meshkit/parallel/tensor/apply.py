@@ -30,6 +30,7 @@ from meshkit.config.schema import TensorParallelConfig
 from meshkit.models.gpt import GPT
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.parallel.tensor.auto import TensorParallelError, divide_attributes, interleave_in_place, named_plan, style
+from meshkit.parallel.tensor.latent import sum_shared_rotary_key
 from meshkit.parallel.tensor.lora import split_lora_layers
 from meshkit.parallel.tensor.sequence import apply_sequence_parallel, split_regions
 
@@ -131,7 +132,9 @@ def apply_tensor_parallel(
             continue
     if cfg.sequence_parallel:
         apply_sequence_parallel(model, structure, tp_mesh, set(styles))
-    in_regions = unsplit_in_split_regions(model, structure, set(styles))
+    latent = sum_shared_rotary_key(model, structure.attention, tp_mesh.get_group())
+    in_regions = [name for name in unsplit_in_split_regions(model, structure, set(styles))
+                  if not any(name.startswith(f"{path}.") for path in latent)]  # fmt: skip
     partial = [name for name in in_regions if name not in lora.whole and name not in lora.partial] + lora.partial
     return TensorParallelResult(fused, False, partial)
 

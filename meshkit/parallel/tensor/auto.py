@@ -34,6 +34,11 @@ AUTO_RULES = {
     "c_proj": "rowwise",
     "lm_head": "replicate",
     "shared_expert_gate": "replicate",  # Qwen2-MoE: one gate value per token for its shared expert
+    # DeepSeek's latent attention: the low-rank projections stay whole, the per-head ones from them are split
+    "q_a_proj": "replicate",
+    "q_b_proj": "colwise",
+    "kv_a_proj_with_mqa": "replicate",
+    "kv_b_proj": "colwise",
 }
 WIDTH_ATTRIBUTES = (
     "num_heads",
