@@ -38,6 +38,7 @@ LAYOUTS = {
     "ep2_pp2": {"ep": 2, "pp": 2, "schedule": "1f1b"},
     "ep2_clipped": {"ep": 2, "max_grad_norm": CLIP},
     "ep4_capacity_ample": {"ep": 4, "capacity_factor": 4.0},
+    "ep2_zero3_recompute": {"ep": 2, "zero_stage": 3, "activation_checkpointing": {"mode": "full"}},
     # the router's balancing loss over the global batch (what one process computes)
     "ddp4_global_aux": {"router_aux_loss": "global_batch"},
     "zero3_4_global_aux": {"zero_stage": 3, "router_aux_loss": "global_batch"},

@@ -10,7 +10,7 @@ LAYOUT_CELLS = {  # tests/parallel/test_moe_layouts.py
     "qwen2_moe": ["zero3_4", "tp2", "fsdp2_tp2"],  # a shared expert with its own gate, split by tp
 }
 EXPERT_CELLS = {  # tests/parallel/test_expert_parallel.py
-    "mixtral": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2", "ep2_clipped"],
+    "mixtral": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2", "ep2_clipped", "ep2_zero3_recompute"],
     "qwen3_moe": ["ep4", "ep2_dp2", "ep2_zero3", "ep2_tp2", "ep2_pp2"],
     "deepseek_v3": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2"],
     "qwen2_moe": ["ep4", "ep2_zero3", "ep2_tp2", "ep2_pp2"],
