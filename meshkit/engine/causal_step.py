@@ -25,9 +25,11 @@ def causal_lm_micro_step(
     loss_parallel: Callable[[], contextlib.AbstractContextManager[Any]],
     balancing: BalancingLoss | None = None,
     mask: torch.Tensor | None = None,
+    balancing_over: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """One micro-step on (inputs, shifted targets); returns the step's mean loss over every rank's tokens.
-    `mask`: the batch's attention mask (the balancing loss leaves padding out), as split as the inputs."""
+    `mask`: the batch's attention mask (the balancing loss leaves padding out), as split as the inputs;
+    `balancing_over`: the ranks the balancing loss takes its statistics over (None: this rank alone)."""
     inputs, targets = batch
     with loss_parallel():
         output = model(**inputs)
@@ -39,7 +41,7 @@ def causal_lm_micro_step(
             raise RouterLossError(
                 "the model's config asks for the router's balancing loss, but the model returned no router_logits"
             )
-        total = total + balancing.term(router_logits, mask, count, group)
+        total = total + balancing.term(router_logits, mask, count, balancing_over)
     # the step's loss sum and token count over every rank, summed while backward runs
     summed = collectives.start_sum(torch.stack((total.detach().float(), count.float())), group)
     gradients.backward(total / count.clamp(min=1), count, global_items=lambda: float(summed()[1]))

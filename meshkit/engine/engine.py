@@ -54,6 +54,7 @@ from meshkit.runtime.tracking import TrackerSet, check_trackers
 from meshkit.training.accumulation import GradientState
 from meshkit.training.loss import LossFn, compute_loss, is_causal_lm_batch, pipeline_pair, split_causal_lm_batch
 from meshkit.training.precision import make_grad_scaler
+from meshkit.training.router_loss import balancing_group
 
 __all__ = ["ConfigConflictWarning", "Engine", "EngineError", "WrappedModelWarning"]
 
@@ -353,7 +354,11 @@ class Engine:
                 self._gradients.reduce_after_schedule()
             elif causal:
                 group, balancing = self.ctx.placement.grad_group, objects.balancing
-                loss = causal_lm_micro_step(model, batch, self._gradients, group, self.loss_parallel, balancing, mask)
+                cp = self.mesh.group("cp") if self.mesh.size("cp") > 1 else None
+                over = balancing_group(balancing, group, cp) if balancing is not None else None
+                loss = causal_lm_micro_step(
+                    model, batch, self._gradients, group, self.loss_parallel, balancing, mask, over
+                )
             else:
                 with self.loss_parallel():
                     loss = compute_loss(model, batch, objects.loss_fn)

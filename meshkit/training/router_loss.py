@@ -4,10 +4,11 @@ The loss (Switch Transformer's, as transformers' MoE models define it): E · Σ_
 f[k, e] is the fraction of (layer, token) pairs whose k-th choice is expert e, and P[e] the mean router
 probability of expert e, over every MoE layer and the tokens the attention mask keeps. f takes no gradient.
 
-`micro_batch` takes f and P over this rank's micro-batch, as the model itself does. `global_batch` takes them
-over every rank of the gradient group (dp × cp): one all-reduce of the counts, and each rank's share of P enters
-its loss so that the averaged gradient is the one of a single process seeing the whole batch (the global-batch
-balancing Qwen describes, which lets experts specialise by domain).
+`micro_batch` takes f and P over each micro-batch, as the model itself does (over its cp ranks when context
+parallel holds its sequence in chunks). `global_batch` takes them over every rank of the gradient group (dp × cp):
+one all-reduce of the counts, and each rank's share of P enters its loss so that the averaged gradient is the one
+of a single process seeing the whole batch (the global-batch balancing Qwen describes, which lets experts
+specialise by domain).
 
 train_step's loss is a token sum divided by the tokens counted over the group (`count`); the balancing term is
 returned in the same units: added to the rank's token sum, it adds coefficient × the loss to the step's mean.
@@ -63,11 +64,12 @@ class BalancingLoss:
         router_logits: tuple[torch.Tensor, ...],
         mask: torch.Tensor | None,
         count: torch.Tensor,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
-        """What to add to this rank's token-loss sum; `count`: the tokens that sum counts."""
+        """What to add to this rank's token-loss sum; `count`: the tokens that sum counts. `group`: the ranks whose
+        tokens the fractions and probabilities are taken over (None: this rank's alone)."""
         choices, probabilities, tokens = self.statistics(router_logits, mask)
-        if not self.over_global_batch:
+        if group is None:
             fractions = choices / tokens.clamp(min=1)
             loss = self.experts * (fractions * (probabilities / tokens.clamp(min=1))).sum()
             return self.coefficient * loss * count
@@ -76,7 +78,7 @@ class BalancingLoss:
         dist.all_reduce(summed, group=group)
         all_tokens, all_count = summed[-2].clamp(min=1), summed[-1]
         fractions = summed[:-2].view_as(choices) / all_tokens
-        # this rank's share of the global P, weighted so that Σ over ranks / all_count = the global loss
+        # this rank's share of the group's P, weighted so that Σ over the group = its loss × its token count
         share = self.experts * (fractions * probabilities).sum() / all_tokens
         return self.coefficient * share * all_count
 
@@ -97,3 +99,9 @@ def balancing_loss(router_loss: Any, moe: tuple[Any, ...], mode: str, pipeline_s
             "set output_router_logits=false in the model config, or pp=1"
         )
     return BalancingLoss(router_loss.coefficient, moe[0].experts, top_k, mode == "global_batch")
+
+
+def balancing_group(loss: BalancingLoss, grad_group: Any, cp_group: Any | None) -> Any | None:
+    """The ranks a balancing loss takes its statistics over: every dp × cp rank (global batch); a micro-batch's
+    cp ranks, which hold its sequence in chunks; or this rank alone."""
+    return grad_group if loss.over_global_batch else cp_group

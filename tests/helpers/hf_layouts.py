@@ -47,6 +47,7 @@ LAYOUTS = {
     "ep2_tp2_global_aux": {"ep": 2, "tp": 2, "router_aux_loss": "global_batch"},
     "ep2_cp2_global_aux": {"ep": 2, "cp": 2, "router_aux_loss": "global_batch"},
     "ddp4_aux": {},  # per micro-batch: each rank's own (differs from one process)
+    "cp2_aux": {"cp": 2},  # per micro-batch: a micro-batch's sequences are chunked over 2 cp ranks
 }
 MATRIX = ("tp2", "tp2_sp", "cp2", "pp2_1f1b", "pp2_tp2", "fsdp2_tp2", "zero3_cp2")
 

@@ -49,17 +49,20 @@ def test_moe_models_train_like_one_process_under_expert_parallel(family: str) ->
 
 @pytest.mark.parametrize("family", [f"{family}_aux" for family in GLOBAL_AUX_FAMILIES])
 def test_the_global_batch_router_loss_equals_one_process(family: str) -> None:
-    cells = [*GLOBAL_AUX, "ddp4_aux", "ep2_pp2"]
+    cells = [*GLOBAL_AUX, "ddp4_aux", "cp2_aux", "ep2_pp2"]
     results = run_world(run_families, 4, {family: cells}, timeout=400)
     for layout in GLOBAL_AUX:
         _assert_like_one_process(family, layout, results)
-    # per micro-batch (the default): each rank's loss is the model's own on its quarter of the batch
+    # per micro-batch (the default): each rank's loss is the model's own on its micro-batch — a quarter of the
+    # batch under DDP; under cp 2 half of it, whose sequences two cp ranks hold in chunks
     model, first = build(family), batches()[0]
     with torch.no_grad():
-        own = [model(**{k: v[i : i + 1] for k, v in first.items()}).loss.item() for i in range(4)]
+        quarters = [model(**{k: v[i : i + 1] for k, v in first.items()}).loss.item() for i in range(4)]
+        halves = [model(**{k: v[i : i + 2] for k, v in first.items()}).loss.item() for i in (0, 2)]
     whole = reference(family)[0][0]
     got = results[0][family, "ddp4_aux"]["losses"][0]
-    assert got == pytest.approx(sum(own) / 4, rel=1e-6) and abs(got - whole) > 1e-5
+    assert got == pytest.approx(sum(quarters) / 4, rel=1e-6) and abs(got - whole) > 1e-5
+    assert results[0][family, "cp2_aux"]["losses"][0] == pytest.approx(sum(halves) / 2, rel=1e-6)
     refused = results[0][family, "ep2_pp2"]["refused"]
     assert "balancing loss under pp" in refused and "\n" not in refused
 

@@ -42,7 +42,8 @@ class Route:
         local_experts = experts // ep
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=experts)
+        order = order[flat[order] < experts]  # (a router's "no expert", index E, sends nothing)
+        counts = torch.bincount(flat[order], minlength=experts)
         if capacity_factor is not None:
             capacity = math.ceil(capacity_factor * flat.numel() / experts)
             starts = torch.cumsum(counts, 0) - counts
