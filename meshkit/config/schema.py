@@ -277,8 +277,9 @@ class ExpertsConfig(Section):
     router_aux_loss: Literal["micro_batch", "global_batch"] = Field(
         "micro_batch",
         description="train_step's balancing loss: micro_batch = as the model defines it, on each micro-batch "
-        "(over its cp ranks under context parallel); global_batch = its token fractions over every data-parallel (× cp) rank's tokens of the "
-        "micro-step (with grad_accum_steps=1, equal to one process on the global batch)",
+        "(over its cp ranks under context parallel); global_batch = its token fractions over every "
+        "data-parallel (× cp) rank's tokens of the micro-step (with grad_accum_steps=1, equal to one process on "
+        "the global batch)",
     )
     capacity_factor: float | None = Field(
         None,
