@@ -106,8 +106,6 @@ def _cannot(config: Any, family: str) -> dict[str, str]:
             f"{family} uses sliding-window attention (window {window} < {longest} positions), which ring "
             "attention does not compute"
         )
-    if family == "phi3":
-        notes["tp"] = "phi3 splits its fused qkv_proj by head counts read from the shared model config"
     return notes
 
 

@@ -131,6 +131,8 @@ GROUPS = {
         "gpt2": [*MATRIX, "pp2_clipped"],
     },
     "qwen3-gemma3-gemma2": {"qwen3": list(MATRIX), "gemma3": list(MATRIX), "gemma2": ["tp2", "cp2", "zero3_cp2"]},
+    # fused layers split by their parts: Phi-3's q/k/v (unequal under GQA) and gate/up, GLM-4's gate/up
+    "phi3-glm4": {"phi3": list(MATRIX), "glm4": list(MATRIX)},
 }
 TESTED = {family: layouts for group in GROUPS.values() for family, layouts in group.items()}
 # (family, layout) -> the words of meshkit's one-line refusal; every other cell must match the reference

@@ -9,7 +9,7 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, POSITIONS = 64, 32, 4, 2, 4, 64
-FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
+FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "glm4")
 
 
 def config(family: str, **overrides: Any) -> Any:
@@ -37,6 +37,7 @@ def config(family: str, **overrides: Any) -> Any:
         "gemma2": "Gemma2Config",
         "gemma3": "Gemma3TextConfig",
         "phi3": "Phi3Config",
+        "glm4": "Glm4Config",  # a fused gate/up like Phi-3's, with q/k/v apart
     }
     settings = dict(
         vocab_size=VOCAB,

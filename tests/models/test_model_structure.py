@@ -98,9 +98,11 @@ def test_tp_is_checked_against_the_head_counts_in_the_config_before_anything_is_
     check_heads(model, 2)
 
 
-def test_a_family_tensor_parallel_cannot_split_is_refused_with_the_reason() -> None:
-    with pytest.raises(TensorParallelError, match=r"phi3 splits its fused qkv_proj by head counts read from"):
-        check_heads(causal_lm("phi3"), 2)
+def test_phi3s_fused_layers_are_checked_like_any_attention() -> None:
+    phi3 = causal_lm("phi3")  # (its fused q/k/v and gate/up are split by their parts' sizes)
+    check_heads(phi3, 2)
+    with pytest.raises(TensorParallelError, match=r"tp=4 does not divide the attention's head counts"):
+        check_heads(phi3, 4)
 
 
 def test_causal_lm_batches_shift_their_labels_once_and_drop_right_padding() -> None:

@@ -29,7 +29,14 @@ from torch.distributed.tensor.parallel import (
 from meshkit.config.schema import TensorParallelConfig
 from meshkit.models.gpt import GPT
 from meshkit.models.structure import ModelStructure, describe
-from meshkit.parallel.tensor.auto import TensorParallelError, divide_attributes, interleave_in_place, named_plan, style
+from meshkit.parallel.tensor.auto import (
+    FusedParts,
+    TensorParallelError,
+    divide_attributes,
+    interleave_in_place,
+    named_plan,
+    style,
+)
 from meshkit.parallel.tensor.latent import sum_shared_rotary_key
 from meshkit.parallel.tensor.lora import split_lora_layers
 from meshkit.parallel.tensor.sequence import apply_sequence_parallel, split_regions
@@ -119,10 +126,10 @@ def apply_tensor_parallel(
         )
     lora = split_lora_layers(model, named_plan(model, cfg), cfg.sequence_parallel)
     kinds = lora.kinds
-    fused: dict[str, int] = {}
+    fused: dict[str, int | FusedParts] = {}
     for name, kind in kinds.items():
-        if kind == "fused_qkv":
-            fused.update(interleave_in_place(model.get_submodule(name), name, tp))
+        if kind in ("fused_qkv", "fused_gate_up"):
+            fused.update(interleave_in_place(model.get_submodule(name), name, tp, fused_parts(name, kind, structure)))
     styles = {name: found for name, kind in kinds.items() if (found := style(kind, cfg.sequence_parallel))}
     parallelize_module(model, tp_mesh, styles)
     for facts in structure.attention:
@@ -137,6 +144,18 @@ def apply_tensor_parallel(
                   if not any(name.startswith(f"{path}.") for path in latent)]  # fmt: skip
     partial = [name for name in in_regions if name not in lora.whole and name not in lora.partial] + lora.partial
     return TensorParallelResult(fused, False, partial)
+
+
+def fused_parts(name: str, kind: str, structure: ModelStructure) -> tuple[int, ...] | int:
+    """A fused layer's parts: q, k and v sized by its attention's head counts (unequal under GQA: Phi-3's
+    qkv_proj), else how many equal parts (3: GPT-2's c_attn; 2: a fused gate/up)."""
+    if kind == "fused_gate_up":
+        return 2
+    attention = next((facts for facts in structure.attention if name.startswith(f"{facts.path}.")), None)
+    if attention is None or None in (attention.heads, attention.kv_heads, attention.head_dim):
+        return 3
+    q, kv = attention.heads * attention.head_dim, attention.kv_heads * attention.head_dim  # type: ignore[operator]
+    return 3 if q == kv else (q, kv, kv)
 
 
 def unsplit_in_split_regions(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[str]:

@@ -8,7 +8,9 @@ split is dim 1 of the weight, its row split dim 0.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -30,6 +32,8 @@ AUTO_RULES = {
     "o_proj": "rowwise",
     "down_proj": "rowwise",
     "c_attn": "fused_qkv",
+    "qkv_proj": "fused_qkv",  # Phi-3 (q, k and v of unequal sizes under GQA)
+    "gate_up_proj": "fused_gate_up",  # Phi-3, GLM-4
     "c_fc": "colwise",
     "c_proj": "rowwise",
     "lm_head": "replicate",
@@ -108,7 +112,7 @@ class Rowwise(RowwiseParallel):
 
 def style(kind: str, sequence_parallel: bool) -> ParallelStyle | None:
     """The torch style for a plan kind; under sequence parallel row outputs are reduce-scattered on the sequence."""
-    if kind in ("colwise", "fused_qkv"):
+    if kind in ("colwise", "fused_qkv", "fused_gate_up"):
         return Colwise()
     if kind == "rowwise":
         return Rowwise(output_layouts=Shard(1)) if sequence_parallel else Rowwise()
@@ -150,39 +154,72 @@ def fused_dim(module: nn.Module, param_name: str) -> int:
     return 1 if is_transposed_linear(module) and param_name == "weight" else 0
 
 
-def interleave_fused_qkv(tensor: torch.Tensor, tp: int, dim: int = 0) -> torch.Tensor:
-    """[q; k; v] along `dim` -> [q0 k0 v0; q1 k1 v1; ...] (the order kept while sharded), on a full tensor."""
-    moved = tensor.movedim(dim, 0)
-    rows = moved.shape[0]
-    out = moved.reshape(3, tp, rows // (3 * tp), *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
-    return out.movedim(0, dim)
+@dataclass(frozen=True)
+class FusedParts:
+    """A fused layer whose parts differ in size (Phi-3's q/k/v under GQA, a fused gate/up): the dim they are
+    stacked on and each part's size. An int instead of this means three equal parts (GPT-2's c_attn)."""
+
+    dim: int
+    parts: tuple[int, ...]
 
 
-def restore_fused_qkv(tensor: torch.Tensor, tp: int, dim: int = 0) -> torch.Tensor:
+def _parts_of(layout: int | FusedParts, size: int) -> tuple[int, tuple[int, ...]]:
+    if isinstance(layout, FusedParts):
+        return layout.dim, layout.parts
+    return layout, (size // 3,) * 3
+
+
+def interleave_fused_qkv(tensor: torch.Tensor, tp: int, layout: int | FusedParts = 0) -> torch.Tensor:
+    """[q; k; v] along the fused dim -> [q0 k0 v0; q1 k1 v1; ...] (the order kept while sharded), on a full
+    tensor: a contiguous split in tp then gives each rank its share of every part."""
+    dim, parts = _parts_of(layout, tensor.shape[layout if isinstance(layout, int) else layout.dim])
+    pieces = [part.chunk(tp, dim=dim) for part in tensor.split(list(parts), dim=dim)]
+    return torch.cat([piece[rank] for rank in range(tp) for piece in pieces], dim=dim)
+
+
+def restore_fused_qkv(tensor: torch.Tensor, tp: int, layout: int | FusedParts = 0) -> torch.Tensor:
     """Inverse of the interleaving, on a full (gathered) tensor."""
-    moved = tensor.movedim(dim, 0)
-    rows = moved.shape[0]
-    out = moved.reshape(tp, 3, rows // (3 * tp), *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
-    return out.movedim(0, dim)
+    dim, parts = _parts_of(layout, tensor.shape[layout if isinstance(layout, int) else layout.dim])
+    shares = [part // tp for part in parts]
+    ranks = [rank.split(shares, dim=dim) for rank in tensor.chunk(tp, dim=dim)]
+    return torch.cat([ranks[rank][index] for index in range(len(parts)) for rank in range(tp)], dim=dim)
 
 
-def interleave_in_place(module: nn.Module, name: str, tp: int) -> dict[str, int]:
-    """Interleave a fused q/k/v layer's parameters so a contiguous column split gives each rank its heads.
+def interleave_in_place(
+    module: nn.Module, name: str, tp: int, parts: tuple[int, ...] | int = 3
+) -> dict[str, int | FusedParts]:
+    """Interleave a fused layer's parameters so a contiguous column split gives each rank its share of every
+    part (its heads of q, k and v; its half of gate and up). `parts`: the parts' output sizes, or how many equal
+    parts (3: q, k and v of GPT-2's c_attn; 2: gate and up).
 
-    Returns {parameter name: fused dim} for the engine, which restores the original order when it gathers.
+    Returns {parameter name: fused layout} for the engine, which restores the original order when it gathers.
     """
-    fused = {}
+    fused: dict[str, int | FusedParts] = {}
     with torch.no_grad():
         for param_name, param in module.named_parameters(recurse=False):
             dim = fused_dim(module, param_name)
-            param.copy_(interleave_fused_qkv(param, tp, dim))
-            fused[f"{name}.{param_name}"] = dim
+            sizes = parts if isinstance(parts, tuple) else (param.shape[dim] // parts,) * parts
+            layout: int | FusedParts = dim if parts == 3 else FusedParts(dim, sizes)
+            if param.is_meta:  # materialised later: the file's tensor is interleaved as it streams in
+                fused[f"{name}.{param_name}"] = layout
+                continue
+            param.copy_(interleave_fused_qkv(param, tp, layout))
+            fused[f"{name}.{param_name}"] = layout
     return fused
 
 
 def divide_attributes(module: nn.Module, tp: int) -> None:
-    """Local head counts and widths for an attention module that reads them in forward (e.g. GPT-2's split)."""
+    """Local head counts and widths for an attention module that reads them in forward (e.g. GPT-2's split);
+    one that reads them from the model's config (Phi-3's qkv split) gets a copy of it with the local counts."""
     for attr in WIDTH_ATTRIBUTES:
         value = getattr(module, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and value % tp == 0:
             setattr(module, attr, value // tp)
+    config = getattr(module, "config", None)
+    if config is not None and isinstance(getattr(config, "num_attention_heads", None), int):
+        local = copy.copy(config)  # (the model's own config, and what an export writes, keep the whole counts)
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(config, attr, None)
+            if isinstance(value, int) and value % tp == 0:
+                setattr(local, attr, value // tp)
+        module.config = local

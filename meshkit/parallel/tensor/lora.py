@@ -42,9 +42,9 @@ def split_lora_layers(model: nn.Module, kinds: dict[str, str], sequence_parallel
                 f"LoRA layer '{name}' under sequence parallel is not supported: set sequence_parallel=false "
                 "(tensor parallel alone splits LoRA layers)"
             )
-        if kind == "fused_qkv":
+        if kind in ("fused_qkv", "fused_gate_up"):
             raise TensorParallelError(
-                f"LoRA on the fused q/k/v layer '{name}' is not split by tensor parallel: leave it out of "
+                f"LoRA on the fused layer '{name}' is not split by tensor parallel: leave it out of "
                 "lora_target_modules, or use tp=1"
             )
         a_names, b_names = [f"{name}.{a}" for a in parts.a], [f"{name}.{b}" for b in parts.b]
