@@ -18,6 +18,7 @@ from meshkit.recipes.finetune_config import resolve_finetune  # noqa: E402
 from meshkit.training.loss import IGNORE_INDEX, split_causal_lm_batch  # noqa: E402
 from tests.helpers.cli import ROOT, meshkit  # noqa: E402
 from tests.helpers.finetune_runs import write_config, write_jsonl  # noqa: E402
+from tests.helpers.hf_models import causal_lm  # noqa: E402
 
 
 def test_axolotl_keys_map_to_meshkit_keys_with_their_source(tmp_path, material) -> None:
@@ -175,7 +176,7 @@ def test_meshkit_finetune_launches_itself_on_two_ranks(tmp_path, material) -> No
     assert "fine-tuning LlamaForCausalLM" in proc.stdout + proc.stderr
 
 
-def test_lora_layers_are_split_piece_by_piece_and_sequence_parallel_is_refused(material) -> None:
+def test_lora_layers_are_split_piece_by_piece_also_under_sequence_parallel(material) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -190,10 +191,14 @@ def test_lora_layers_are_split_piece_by_piece_and_sequence_parallel_is_refused(m
     q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
     assert split.kinds[f"{q}.base_layer"] == "colwise" and split.kinds[f"{q}.lora_B.default"] == "colwise"
     assert split.kinds[f"{o}.base_layer"] == "rowwise" and split.kinds[f"{o}.lora_A.default"] == "rowwise"
-    assert f"{q}.lora_A.default.weight" in split.partial and f"{o}.lora_B.default.weight" in split.whole
+    assert f"{q}.lora_A.default.weight" in split.whole and f"{o}.lora_B.default.weight" in split.whole
     assert f"{q}.lora_A.default" not in split.kinds and q not in split.kinds
-    with pytest.raises(TensorParallelError, match="sequence parallel"):
-        split_lora_layers(model, named_plan(model, TensorParallelConfig()), sequence_parallel=True)
+    # under sequence parallel B of a row-split layer adds to this rank's sequence shard: its parts are summed
+    sequence = split_lora_layers(model, named_plan(model, TensorParallelConfig()), sequence_parallel=True)
+    assert f"{o}.lora_B.default.weight" in sequence.partial and f"{q}.lora_A.default.weight" in sequence.whole
+    with pytest.raises(TensorParallelError, match="LoRA on the fused layer"):
+        fused = get_peft_model(causal_lm("phi3"), LoraConfig(r=2, target_modules=["qkv_proj"])).get_base_model()
+        split_lora_layers(fused, named_plan(fused, TensorParallelConfig()), sequence_parallel=False)
 
 
 def test_the_loss_plot_draws_train_and_eval_loss(tmp_path) -> None:

@@ -1,10 +1,12 @@
 """Tensor parallel for LoRA layers (peft): each piece of an adapted Linear takes its part of the layer's split.
 
 Column-split layer (q/k/v, gate/up): the base layer and B split their output features; A stays whole on every
-rank and sees the whole input, but each rank's gradient of A comes from its own output features only, so the
-parts are summed over tp after backward. Row-split layer (o, down): the base layer and A split their input
+rank and sees the whole input, and B's column split sums its input gradient over tp (as for any column-parallel
+layer), so A's gradient is whole already. Row-split layer (o, down): the base layer and A split their input
 features (A's output is all-reduced like the base layer's); B stays whole and sees the same reduced input on
-every rank, so its gradient is whole already. Replicated layers (the head) keep every piece whole.
+every rank, so its gradient is whole already. Under sequence parallel A's output is reduce-scattered onto
+sequence shards like the base layer's, so B adds its update to this rank's shard and its gradient parts are
+summed over tp. Replicated layers (the head) keep every piece whole.
 """
 
 from __future__ import annotations
@@ -37,11 +39,6 @@ def split_lora_layers(model: nn.Module, kinds: dict[str, str], sequence_parallel
         if parts is None:
             out[name] = kind
             continue
-        if sequence_parallel:
-            raise TensorParallelError(
-                f"LoRA layer '{name}' under sequence parallel is not supported: set sequence_parallel=false "
-                "(tensor parallel alone splits LoRA layers)"
-            )
         if kind in ("fused_qkv", "fused_gate_up"):
             raise TensorParallelError(
                 f"LoRA on the fused layer '{name}' is not split by tensor parallel: leave it out of "
@@ -51,7 +48,10 @@ def split_lora_layers(model: nn.Module, kinds: dict[str, str], sequence_parallel
         out[f"{name}.{parts.base}"] = kind
         if kind == "colwise":
             out.update(dict.fromkeys(b_names, "colwise"))
-            partial += _parameters(model, a_names)
+            whole |= set(_parameters(model, a_names))
+        elif kind == "rowwise" and sequence_parallel:  # A's output reduce-scattered onto sequence shards, as
+            out.update(dict.fromkeys(a_names, "rowwise"))  # the base layer's: B sees this rank's shard only
+            partial += _parameters(model, b_names)
         elif kind == "rowwise":
             out.update(dict.fromkeys(a_names, "rowwise"))
             whole |= set(_parameters(model, b_names))

@@ -1,0 +1,63 @@
+"""LoRA-adapted transformers models (adapters already away from their start, so that every adapter weight gets a
+gradient from the first step) trained in a gloo world, and the same in one plain-torch process."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from meshkit import Engine
+from tests.helpers.hf_layouts import GLOBAL_BATCH, batches
+from tests.helpers.hf_models import causal_lm
+
+TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+
+
+def adapted(family: str) -> torch.nn.Module:
+    import peft
+
+    model = causal_lm(family)
+    torch.manual_seed(1)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    for name, param in wrapped.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    return wrapped.get_base_model()
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+@functools.cache
+def lora_reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.set_num_threads(1)
+    model = adapted(family)
+    optimizer = _optimizer(model)
+    losses = []
+    for batch in batches():
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_adapted(rank: int, family: str, layouts: dict[str, dict]) -> dict[str, dict]:
+    torch.distributed.init_process_group("gloo")
+    out = {}
+    for label, overrides in layouts.items():
+        engine = Engine(seed=0, **overrides)
+        model = adapted(family)
+        model, _ = engine.prepare(model, _optimizer(model))
+        local = GLOBAL_BATCH // engine.dp_size
+        losses = []
+        for batch in batches():
+            part = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batch.items()}
+            losses.append(engine.train_step(part).item())
+        out[label] = {"losses": losses, "state": engine.full_state_dict()}
+        engine.end()
+    torch.distributed.destroy_process_group()
+    return out
