@@ -22,7 +22,7 @@ from meshkit.parallel.ddp import apply_ddp
 from meshkit.parallel.expert.apply import apply_expert_parallel, check_expert_parallel
 from meshkit.parallel.fsdp import apply_fsdp
 from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
-from meshkit.parallel.pipeline.stages import PipelineError, PipelineModel, chunks_per_rank, split_model, stage_ids
+from meshkit.parallel.pipeline.stages import PipelineModel, chunks_per_rank, split_model, stage_ids
 from meshkit.parallel.tensor.apply import apply_tensor_parallel
 from meshkit.runtime.mesh import ParallelMesh
 from meshkit.training.precision import autocast_forward
@@ -66,12 +66,6 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
         result = _parallelize_one(model, mesh, config, zero_stage, structure)
         result.notice = result.notice or notice
         return result
-    if config.tensor_parallel.sequence_parallel and structure.family != "gpt":
-        # A stage would hand sequence shards to the next, whose shape inference and hooks expect whole ones.
-        raise PipelineError(
-            "sequence parallel inside a pipeline is built for the reference GPT only: set "
-            "sequence_parallel=false (tensor parallel alone works with pp)"
-        )
     chunks = chunks_per_rank(config.pipeline)
     stage_list = stage_ids(mesh.coordinate("pp"), pp, chunks, config.pipeline.schedule)
     stage_modules = split_model(model, stage_list, pp * chunks, structure)

@@ -130,7 +130,11 @@ GROUPS = {
         "qwen2": list(MATRIX),
         "gpt2": [*MATRIX, "pp2_clipped"],
     },
-    "qwen3-gemma3-gemma2": {"qwen3": list(MATRIX), "gemma3": list(MATRIX), "gemma2": ["tp2", "cp2", "zero3_cp2"]},
+    "qwen3-gemma3-gemma2": {
+        "qwen3": [*MATRIX, "pp2_tp2_sp"],
+        "gemma3": list(MATRIX),
+        "gemma2": ["tp2", "cp2", "zero3_cp2"],
+    },
     # fused layers split by their parts: Phi-3's q/k/v (unequal under GQA) and gate/up, GLM-4's gate/up
     "phi3-glm4": {"phi3": list(MATRIX), "glm4": list(MATRIX)},
 }
@@ -139,7 +143,6 @@ TESTED = {family: layouts for group in GROUPS.values() for family, layouts in gr
 REFUSED = {
     ("gemma2", "cp2"): "soft-caps its attention logits",
     ("gemma2", "zero3_cp2"): "soft-caps its attention logits",
-    ("llama", "pp2_tp2_sp"): "sequence parallel inside a pipeline is built for the reference GPT only",
 }
 COLUMNS = {
     "tp2": "tp 2",

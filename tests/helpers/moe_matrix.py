@@ -4,10 +4,10 @@ from __future__ import annotations
 
 # family -> layouts (of hf_layouts.LAYOUTS) trained equal to one process, the router's balancing loss off
 LAYOUT_CELLS = {  # tests/parallel/test_moe_layouts.py
-    "mixtral": ["ddp4", "zero3_4", "tp2", "pp2_1f1b"],
+    "mixtral": ["ddp4", "zero3_4", "tp2", "tp2_sp", "pp2_1f1b", "pp2_tp2_sp"],
     "qwen3_moe": ["zero1_4", "zero3_4", "fsdp2_tp2", "cp2"],
-    "deepseek_v3": ["ddp4", "zero3_4", "tp2", "pp2_1f1b"],
-    "qwen2_moe": ["zero3_4", "tp2", "fsdp2_tp2"],  # a shared expert with its own gate, split by tp
+    "deepseek_v3": ["ddp4", "zero3_4", "tp2", "tp2_sp", "pp2_1f1b"],
+    "qwen2_moe": ["zero3_4", "tp2", "tp2_sp", "fsdp2_tp2"],  # a shared expert with its own gate, split by tp
 }
 EXPERT_CELLS = {  # tests/parallel/test_expert_parallel.py
     "mixtral": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2", "ep2_clipped", "ep2_zero3_recompute"],
@@ -28,6 +28,7 @@ COLUMNS = {
     "zero1_4": "ZeRO-1",
     "zero3_4": "ZeRO-3",
     "tp2": "tp 2",
+    "tp2_sp": "tp 2 + SP",
     "cp2": "cp 2",
     "pp2_1f1b": "pp 2",
     "ep4": "ep 4",

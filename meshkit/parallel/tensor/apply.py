@@ -124,7 +124,11 @@ def apply_tensor_parallel(
             f"sequence parallel must gather the sequence before {type(model).__name__}'s head, which meshkit "
             "cannot find: name its final norm and head in structure.last_stage"
         )
-    lora = split_lora_layers(model, named_plan(model, cfg), cfg.sequence_parallel)
+    plan = named_plan(model, cfg)
+    if cfg.sequence_parallel:  # an MoE block runs whole on this rank's sequence shard, shared expert included
+        moe = tuple(f"{facts.path}." for facts in structure.moe)  # (it may see the tokens flattened: Qwen2-MoE)
+        plan = {name: kind for name, kind in plan.items() if not name.startswith(moe)}
+    lora = split_lora_layers(model, plan, cfg.sequence_parallel)
     kinds = lora.kinds
     fused: dict[str, int | FusedParts] = {}
     for name, kind in kinds.items():
@@ -143,6 +147,8 @@ def apply_tensor_parallel(
     in_regions = [name for name in unsplit_in_split_regions(model, structure, set(styles))
                   if not any(name.startswith(f"{path}.") for path in latent)]  # fmt: skip
     partial = [name for name in in_regions if name not in lora.whole and name not in lora.partial] + lora.partial
+    if cfg.sequence_parallel:
+        partial += on_sequence_shards(model, structure)
     return TensorParallelResult(fused, False, partial)
 
 
@@ -161,18 +167,24 @@ def fused_parts(name: str, kind: str, structure: ModelStructure) -> tuple[int, .
 def unsplit_in_split_regions(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[str]:
     """Parameters left whole inside an attention or MLP whose layers are split, e.g. Qwen3's and Gemma3's
     per-head q/k norms: each tp rank computes their gradient from its own heads only, so the parts are summed.
-    A mixture-of-experts block whose shared expert is split is no such region for its router, expert bank and
-    shared-expert gate: they see the whole input on every tp rank, so their gradients are whole already."""
+    (In a mixture-of-experts block the region is its shared expert: the router, expert bank and shared-expert
+    gate see the whole input on every tp rank without sequence parallel, so their gradients are whole.)"""
     return [
         f"{name}.{param_name}"
         for name, region in split_regions(model, structure, split_modules)
         for param_name, param in region.named_parameters()
-        if not isinstance(param, DTensor) and not _whole_in_moe_block(f"{name}.{param_name}", structure)
+        if not isinstance(param, DTensor)
     ]
 
 
-def _whole_in_moe_block(name: str, structure: ModelStructure) -> bool:
+def on_sequence_shards(model: nn.Module, structure: ModelStructure) -> list[str]:
+    """Under sequence parallel, the parameters of every MoE block: it runs whole on this rank's sequence shard,
+    token by token, so each rank holds part of their gradients."""
+    out = []
     for facts in structure.moe:
-        if name.startswith(f"{facts.path}."):
-            return not (facts.shared and name.startswith(f"{facts.path}.{facts.shared}."))
-    return False
+        try:
+            block = model.get_submodule(facts.path)
+        except AttributeError:  # on another pipeline stage
+            continue
+        out += [f"{facts.path}.{name}" for name, param in block.named_parameters() if not isinstance(param, DTensor)]
+    return out

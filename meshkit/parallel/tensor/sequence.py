@@ -4,7 +4,8 @@ Between the tensor-parallel regions each rank keeps seq / tp positions of the re
 norms run on those sequence shards, each attention or MLP all-gathers its input first, and its row-parallel
 output is reduce-scattered back onto the shards. The model's own forward still sees the whole sequence
 before the first block, so what it computes there (rotary tables, masks, position embeddings) is unchanged;
-the first block's input is cut into shards and gathered again before the final norm.
+the first block's input is cut into shards and gathered again before the final norm. A pipeline stage cuts
+before its first block and gathers after its last, so stages hand each other whole hidden states.
 """
 
 from __future__ import annotations
@@ -55,9 +56,12 @@ def apply_sequence_parallel(
                 parallelize_module(child, mesh, SequenceParallel(use_local_output=True))
     for _, region in split_regions(model, structure, split_modules):
         region.register_forward_pre_hook(gather, with_kwargs=True)
-    holds_first = all(_present(model, name) for name in structure.first_stage)
-    if units and holds_first:  # hidden states arrive whole from the model's own forward: keep this rank's share
-        units[0][1].register_forward_pre_hook(_relayout_hook(mesh, Replicate(), Shard(1)), with_kwargs=True)
+    present = [block for _, block in units if not is_placeholder(block)]
+    if present:  # hidden states arrive whole (from the model's own forward, or the previous pipeline stage)
+        present[0].register_forward_pre_hook(_relayout_hook(mesh, Replicate(), Shard(1)), with_kwargs=True)
+    holds_last = all(_present(model, name) for name in structure.last_stage)
+    if present and not holds_last:  # a pipeline stage hands the next one whole hidden states
+        present[-1].register_forward_hook(_gathered_output(mesh))
     for name in structure.last_stage[:1]:
         # The model may reshape the final norm's output to the whole sequence (GPT-2 does): gather before it.
         module = _present(model, name)
@@ -65,18 +69,38 @@ def apply_sequence_parallel(
             module.register_forward_pre_hook(gather, with_kwargs=True)
 
 
+def _gathered_output(mesh: DeviceMesh) -> Any:
+    """A forward hook that gathers a block's output (a tensor, or a tuple led by one) from sequence shards."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return _relayout(output, mesh, Shard(1), Replicate())
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (_relayout(output[0], mesh, Shard(1), Replicate()), *output[1:])
+        raise TypeError(f"{type(module).__name__} returned no hidden states to gather for sequence parallel")
+
+    return hook
+
+
 def split_regions(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[tuple[str, nn.Module]]:
-    """(name, module) of each block child holding column/row-split layers: the attentions and MLPs."""
+    """(name, module) of each block child holding column/row-split layers: the attentions and MLPs. In a
+    mixture-of-experts block only its shared expert is split (the router and expert bank stay whole, token by
+    token): the shared expert is the region."""
     if structure.blocks is None:
         return []
     _, blocks = find_blocks(model, structure.blocks)
     names = {id(module): name for name, module in model.named_modules()}
+    moe = {facts.path: facts.shared for facts in structure.moe}
     regions = []
     for _, block in block_units(blocks):
         for child in block.children():
-            prefix = names[id(child)] + "."
-            if any(name.startswith(prefix) for name in split_modules):
-                regions.append((names[id(child)], child))
+            name = names[id(child)]
+            if name in moe:  # only its shared expert, if it has one
+                if moe[name] is None:
+                    continue
+                name, child = f"{name}.{moe[name]}", child.get_submodule(moe[name])
+            if any(split.startswith(name + ".") for split in split_modules):
+                regions.append((name, child))
     return regions
 
 
