@@ -24,6 +24,7 @@ LAYOUTS = {
     "zero3_cp2": {"cp": 2, "zero_stage": 3},
     # beyond the support matrix, run on one family
     "pp2_cp2": {"pp": 2, "cp": 2, "schedule": "1f1b"},
+    "tp2_cp2": {"tp": 2, "cp": 2},  # (the attention implementation ring attention selects reaches split attentions)
     "pp2_tp2_sp": {"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "1f1b"},
     "pp2_clipped": {"pp": 2, "schedule": "1f1b", "max_grad_norm": CLIP},  # tied copies counted once in the norm
     "ddp4": {},
@@ -126,7 +127,7 @@ def _train(family: str, overrides: dict) -> dict:
 # Each group trains in one 4-rank world. gemma2 runs the cells that show its refusal (and one that trains).
 GROUPS = {
     "llama-qwen2-gpt2": {
-        "llama": [*MATRIX, "pp2_cp2", "pp2_tp2_sp"],
+        "llama": [*MATRIX, "pp2_cp2", "pp2_tp2_sp", "tp2_cp2"],
         "qwen2": list(MATRIX),
         "gpt2": [*MATRIX, "pp2_clipped"],
     },
@@ -136,7 +137,7 @@ GROUPS = {
         "gemma2": ["tp2", "cp2", "zero3_cp2"],
     },
     # fused layers split by their parts: Phi-3's q/k/v (unequal under GQA) and gate/up, GLM-4's gate/up
-    "phi3-glm4": {"phi3": list(MATRIX), "glm4": list(MATRIX)},
+    "phi3-glm4": {"phi3": [*MATRIX, "tp2_cp2"], "glm4": list(MATRIX)},
 }
 TESTED = {family: layouts for group in GROUPS.values() for family, layouts in group.items()}
 # (family, layout) -> the words of meshkit's one-line refusal; every other cell must match the reference

@@ -8,10 +8,10 @@ split is dim 1 of the weight, its row split dim 0.
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -217,9 +217,26 @@ def divide_attributes(module: nn.Module, tp: int) -> None:
             setattr(module, attr, value // tp)
     config = getattr(module, "config", None)
     if config is not None and isinstance(getattr(config, "num_attention_heads", None), int):
-        local = copy.copy(config)  # (the model's own config, and what an export writes, keep the whole counts)
-        for attr in ("num_attention_heads", "num_key_value_heads"):
-            value = getattr(config, attr, None)
-            if isinstance(value, int) and value % tp == 0:
-                setattr(local, attr, value // tp)
-        module.config = local
+        heads = {
+            attr: value // tp
+            for attr in ("num_attention_heads", "num_key_value_heads")
+            if isinstance(value := getattr(config, attr, None), int) and value % tp == 0
+        }
+        module.config = LocalHeads(config, heads)
+
+
+class LocalHeads:
+    """The model's config as one tensor-parallel rank's attention sees it: its own head counts, and every other
+    attribute read from (and written to) the model's config, so later changes (the attention implementation
+    context parallel selects) still reach it. The model's config, and what an export writes, keep whole counts."""
+
+    def __init__(self, config: Any, heads: dict[str, int]) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_heads", heads)
+
+    def __getattr__(self, name: str) -> Any:
+        heads = object.__getattribute__(self, "_heads")
+        return heads[name] if name in heads else getattr(object.__getattribute__(self, "_config"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_config"), name, value)
