@@ -14,11 +14,18 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+if __package__ in (None, ""):  # run as `python bench/report.py`: its sections sit beside it in `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report_compare import against_commit, moe, peak_memory, peers_deepspeed, plan_vs_measured
+from bench.report_table import table as _table
 
 
 def _machine() -> str:
@@ -51,11 +58,6 @@ def _date(path: Path, data: dict[str, Any]) -> str:
         if committed.returncode == 0 and committed.stdout.strip():
             return committed.stdout.strip()
     return datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
 
 
 def overhead(data: dict[str, Any]) -> str:
@@ -221,112 +223,6 @@ def plan_published(data: dict[str, Any]) -> str:
         "MFU = model FLOPs (no recomputation) / (step time × GPUs × bf16 peak). Sources: Narayanan et al. 2021 "
         "(arXiv 2104.04473) Table 1, whose TFLOP/s count the recomputed forward, converted here; Llama Team 2024 "
         f"(arXiv 2407.21783) Table 4. Largest error {data['largest_relative_error']:.0%}.\n\n" + _table(header, rows)
-    )
-
-
-def against_commit(data: dict[str, Any]) -> str:
-    rows = [
-        [row["loop"], f"{row['old_vs_torch']:.3f}", f"{row['new_vs_torch']:.3f}", f"{row['new_over_old']:.3f}"]
-        for row in data["rows"]
-    ]
-    return (
-        f"This tree against commit `{data['commit'][:12]}`: `bench/overhead.py` from each tree in turns, "
-        f"{data['rounds']} rounds of {data['steps']} steps at world {data['nproc']}; each round's meshkit step over "
-        "the plain torch loop's in the same processes, median over rounds. Target: new / old ≤ 1.02.\n\n"
-        + _table(["loop", "old vs torch", "new vs torch", "new / old"], rows)
-    )
-
-
-def peak_memory(data: dict[str, Any]) -> str:
-    rows = [
-        [row["layout"], f"{row['peak_step1_mb']:.0f}", f"{row['peak_end_mb']:.0f}", f"{row['growth_mb']:.0f}",
-         f"{row['growth_ratio']:.3f}", str(row["last_rise_at_step"]), f"{row['median_step_s']:.2f}"]
-        for row in data["rows"]
-    ]  # fmt: skip
-    return (
-        f"World {data['nproc']}, {data['layers']} × Linear({data['width']}, {data['width']}), SGD with momentum, "
-        f"{data['steps']} steps; the largest rank's peak resident memory (ru_maxrss) after step 1 and at the end. "
-        "Rows marked glibc run with `host_memory_slack_mb: null` (malloc as glibc sets it). Target: growth within "
-        "2 % of step 1's peak.\n\n"
-        + _table(["layout", "peak step 1 MB", "peak end MB", "growth MB", "end / step 1", "last rise", "step s"], rows)
-    )
-
-
-def moe(data: dict[str, Any]) -> str:
-    rows = [
-        [row["layout"], f"{row['median_step_s'] * 1e3:.0f} ms", f"{row['step_ratio_vs_ddp']:.2f}",
-         f"{row['states_mb']:.1f}", f"{row['peak_rss_mb']:.0f}",
-         f"{row['all_to_all_mb_per_step']:.2f} / {row['formula_mb_per_step']:.2f}", f"{row['ep_rank_imbalance']:.2f}",
-         f"{row['expert_imbalance']:.2f}" if row["expert_imbalance"] else "-"]
-        for row in data["rows"]
-    ]  # fmt: skip
-    model = data["model"]
-    return (
-        f"World {data['nproc']}, a Mixtral-style model of {model['layers']} MoE blocks ({model['experts']} experts, "
-        f"top-{model['top_k']}, hidden {model['hidden']}, expert FFN {model['expert_ffn']}), global batch "
-        f"{model['global_batch']} × {model['seq']} tokens, SGD with momentum, {data['steps']} steps (median, slowest "
-        "rank). States = weights, gradients and momentum a rank holds; all-to-all = what a rank's expert layers send "
-        "to other ranks per step, against the uniform-routing formula; balance = the busiest ep rank's (and expert's) "
-        "routed tokens over the mean.\n\n"
-        + _table(
-            [
-                "layout",
-                "step",
-                "vs DDP",
-                "states MB",
-                "peak MB",
-                "all-to-all MB / formula",
-                "ep rank max/mean",
-                "expert max/mean",
-            ],
-            rows,
-        )  # fmt: skip
-    )
-
-
-def plan_vs_measured(data: dict[str, Any]) -> str:
-    rows = [
-        [
-            row["description"],
-            f"{row['predicted_step_s'] * 1e3:.1f} ms",
-            f"{row['step_s'] * 1e3:.1f} ms" if row["step_s"] else row["error"],
-            f"{row['relative_error']:+.0%}" if row["relative_error"] is not None else "-",
-        ]
-        for row in data["rows"]
-    ]
-    model = data["config"]["model"]
-    return (
-        f"World {data['world']} CPU ranks, reference GPT dim {model['dim']}, {model['n_layers']} layers, seq "
-        f"{data['config']['train']['seq_len']}; the planner's top layouts (one per parallel shape first), costed on "
-        "this machine's profile measured in the same run, then run for a few steps each. Spearman's rank "
-        f"correlation of predicted vs measured step time: {data['spearman']:.2f}; largest error "
-        f"{data['largest_relative_error']:.0%}.\n\n" + _table(["layout", "predicted", "measured", "error"], rows)
-    )
-
-
-def peers_deepspeed(data: dict[str, Any]) -> str:
-    rows = [
-        [
-            row["layout"],
-            f"{row['meshkit_step_s'] * 1e3:.1f} ms",
-            f"{row['deepspeed_step_s'] * 1e3:.1f} ms",
-            f"{row['step_ratio']:.3f}",
-            f"{row['meshkit_peak_mb']:.0f} / {row['deepspeed_peak_mb']:.0f}",
-            f"{row['meshkit_held_mb']:.0f} / {row['deepspeed_held_mb']:.0f}",
-            "yes" if row["losses_equal"] else "no",
-        ]
-        for row in data["rows"]
-    ]
-    model = data["model"]
-    header = ["layout", "meshkit", "DeepSpeed", "step ratio", "peak rss+ MB m / DS", "held MB m / DS", "same losses"]
-    return (
-        f"World {data['world']}, DeepSpeed {data['deepspeed']} (CPU accelerator, gloo); {model['blocks']} pre-norm MLP "
-        f"blocks of dim {model['dim']} ({model['params'] / 1e6:.1f} M parameters), fp32 AdamW, micro-batch "
-        f"{data['micro_batch']}, both systems reducing in 25 MB buckets; pp2 = 2 stages × 2 data-parallel, 1F1B, "
-        f"{data['pipeline_microbatches']} micro-batches. {data['rounds']} rounds of separate launches, order rotating; "
-        "step = median over the run (slowest rank), ratio = median of the per-round meshkit/DeepSpeed ratios. Peak "
-        "rss+ = the largest rank's peak resident memory over its start; held = live tensor bytes after the last step."
-        "\n\n" + _table(header, rows)
     )
 
 

@@ -67,7 +67,8 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _choices(values: list[int]) -> str:
+def choices_text(values: list[int]) -> str:
+    """'1, 2 or 4': the sizes a one-line error offers."""
     text = [str(v) for v in values]
     return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
 
@@ -94,9 +95,8 @@ class Layout:
         sizes = {name: getattr(cfg, name) for name in PARALLEL_DIMS}
         for name, size in sizes.items():
             if size != -1 and world_size % size:
-                raise MeshError(
-                    f"{name}={size} does not divide world size {world_size}: choose {_choices(divisors(world_size))}"
-                )
+                choices = choices_text(divisors(world_size))
+                raise MeshError(f"{name}={size} does not divide world size {world_size}: choose {choices}")
         fixed = math.prod(size for size in sizes.values() if size != -1)
         rest = [name for name, size in sizes.items() if size == -1]
         if rest:
@@ -116,7 +116,7 @@ class Layout:
         if tokens % cfg.ep:
             raise MeshError(
                 f"ep={cfg.ep} must divide the {tokens} ranks that see other tokens (dp_replicate × dp_shard × cp): "
-                f"choose {_choices(divisors(tokens))}"
+                f"choose {choices_text(divisors(tokens))}"
             )
         return cls(**sizes, ep=cfg.ep)
 

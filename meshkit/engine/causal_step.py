@@ -24,12 +24,12 @@ def causal_lm_micro_step(
     group: dist.ProcessGroup,
     loss_parallel: Callable[[], contextlib.AbstractContextManager[Any]],
     balancing: BalancingLoss | None = None,
-    mask: torch.Tensor | None = None,
     balancing_over: dist.ProcessGroup | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One micro-step on (inputs, shifted targets); returns the step's mean loss over every rank's tokens.
-    `mask`: the batch's attention mask (the balancing loss leaves padding out), as split as the inputs;
-    `balancing_over`: the ranks the balancing loss takes its statistics over (None: this rank alone)."""
+    `balancing_over`: the ranks the balancing loss takes its statistics over (None: this rank alone); `mask`: the
+    batch's attention mask (the balancing loss leaves padding out), as split as the inputs."""
     inputs, targets = batch
     with loss_parallel():
         output = model(**inputs)

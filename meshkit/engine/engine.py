@@ -36,7 +36,7 @@ from meshkit.engine.checkpointing import Checkpoints
 from meshkit.engine.context import EngineContext, Placement, place
 from meshkit.engine.delegation import Delegated
 from meshkit.engine.evaluation import Evaluation
-from meshkit.engine.gradients import GradientSync, clip_arguments
+from meshkit.engine.gradients import clip_arguments, gradient_sync
 from meshkit.engine.layout_auto import settle_layout
 from meshkit.engine.preparation import Preparation
 from meshkit.engine.prepared import EngineError, PreparedObjects
@@ -54,7 +54,6 @@ from meshkit.runtime.tracking import TrackerSet, check_trackers
 from meshkit.training.accumulation import GradientState
 from meshkit.training.loss import LossFn, compute_loss, is_causal_lm_batch, pipeline_pair, split_causal_lm_batch
 from meshkit.training.precision import make_grad_scaler
-from meshkit.training.router_loss import balancing_group
 
 __all__ = ["ConfigConflictWarning", "Engine", "EngineError", "WrappedModelWarning"]
 
@@ -177,7 +176,7 @@ class Engine:
             preemption=PreemptionWatch(config_.checkpoint.preempt_signal, self.info.world_size),
             hang_doctor=doctor,
         )
-        self._gradients = self._gradient_sync()
+        self._gradients = gradient_sync(self.ctx)
         self.checkpoints = Checkpoints(self.ctx)
         self.processes = Processes(self.ctx, lambda: self.checkpoints.checkpointer.group)
         self.weights = Weights(self.ctx)
@@ -210,18 +209,6 @@ class Engine:
     def _reports(self, placement: Placement) -> bool:
         return self.info.rank == placement.reporting_rank
 
-    def _gradient_sync(self) -> GradientSync:
-        ctx = self.ctx
-        return GradientSync(
-            ctx.gradient_state,
-            ctx.scaler,
-            ctx.placement.grad_group,
-            ctx.objects.models,
-            ctx.objects.optimizers,
-            ctx.loss_parallel,
-            ctx.mesh.group("pp") if ctx.mesh.size("pp") > 1 else None,
-        )
-
     def _adopt_layout(self, chosen: ResolvedConfig) -> None:
         """`layout: auto` chose: lay the engine out again in `chosen` (the components see it through the context)."""
         config = chosen.config
@@ -231,7 +218,7 @@ class Engine:
         self.ctx.gradient_state = GradientState(accum_steps=config.grad_accum_steps)
         sharded_over = self.ctx.mesh.grad_group if self.ctx.placement.zero_stage else None
         self.ctx.scaler = make_grad_scaler(config.precision, self.device, sharded_over)
-        self._gradients = self._gradient_sync()
+        self._gradients = gradient_sync(self.ctx)
         if not self.ctx.trackers.started:  # they record the chosen layout
             settings = config.model_dump(mode="json")
             reports = self._reports(self.ctx.placement)
@@ -341,7 +328,7 @@ class Engine:
         objects = self.ctx.objects
         model, optimizer = objects.only_model(), objects.only_optimizer()
         causal = objects.loss_fn is None and objects.causal_lm and is_causal_lm_batch(batch)
-        mask = batch.get("attention_mask") if causal and objects.balancing is not None else None
+        mask = batch.get("attention_mask") if causal and objects.balancing[0] is not None else None
         if causal:  # labels shifted before any sequence split; the loss is the mean over the step's tokens
             batch = split_causal_lm_batch(batch)
         if self.mesh.size("cp") > 1:
@@ -354,11 +341,7 @@ class Engine:
                 self._gradients.reduce_after_schedule()
             elif causal:
                 group, balancing = self.ctx.placement.grad_group, objects.balancing
-                cp = self.mesh.group("cp") if self.mesh.size("cp") > 1 else None
-                over = balancing_group(balancing, group, cp) if balancing is not None else None
-                loss = causal_lm_micro_step(
-                    model, batch, self._gradients, group, self.loss_parallel, balancing, mask, over
-                )
+                loss = causal_lm_micro_step(model, batch, self._gradients, group, self.loss_parallel, *balancing, mask)
             else:
                 with self.loss_parallel():
                     loss = compute_loss(model, batch, objects.loss_fn)

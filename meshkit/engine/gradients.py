@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ from meshkit.core.errors import MeshkitError
 from meshkit.parallel.zero.optimizer import ZeroOptimizer
 from meshkit.runtime import collectives
 from meshkit.training.accumulation import GradientState, PreparedOptimizer
+
+if TYPE_CHECKING:
+    from meshkit.engine.context import EngineContext
 
 
 class GradientError(MeshkitError):
@@ -191,6 +194,19 @@ class GradientSync:
             for grad in grads:
                 grad.mul_(coefficient)
         return norm
+
+
+def gradient_sync(ctx: EngineContext) -> GradientSync:
+    """The engine's gradient sync for its layout (made again when `layout: auto` settles)."""
+    return GradientSync(
+        ctx.gradient_state,
+        ctx.scaler,
+        ctx.placement.grad_group,
+        ctx.objects.models,
+        ctx.objects.optimizers,
+        ctx.loss_parallel,
+        ctx.mesh.group("pp") if ctx.mesh.size("pp") > 1 else None,
+    )
 
 
 def clip_arguments(args: tuple[Any, ...], norm_type: float) -> tuple[float, float]:

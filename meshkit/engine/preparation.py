@@ -24,7 +24,7 @@ from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.zero.sharding import rebind_params, renamed_parameters, shard_optimizer
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
 from meshkit.training.loss import CausalLMLoss, LossFn
-from meshkit.training.router_loss import balancing_loss
+from meshkit.training.router_loss import balancing_group, balancing_loss
 
 
 class Preparation(EngineComponent):
@@ -79,7 +79,9 @@ class Preparation(EngineComponent):
         if done.structure is not None:
             structure, pp = done.structure, ctx.mesh.size("pp")
             mode = ctx.config.moe.router_aux_loss
-            objects.balancing = balancing_loss(structure.router_loss, structure.moe, mode, pp)
+            loss = balancing_loss(structure.router_loss, structure.moe, mode, pp)
+            cp = ctx.mesh.group("cp") if ctx.mesh.size("cp") > 1 else None
+            objects.balancing = (loss, balancing_group(loss, ctx.placement.grad_group, cp) if loss else None)
         if done.notice:
             print_once_per_node(ctx.info, done.notice)
         objects.checkpointed.extend(done.checkpointed)

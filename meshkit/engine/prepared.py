@@ -37,7 +37,8 @@ class PreparedObjects:
     renamed_params: dict[int, nn.Parameter | None] = field(default_factory=dict)
     logits_sharded: bool = False  # a prepared model returns vocab-sharded logits (tensor parallel)
     causal_lm: bool = False  # the prepared model is a causal LM (next-token logits)
-    balancing: BalancingLoss | None = None  # the router's balancing loss train_step adds (mixture of experts)
+    # the router's balancing loss train_step adds (mixture of experts), and the ranks it takes statistics over
+    balancing: tuple[BalancingLoss | None, Any] = (None, None)
     uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
     # id(prepared model) -> ...
     fused_qkv: dict[int, dict[str, int]] = field(default_factory=dict)  # interleaved weights and their dim

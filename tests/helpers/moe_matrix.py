@@ -40,6 +40,22 @@ COLUMNS = {
 }
 
 
+def assert_like_one_process(family: str, layout: str, results: list[dict]) -> None:
+    """Every rank's cell equals one plain-torch process (or is the one-line refusal the table expects)."""
+    from tests.helpers.hf_layouts import CLIP, reference
+    from tests.helpers.training import assert_close_relative, assert_state_close
+
+    losses, state = reference(family, CLIP if "clipped" in layout else None)
+    for rank, by_cell in enumerate(results):
+        got = by_cell[family, layout]
+        if (family, layout) in REFUSED:
+            assert REFUSED[family, layout] in got.get("refused", "") and "\n" not in got["refused"], got
+            continue
+        assert "refused" not in got, f"{family} {layout} refused on rank {rank}: {got['refused']}"
+        assert_close_relative(got["losses"], losses, 1e-5)
+        assert_state_close(got["state"], state, 1e-5)
+
+
 def render_moe_matrix() -> str:
     """What the MoE tests check, family by family (✓: equal to one process; refused: one line; n/a¹: the model
     has no auxiliary loss)."""

@@ -19,32 +19,20 @@ from meshkit.models.facts import ExpertFacts
 from meshkit.parallel.expert.apply import ExpertParallelError, check_expert_parallel
 from tests.helpers.distributed import run_world
 from tests.helpers.expert_runs import grads_after_backward, plain_loop, route_with_capacity, save_then_resume
-from tests.helpers.hf_layouts import CLIP, batches, build, reference, run_families
+from tests.helpers.hf_layouts import batches, build, reference, run_families
 from tests.helpers.moe_matrix import EXPERT_CELLS as CELLS  # (DeepSeek's latent attention refuses tp)
-from tests.helpers.moe_matrix import GLOBAL_AUX, GLOBAL_AUX_FAMILIES, REFUSED, render_moe_matrix
+from tests.helpers.moe_matrix import GLOBAL_AUX, GLOBAL_AUX_FAMILIES, assert_like_one_process, render_moe_matrix
 from tests.helpers.moe_models import transformers
 from tests.helpers.training import assert_close_relative, assert_state_close
 
 ANY_MODEL_PAGE = Path(__file__).resolve().parents[2] / "docs" / "any-model.md"
 
 
-def _assert_like_one_process(family: str, layout: str, results: list[dict]) -> None:
-    losses, state = reference(family, CLIP if "clipped" in layout else None)
-    for rank, by_cell in enumerate(results):
-        got = by_cell[family, layout]
-        if (family, layout) in REFUSED:
-            assert REFUSED[family, layout] in got.get("refused", "") and "\n" not in got["refused"], got
-            continue
-        assert "refused" not in got, f"{family} {layout} refused on rank {rank}: {got['refused']}"
-        assert_close_relative(got["losses"], losses, 1e-5)
-        assert_state_close(got["state"], state, 1e-5)
-
-
 @pytest.mark.parametrize("family", sorted(CELLS))
 def test_moe_models_train_like_one_process_under_expert_parallel(family: str) -> None:
     results = run_world(run_families, 4, {family: CELLS[family]}, timeout=400)
     for layout in CELLS[family]:
-        _assert_like_one_process(family, layout, results)
+        assert_like_one_process(family, layout, results)
 
 
 @pytest.mark.parametrize("family", [f"{family}_aux" for family in GLOBAL_AUX_FAMILIES])
@@ -52,7 +40,7 @@ def test_the_global_batch_router_loss_equals_one_process(family: str) -> None:
     cells = [*GLOBAL_AUX, "ddp4_aux", "cp2_aux", "ep2_pp2"]
     results = run_world(run_families, 4, {family: cells}, timeout=400)
     for layout in GLOBAL_AUX:
-        _assert_like_one_process(family, layout, results)
+        assert_like_one_process(family, layout, results)
     # per micro-batch (the default): each rank's loss is the model's own on its micro-batch — a quarter of the
     # batch under DDP; under cp 2 half of it, whose sequences two cp ranks hold in chunks
     model, first = build(family), batches()[0]
@@ -103,7 +91,7 @@ def test_experts_that_receive_no_token_still_get_a_zero_gradient() -> None:
         assert got and all(got.values()), got
     results = run_world(run_families, 4, {"mixtral_one_sided": ["ep4", "ep2_zero3"]}, timeout=300)
     for layout in ("ep4", "ep2_zero3"):  # (and the model's loop over experts trains like one process)
-        _assert_like_one_process("mixtral_one_sided", layout, results)
+        assert_like_one_process("mixtral_one_sided", layout, results)
 
 
 def test_the_any_model_page_holds_the_moe_matrix_as_rendered() -> None:
@@ -123,7 +111,7 @@ def test_a_capacity_factor_drops_the_copies_over_an_experts_share() -> None:
     assert capped["kept"] == [0, 2, 4, 6, 1, 3, 5, 7, 12, 14]  # copies (token·2 + choice), by expert
     assert capped["out"] == [0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 3.0, 3.5]  # dropped copies add nothing
     results = run_world(run_families, 4, {"mixtral": ["ep4_capacity_ample"]}, timeout=300)
-    _assert_like_one_process("mixtral", "ep4_capacity_ample", results)  # a capacity no expert reaches: dropless
+    assert_like_one_process("mixtral", "ep4_capacity_ample", results)  # a capacity no expert reaches: dropless
 
 
 def _facts(experts: int, fused: bool = True) -> ExpertFacts:

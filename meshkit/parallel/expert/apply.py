@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from meshkit.config.layout import choices_text
 from meshkit.core.errors import MeshkitError
 from meshkit.models.experts import moe_blocks
 from meshkit.models.facts import ExpertFacts
@@ -32,11 +33,6 @@ EXPERT_COUNT_ATTRIBUTES = ("num_experts", "num_local_experts")  # what a bank's 
 
 class ExpertParallelError(MeshkitError):
     """An expert-parallel layout that cannot run; the message says what to change."""
-
-
-def _choices(values: list[int]) -> str:
-    text = [str(v) for v in values]
-    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
 
 
 def check_expert_parallel(
@@ -63,9 +59,8 @@ def check_expert_parallel(
             )
         if facts.experts % ep:
             fits = [d for d in range(1, facts.experts + 1) if facts.experts % d == 0 and token_ranks % d == 0]
-            raise ExpertParallelError(
-                f"parallel.ep={ep} does not divide the {facts.experts} experts of {facts.path}: choose {_choices(fits)}"
-            )
+            where = f"the {facts.experts} experts of {facts.path}"
+            raise ExpertParallelError(f"parallel.ep={ep} does not divide {where}: choose {choices_text(fits)}")
 
 
 def apply_expert_parallel(
