@@ -337,10 +337,12 @@ class Engine:
         with self.accumulate():
             if objects.pipeline is not None:
                 with self.loss_parallel():
-                    loss = objects.pipeline.step(*pipeline_pair(batch, causal), self.mesh.grad_group)
+                    inputs, targets, keywords = pipeline_pair(batch, causal)
+                    loss = objects.pipeline.step(inputs, targets, self.mesh.grad_group, keywords)
                 self._gradients.reduce_after_schedule()
             elif causal:
                 group, balancing = self.ctx.placement.grad_group, objects.balancing
+                batch = ({**objects.training_inputs, **batch[0]}, batch[1])  # (a pipeline stage adds its own)
                 loss = causal_lm_micro_step(model, batch, self._gradients, group, self.loss_parallel, *balancing, mask)
             else:
                 with self.loss_parallel():

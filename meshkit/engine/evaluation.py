@@ -32,7 +32,7 @@ class Evaluation(EngineComponent):
             if ctx.objects.pipeline is not None:
                 total = ctx.objects.pipeline.evaluate(*pipeline_pair((inputs, targets), True))
             else:
-                total = token_loss_sum(logits_of(model(**inputs)), targets)
+                total = token_loss_sum(logits_of(model(**{**ctx.objects.training_inputs, **inputs})), targets)
         if ctx.placement.zero_stage == 3:
             reshard(model)
         total = total.full_tensor() if isinstance(total, DTensor) else total

@@ -76,6 +76,7 @@ class Preparation(EngineComponent):
         objects.user_modules[id(done.model)] = model
         objects.tied_aliases[id(done.model)] = done.structure.aliases() if done.structure else {}
         objects.causal_lm = done.structure is not None and done.structure.causal_lm  # HF batches get the LM loss
+        objects.training_inputs = dict(done.structure.training_inputs) if done.structure else {}
         if done.structure is not None:
             structure, pp = done.structure, ctx.mesh.size("pp")
             mode = ctx.config.moe.router_aux_loss

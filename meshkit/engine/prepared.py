@@ -37,6 +37,7 @@ class PreparedObjects:
     renamed_params: dict[int, nn.Parameter | None] = field(default_factory=dict)
     logits_sharded: bool = False  # a prepared model returns vocab-sharded logits (tensor parallel)
     causal_lm: bool = False  # the prepared model is a causal LM (next-token logits)
+    training_inputs: dict[str, Any] = field(default_factory=dict)  # keywords train_step adds to an HF batch
     # the router's balancing loss train_step adds (mixture of experts), and the ranks it takes statistics over
     balancing: tuple[BalancingLoss | None, Any] = (None, None)
     uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes

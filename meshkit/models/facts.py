@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
@@ -75,6 +75,9 @@ class ModelStructure:
     position_argument: str | None = None  # forward keyword that takes global token positions
     tied: tuple[tuple[str, ...], ...] = ()  # parameter names that share one tensor
     causal_lm: bool = False  # forward returns next-token logits (with .logits / a tensor)
+    # keyword inputs of a training forward (transformers: use_cache=False, so that no cache is built and a packed
+    # row's position_ids keep its samples apart, as they do in a pipeline stage and under ring attention)
+    training_inputs: tuple[tuple[str, Any], ...] = ()
     vocabulary: tuple[str, ...] = ()  # parameters with one row per token (input embedding, output head)
     notes: dict[str, str] = field(default_factory=dict)  # layout -> why this model cannot run it
     moe: tuple[ExpertFacts, ...] = ()  # mixture-of-experts blocks, in block order (empty: a dense model)

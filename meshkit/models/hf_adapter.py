@@ -97,14 +97,12 @@ def _attention(config: Any, blocks_path: str, blocks: nn.Module) -> tuple[Attent
 def _cannot(config: Any, family: str) -> dict[str, str]:
     """Layouts this family cannot run, with the reason meshkit prints."""
     notes: dict[str, str] = {}
-    if getattr(config, "attn_logit_softcapping", None):
-        notes["cp"] = f"{family} soft-caps its attention logits, which ring attention does not compute"
-    window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
     longest = _config_int(config, "max_position_embeddings", "n_positions")
-    if window and (longest is None or window < longest):
+    if chunk and (longest is None or chunk < longest):
         notes["cp"] = (
-            f"{family} uses sliding-window attention (window {window} < {longest} positions), which ring "
-            "attention does not compute"
+            f"{family} attends within chunks of {config.attention_chunk_size} tokens (attention_chunk_size), which "
+            "ring attention does not compute"
         )
     return notes
 
@@ -148,6 +146,7 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
         position_argument="position_ids" if takes_argument(model.forward, "position_ids") else None,
         tied=tied_parameters(model),
         causal_lm=causal,
+        training_inputs=(("use_cache", False),) if takes_argument(model.forward, "use_cache") else (),
         notes=_cannot(config, family),
         vocabulary=tuple(dict.fromkeys(vocabulary)),
         moe=moe,

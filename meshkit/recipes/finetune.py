@@ -64,16 +64,6 @@ def check_layout(engine: Engine, job: FinetuneJob) -> None:
             f"meshkit finetune runs the layouts of strategy=auto (DDP, ZeRO, tp, pp, cp), not strategy={cfg.strategy}: "
             "drop strategy, or drive that strategy from your own script with meshkit.Engine"
         )
-    if packing and pp > 1:
-        raise FinetuneError(
-            "sample_packing passes position_ids, which a pipeline stage does not take: set pp=1 or "
-            "sample_packing: false"
-        )
-    if packing and cp > 1:
-        raise FinetuneError(
-            "sample_packing keeps samples apart by position_ids, which ring attention does not: "
-            "set cp=1 or sample_packing: false"
-        )
     if job.settings.lora_modules_to_save and (engine.mesh.size("tp") > 1 or pp > 1):
         raise FinetuneError(
             "lora_modules_to_save wraps whole modules, which tensor and pipeline parallel do not split yet: set "

@@ -116,14 +116,23 @@ class CausalLMLoss:
         return token_loss_sum(logits_of(output), targets) * self.scale
 
 
-def pipeline_pair(batch: Any, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) for a pipeline schedule: the first stage takes one tensor, the last the targets."""
+STAGE_KEYWORDS = ("position_ids",)  # batch entries every pipeline stage takes besides its input
+
+
+def pipeline_pair(batch: Any, causal: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(inputs, targets, keyword inputs) for a pipeline schedule: the first stage takes one tensor, the last the
+    targets, and every stage the keyword inputs (`position_ids`: packed samples' positions, which each stage's
+    attention masks and rotary tables need)."""
     if causal:
         inputs, targets = batch
-        extra = sorted(set(inputs) - {"input_ids"})
+        extra = sorted(set(inputs) - {"input_ids", *STAGE_KEYWORDS})
         if extra:
-            raise LossError(f"under pipeline parallel a stage takes only input_ids: drop {extra} from the batch")
-        return inputs["input_ids"], targets
+            raise LossError(
+                f"under pipeline parallel a stage takes only input_ids and {', '.join(STAGE_KEYWORDS)}: drop {extra} "
+                "from the batch"
+            )
+        keywords = {key: inputs[key] for key in STAGE_KEYWORDS if inputs.get(key) is not None}
+        return inputs["input_ids"], targets, keywords
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise LossError("under pipeline parallel each batch must be an (inputs, targets) pair or an HF dict batch")
-    return batch[0], batch[1]
+    return batch[0], batch[1], {}

@@ -9,6 +9,8 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, POSITIONS = 64, 32, 4, 2, 4, 64
+WINDOW = 6  # sliding window of the families that have one (gemma2 and gemma3 alternate windowed and full layers)
+WINDOWED = ("mistral", "gemma2", "gemma3")
 FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "glm4")
 
 
@@ -52,6 +54,10 @@ def config(family: str, **overrides: Any) -> Any:
         bos_token_id=1,
         eos_token_id=2,
     )
+    if family in WINDOWED:  # a window shorter than the test sequences, so that it masks
+        settings["sliding_window"] = WINDOW
+    if family == "gemma3":
+        settings["layer_types"] = ["sliding_attention", "full_attention"] * (LAYERS // 2)
     return getattr(transformers, classes[family])(**{**settings, **overrides})
 
 

@@ -40,6 +40,21 @@ def test_transformers_models_are_described_from_their_structure_and_config(famil
     assert bool(structure.tied) == (family in TIED)
     if family in TIED:
         assert set(structure.aliases().values()) == {structure.first_stage[0] + ".weight"}
+    assert structure.notes == {}  # sliding windows, soft-capped logits: ring attention computes them all
+    assert dict(structure.training_inputs) == {"use_cache": False}  # no cache in training: packed rows stay apart
+
+
+def test_chunked_attention_is_the_one_context_parallel_refusal() -> None:
+    settings = dict(vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.Llama4TextConfig(**settings, attention_chunk_size=16)
+    )
+    assert "attends within chunks of 16 tokens" in describe(model).notes["cp"]
+    whole = transformers.AutoModelForCausalLM.from_config(
+        transformers.Llama4TextConfig(**settings, attention_chunk_size=64)
+    )
+    assert "cp" not in describe(whole).notes  # a chunk as long as the context is full attention
 
 
 def test_a_sequential_stack_is_its_own_block_list_with_the_linear_layers_as_units() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import run_world
-from tests.helpers.hf_layouts import GROUPS, LAYOUTS, REFUSED, reference, render_matrix, run_families
+from tests.helpers.hf_layouts import GROUPS, REFUSED, reference_of, render_matrix, run_families
 from tests.helpers.training import assert_close_relative, assert_state_close
 
 ANY_MODEL_PAGE = Path(__file__).resolve().parents[2] / "docs" / "any-model.md"
@@ -24,7 +24,7 @@ def test_every_layout_trains_like_one_process(group: str) -> None:
     results = run_world(run_families, 4, GROUPS[group], timeout=400)
     for family, layouts in GROUPS[group].items():
         for layout in layouts:
-            losses, state = reference(family, LAYOUTS[layout].get("max_grad_norm"))
+            losses, state = reference_of(family, layout)
             for rank, by_cell in enumerate(results):
                 got = by_cell[family, layout]
                 where = f"{family} {layout} on rank {rank}"

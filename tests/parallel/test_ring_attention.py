@@ -1,6 +1,9 @@
-"""Ring attention equals full attention (output and q/k/v gradients, fp32, <= 1e-5) at cp = 2 and 4."""
+"""Ring attention equals full attention (output and q/k/v gradients, fp32, <= 1e-5) at cp = 2 and 4: causal and
+not, with a sliding window, over packed rows (samples kept apart by position_ids) and with attention sinks."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -9,37 +12,115 @@ import torch.nn.functional as F
 
 from meshkit.parallel.context.apply import shard_sequence
 from meshkit.parallel.context.ring_attention import ring_attention
+from meshkit.parallel.context.visibility import Visibility
 from tests.helpers.distributed import run_world
 
 BATCH, HEADS, SEQ, DIM = 2, 3, 16, 8
+PACKED = ((5, 7, 4), (3, 9, 4))  # sample lengths of each row of a packed batch
 
 
-def full_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def full_inputs() -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(5)
     q, k, v, grad = (torch.randn(BATCH, HEADS, SEQ, DIM, generator=generator) for _ in range(4))
-    return q, k, v, grad
+    sinks = torch.randn(HEADS, generator=generator)
+    return q, k, v, grad, sinks
 
 
-def ring_rank(rank: int, causal: bool) -> dict:
+def packed_positions() -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKED])
+
+
+def reference_attention(q, k, v, window, positions, sinks, softcap):  # type: ignore[no-untyped-def]
+    """Attention as transformers' eager code computes it: a dense mask, soft-capped scores, sinks as an extra
+    softmax column."""
+    index = torch.arange(SEQ)
+    distance = index[:, None] - index[None, :]
+    seen = (distance >= 0) & ((distance < window) if window else True)
+    seen = seen.expand(BATCH, 1, SEQ, SEQ)
+    if positions is not None:
+        starts = index[None] - positions
+        seen = seen & (starts[:, :, None] == starts[:, None, :])[:, None]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(DIM)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks[None, :, None, None].expand(BATCH, -1, SEQ, 1)), dim=-1)
+    return torch.softmax(scores, dim=-1)[..., :SEQ] @ v
+
+
+def ring_rank(rank: int, case: dict) -> dict:
     dist.init_process_group("gloo")
     cp = dist.get_world_size()
-    q, k, v, grad = (shard_sequence(t, cp, rank, dim=2) for t in full_inputs())
+    q, k, v, grad, sinks = full_inputs()
+    q, k, v, grad = (shard_sequence(t, cp, rank, dim=2) for t in (q, k, v, grad))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = ring_attention(q, k, v, dist.group.WORLD, causal=causal)
+    sinks = sinks.clone().requires_grad_() if case.get("sinks") else None
+    positions = shard_sequence(packed_positions(), cp, rank, dim=1) if case.get("packed") else None
+    out = ring_attention(
+        q,
+        k,
+        v,
+        dist.group.WORLD,
+        causal=case["causal"],
+        window=case.get("window"),
+        position_ids=positions,
+        sinks=sinks,
+        softcap=case.get("softcap"),
+    )
     out.backward(grad)
     dist.destroy_process_group()
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    result = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return result if sinks is None else {**result, "dsinks": sinks.grad}
+
+
+CASES = {
+    "causal": {"causal": True},
+    "bidirectional": {"causal": False},
+    "window3": {"causal": True, "window": 3},
+    "window6": {"causal": True, "window": 6},
+    "packed": {"causal": True, "packed": True},
+    "packed_window3": {"causal": True, "packed": True, "window": 3},
+    "sinks_window5": {"causal": True, "sinks": True, "window": 5},
+    "softcap_window3": {"causal": True, "softcap": 0.5, "window": 3},
+}
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("causal", [True, False])
-def test_ring_attention_equals_full_attention(cp: int, causal: bool) -> None:
-    q, k, v, grad = full_inputs()
+@pytest.mark.parametrize("case", CASES)
+def test_ring_attention_equals_full_attention(cp: int, case: str) -> None:
+    settings = CASES[case]
+    q, k, v, grad, sinks = full_inputs()
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    sinks = sinks.clone().requires_grad_() if settings.get("sinks") else None
+    if settings["causal"]:
+        positions = packed_positions() if settings.get("packed") else None
+        expected = reference_attention(q, k, v, settings.get("window"), positions, sinks, settings.get("softcap"))
+    else:
+        expected = F.scaled_dot_product_attention(q, k, v)
     expected.backward(grad)
     reference = {"out": expected.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    for rank, result in enumerate(run_world(ring_rank, cp, causal, timeout=120)):
+    results = run_world(ring_rank, cp, settings, timeout=120)
+    for rank, result in enumerate(results):
         for name, tensor in result.items():
+            if name == "dsinks":
+                continue
             local = shard_sequence(reference[name], cp, rank, dim=2)
             torch.testing.assert_close(tensor, local, rtol=1e-5, atol=1e-5, msg=f"{name} on rank {rank}")
+    if sinks is not None:  # each rank's sink gradient is its queries' share: they sum to the whole
+        total = torch.stack([result["dsinks"] for result in results]).sum(dim=0)
+        torch.testing.assert_close(total, sinks.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sliding_window_exchanges_fewer_blocks() -> None:
+    """cp 4, chunks of 2 tokens: a window of 3 needs only the neighbouring chunks (offsets 1 and 3), and a
+    window wider than the sequence needs every offset, like full causal attention."""
+    assert Visibility().offsets(4, 2) == [0, 1, 2, 3]
+    assert Visibility(window=3).offsets(4, 2) == [0, 1, 3]
+    assert Visibility(window=64).offsets(4, 2) == [0, 1, 2, 3]
+    assert Visibility(window=1).offsets(4, 2) == [0]
+
+
+def test_a_window_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 1 position"):
+        ring_attention(*(torch.zeros(1, 1, 4, 2) for _ in range(3)), group=None, window=0)  # type: ignore[arg-type]

@@ -55,6 +55,17 @@ def test_two_ranks_equal_one_process(tmp_path, material, references, adapter, ze
     assert summary["trainable_parameters"] == reference["trainable_parameters"]
 
 
+@pytest.mark.parametrize("layout", [["cp=2"], ["pp=2"]])
+def test_packed_rows_under_cp_and_pp_equal_one_process(tmp_path, material, layout) -> None:
+    """sample_packing keeps each row's samples apart by position_ids: ring attention (cp) and every pipeline
+    stage (pp) read them, as the model's own masks do in one process."""
+    keys = {"sample_packing": True, "micro_batch_size": 2}  # rows of 256 tokens: 2 to 3 samples each
+    reference = _run(tmp_path, material, 1, "reference", [], **keys)
+    summary = _run(tmp_path, material, 2, "run", layout, **keys)  # dp = 1: the same rows on each rank
+    _close(summary["losses"], reference["losses"])
+    assert summary["losses"][-1] < summary["losses"][0]
+
+
 @pytest.mark.parametrize("layout", [["tp=2"], ["pp=2"]])
 def test_lora_under_model_parallel_equals_one_process(tmp_path, material, references, layout) -> None:
     # dp = 1: each rank sees the whole global batch of 4, as the reference did

@@ -20,7 +20,8 @@ from meshkit.models.blocks import find_blocks
 from meshkit.models.hf_adapter import is_transformers_model
 from meshkit.models.structure import ModelStructure
 from meshkit.parallel.context.hf import use_ring_attention
-from meshkit.parallel.context.ring_attention import chunk_ids, ring_attention
+from meshkit.parallel.context.ring_attention import ring_attention
+from meshkit.parallel.context.visibility import chunk_ids
 
 
 class ContextParallelError(MeshkitError):

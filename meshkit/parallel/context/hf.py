@@ -3,7 +3,10 @@
 Every attention module of a transformers model calls `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`
 with its projected, rotary-embedded q, k, v. Registering meshkit's ring attention there under its own name and
 selecting that name makes the model's own attention code run it; no mask is built for a registered
-implementation (ring attention applies the causal mask itself). The cp group travels on each module.
+implementation: ring attention applies the causal mask itself, with the layer's sliding window (the
+`sliding_window` the attention passes), packed samples kept apart by `position_ids` (the decoder layer passes
+them on), Gemma-2's soft-capped logits (`softcap`) and gpt-oss's attention sinks (`s_aux`). The cp group
+travels on each module.
 """
 
 from __future__ import annotations
@@ -41,13 +44,22 @@ def ring_attention_function(
         raise RingAttentionError(
             f"ring attention has no attention dropout: set the model config's attention dropout to 0 (got {dropout})"
         )
-    if kwargs.get("softcap"):
-        raise RingAttentionError("ring attention does not soft-cap attention logits")
     repeats = query.shape[1] // key.shape[1]
     if repeats > 1:  # grouped-query attention: each key/value head serves `repeats` query heads
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
     group: dist.ProcessGroup = getattr(module, GROUP_ATTRIBUTE)
-    out = ring_attention(query, key, value, group, causal=True, scale=scaling)
+    out = ring_attention(
+        query,
+        key,
+        value,
+        group,
+        causal=getattr(module, "is_causal", True),  # (Gemma-3 with bidirectional attention: False)
+        scale=scaling,
+        window=kwargs.get("sliding_window"),
+        position_ids=kwargs.get("position_ids"),
+        sinks=kwargs.get("s_aux"),
+        softcap=kwargs.get("softcap"),
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,102 +1,170 @@
 """Ring attention for context parallel, on any backend (gloo on CPU, NCCL on CUDA).
 
 Each of the `cp` ranks holds 2 of the sequence's 2·cp chunks: rank i holds chunks i and 2·cp−1−i, so under a
-causal mask every rank does the same amount of work. Keys and values travel around the ring (async send/recv
-posted before the local block is computed, so the transfer overlaps the compute); each query chunk merges the
-partial results block by block with the online softmax (running log-sum-exp). The backward pass is a custom
-autograd Function that recomputes the block scores from the saved log-sum-exp and sends each key/value block's
-gradient around the ring with it, back to its owner.
+causal mask every rank does the same amount of work. Every rank sends its keys and values to the rank `offset`
+places after it, for each offset some query needs (`visibility.Visibility.offsets`: all of them for full causal
+attention, a few for a sliding window); the next block's exchange is posted before the current block is computed,
+so the transfer overlaps the compute. Each query chunk merges the partial results block by block with the online
+softmax (running log-sum-exp); soft-capped scores (Gemma-2) are capped block by block. Attention sinks
+(gpt-oss: one learned logit per head that takes softmax mass and adds no value) join the log-sum-exp at the end.
+The backward pass is a custom autograd Function that recomputes the block scores from the saved log-sum-exp and
+sends each key/value block's gradient straight back to its owner.
+
+Packed rows keep their samples apart through `position_ids` (see `visibility`): their sample starts travel with
+the keys and values.
 
 Shapes: q, k, v, out are [batch, heads, local_seq, head_dim] with local_seq = 2 chunks; lse is [batch, heads,
-local_seq].
+local_seq]; position_ids [batch, local_seq]; sinks [heads].
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-
-def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
-    """The two sequence chunks rank `rank` holds (load-balanced for causal attention)."""
-    return rank, 2 * cp - 1 - rank
+from meshkit.parallel.context.visibility import Visibility, block_mask, chunk_ids, chunk_index
 
 
-def _mask_kind(q_chunk: int, kv_chunk: int, causal: bool) -> str | None:
-    """'full', 'causal' (the diagonal block) or None (entirely in the future: skipped)."""
-    if not causal or kv_chunk < q_chunk:
-        return "full"
-    return "causal" if kv_chunk == q_chunk else None
+@dataclass
+class _Block:
+    """One rank's keys and values ([2, batch, heads, local_seq, head_dim]), with their packed-sample starts."""
+
+    kv: torch.Tensor
+    starts: torch.Tensor | None
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, kind: str, scale: float) -> torch.Tensor:
-    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # [batch, heads, n, m]
-    if kind == "causal":
-        n, m = scores.shape[-2:]
-        future = torch.ones(n, m, dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return scores
-
-
-class _Ring:
-    """Send to the next rank of the cp group, receive from the previous one (async)."""
+class _Exchange:
+    """Direct sends between the ranks of the cp group: to the rank `offset` after, from the one `offset` before."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def start(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[dist.Work]]:
-        received = torch.empty_like(tensor)
-        ops = [
-            dist.P2POp(dist.isend, tensor.contiguous(), self.next, self.group),
-            dist.P2POp(dist.irecv, received, self.prev, self.group),
-        ]
+    def _peer(self, offset: int) -> int:
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+
+    def start(self, tensors: list[torch.Tensor], offset: int) -> tuple[list[torch.Tensor], list[dist.Work]]:
+        """Send `tensors` `offset` ranks ahead; receive the same shapes from `offset` ranks behind (async)."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = []
+        for tensor, into in zip(tensors, received, strict=True):
+            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), self._peer(offset), self.group))
+            ops.append(dist.P2POp(dist.irecv, into, self._peer(-offset), self.group))
         return received, dist.batch_isend_irecv(ops)
 
+    def send_block(self, block: _Block, offset: int) -> tuple[list[torch.Tensor], list[dist.Work]]:
+        return self.start([block.kv] if block.starts is None else [block.kv, block.starts], offset)
+
     @staticmethod
-    def finish(works: list[dist.Work]) -> None:
+    def finish(pending: tuple[list[torch.Tensor], list[dist.Work]]) -> list[torch.Tensor]:
+        received, works = pending
         for work in works:
             work.wait()
+        return received
+
+
+def _as_block(tensors: list[torch.Tensor]) -> _Block:
+    return _Block(tensors[0], tensors[1] if len(tensors) > 1 else None)
+
+
+def _local_index(rank: int, cp: int, half: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(chunk_index(chunk, half, device) for chunk in chunk_ids(rank, cp))  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    """Block scores: q·kᵀ · scale, soft-capped (cap · tanh(s / cap), Gemma-2) when `softcap` is set, masked."""
+
+    scale: float
+    softcap: float | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * self.scale  # [batch, heads, n, m]
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+    def raw_gradient(self, d_scores: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The gradient of q·kᵀ · scale from the gradient of the (capped) scores."""
+        if not self.softcap:
+            return d_scores
+        capped = torch.nan_to_num(scores / self.softcap, nan=0.0, posinf=0.0, neginf=0.0)  # masked: no gradient
+        return d_scores * (1 - capped * capped)
+
+
+def _blocks(
+    q_starts: torch.Tensor | None, block: _Block, rank: int, offset: int, cp: int, half: int, visibility: Visibility
+) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+    """(query part a, key part b, mask) of every pair of this rank's query chunks and the block's chunks that
+    shares at least one seen (query, key)."""
+    device = block.kv.device
+    q_index = _local_index(rank, cp, half, device)
+    k_index = _local_index((rank - offset) % cp, cp, half, device)
+    for a in range(2):
+        for b in range(2):
+            mask = block_mask(
+                visibility,
+                q_index[a],
+                k_index[b],
+                None if q_starts is None else q_starts[:, a * half : (a + 1) * half],
+                None if block.starts is None else block.starts[:, b * half : (b + 1) * half],
+            )
+            if mask is not False:
+                yield a, b, mask
+
+
+def _sample_starts(position_ids: torch.Tensor | None, rank: int, cp: int, half: int) -> torch.Tensor | None:
+    """Global index − position of each local token: equal within a packed sample (None: no positions given)."""
+    if position_ids is None:
+        return None
+    index = torch.cat(_local_index(rank, cp, half, position_ids.device))
+    return index[None, :] - position_ids.to(index.dtype)
 
 
 def ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    visibility: Visibility,
+    scoring: _Scoring,
+    starts: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ring = _Ring(group)
-    half = q.shape[2] // 2
-    q_ids = chunk_ids(ring.rank, ring.size)
+    exchange = _Exchange(group)
+    rank, cp, half = exchange.rank, exchange.size, q.shape[2] // 2
     q_parts = (q[:, :, :half], q[:, :, half:])
     outs = [torch.zeros_like(part, dtype=torch.float32) for part in q_parts]
     lses = [torch.full(part.shape[:-1], float("-inf"), device=q.device) for part in q_parts]
-    kv = torch.stack((k, v))  # [2, batch, heads, local_seq, head_dim]
-    for step in range(ring.size):
-        pending = ring.start(kv) if step < ring.size - 1 else None  # next block arrives during this compute
-        kv_ids = chunk_ids((ring.rank - step) % ring.size, ring.size)
-        for a, q_part in enumerate(q_parts):
-            for b, kv_chunk in enumerate(kv_ids):
-                kind = _mask_kind(q_ids[a], kv_chunk, causal)
-                if kind is None:
-                    continue
-                scores = _scores(q_part, kv[0][:, :, b * half : (b + 1) * half], kind, scale)
-                block_lse = torch.logsumexp(scores, dim=-1)
-                block_out = torch.matmul(
-                    torch.exp(scores - block_lse[..., None]), kv[1][:, :, b * half : (b + 1) * half].float()
-                )
-                merged = torch.logaddexp(lses[a], block_lse)  # online softmax: rescale both parts to the new total
-                outs[a] = (
-                    outs[a] * torch.exp(lses[a] - merged)[..., None]
-                    + block_out * torch.exp(block_lse - merged)[..., None]
-                )
-                lses[a] = merged
-        if pending is not None:
-            kv, works = pending
-            ring.finish(works)
-    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+    own = _Block(torch.stack((k, v)), starts)
+    offsets = visibility.offsets(cp, half)
+    pending = exchange.send_block(own, offsets[1]) if len(offsets) > 1 else None
+    for step, offset in enumerate(offsets):
+        block = own
+        if offset:
+            block = _as_block(exchange.finish(pending))  # type: ignore[arg-type]
+            pending = exchange.send_block(own, offsets[step + 1]) if step + 1 < len(offsets) else None
+        for a, b, mask in _blocks(starts, block, rank, offset, cp, half, visibility):
+            cols = slice(b * half, (b + 1) * half)
+            scores = scoring(q_parts[a], block.kv[0][:, :, cols], mask)
+            block_lse = torch.logsumexp(scores, dim=-1)
+            weights = torch.exp(scores - block_lse[..., None]).nan_to_num(0.0)  # a row seeing nothing: 0
+            block_out = torch.matmul(weights, block.kv[1][:, :, cols].float())
+            merged = torch.logaddexp(lses[a], block_lse)  # online softmax: rescale both parts to the new total
+            keep_old = torch.exp(lses[a] - merged).nan_to_num(0.0)
+            keep_new = torch.exp(block_lse - merged).nan_to_num(0.0)
+            outs[a] = outs[a] * keep_old[..., None] + block_out * keep_new[..., None]
+            lses[a] = merged
+    out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    if sinks is not None:  # the sink's share of the softmax takes mass from every key, adds no value
+        total = torch.logaddexp(lse, sinks.float()[None, :, None])
+        out, lse = out * torch.exp(lse - total)[..., None], total
+    return out.to(q.dtype), lse
 
 
 def ring_backward(
@@ -107,55 +175,67 @@ def ring_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     group: dist.ProcessGroup,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ring = _Ring(group)
-    half = q.shape[2] // 2
-    q_ids = chunk_ids(ring.rank, ring.size)
+    visibility: Visibility,
+    scoring: _Scoring,
+    starts: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    exchange = _Exchange(group)
+    rank, cp, half = exchange.rank, exchange.size, q.shape[2] // 2
     grad_q = torch.zeros_like(q, dtype=torch.float32)
     delta = (grad_out.float() * out.float()).sum(dim=-1)  # [batch, heads, local_seq]: rowsum(dO ∘ O)
-    kv = torch.stack((k, v))
-    grad_kv = torch.zeros_like(kv, dtype=torch.float32)  # travels with the block back to its owner
-    for step in range(ring.size):
-        pending = ring.start(kv) if step < ring.size - 1 else None
-        kv_ids = chunk_ids((ring.rank - step) % ring.size, ring.size)
-        for a in range(2):
-            rows = slice(a * half, (a + 1) * half)
-            for b, kv_chunk in enumerate(kv_ids):
-                kind = _mask_kind(q_ids[a], kv_chunk, causal)
-                if kind is None:
-                    continue
-                cols = slice(b * half, (b + 1) * half)
-                k_block, v_block = kv[0][:, :, cols].float(), kv[1][:, :, cols].float()
-                probs = torch.exp(_scores(q[:, :, rows], k_block, kind, scale) - lse[:, :, rows, None])
-                d_out = grad_out[:, :, rows].float()
-                grad_kv[1][:, :, cols] += torch.matmul(probs.transpose(-2, -1), d_out)
-                d_scores = probs * (torch.matmul(d_out, v_block.transpose(-2, -1)) - delta[:, :, rows, None])
-                grad_q[:, :, rows] += torch.matmul(d_scores, k_block) * scale
-                grad_kv[0][:, :, cols] += torch.matmul(d_scores.transpose(-2, -1), q[:, :, rows].float()) * scale
-        # This block's gradient moves on with it; the one for the next block arrives from the previous rank.
-        grad_kv, works = ring.start(grad_kv)
-        ring.finish(works)
-        if pending is not None:
-            kv, works = pending
-            ring.finish(works)
-    return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype)
+    own = _Block(torch.stack((k, v)), starts)
+    grad_own = torch.zeros_like(own.kv, dtype=torch.float32)
+    offsets = visibility.offsets(cp, half)
+    pending = exchange.send_block(own, offsets[1]) if len(offsets) > 1 else None
+    returning = None  # the previous block's gradient on its way back to its owner
+    for step, offset in enumerate(offsets):
+        block = own
+        if offset:
+            block = _as_block(exchange.finish(pending))  # type: ignore[arg-type]
+            pending = exchange.send_block(own, offsets[step + 1]) if step + 1 < len(offsets) else None
+        grad_block = torch.zeros_like(block.kv, dtype=torch.float32)
+        for a, b, mask in _blocks(starts, block, rank, offset, cp, half, visibility):
+            rows, cols = slice(a * half, (a + 1) * half), slice(b * half, (b + 1) * half)
+            k_block, v_block = block.kv[0][:, :, cols].float(), block.kv[1][:, :, cols].float()
+            scores = scoring(q[:, :, rows], k_block, mask)
+            probs = torch.exp(scores - lse[:, :, rows, None])
+            d_out = grad_out[:, :, rows].float()
+            grad_block[1][:, :, cols] += torch.matmul(probs.transpose(-2, -1), d_out)
+            d_scores = probs * (torch.matmul(d_out, v_block.transpose(-2, -1)) - delta[:, :, rows, None])
+            d_scores = scoring.raw_gradient(d_scores, scores) * scoring.scale
+            grad_q[:, :, rows] += torch.matmul(d_scores, k_block)
+            grad_block[0][:, :, cols] += torch.matmul(d_scores.transpose(-2, -1), q[:, :, rows].float())
+        if returning is not None:
+            grad_own += exchange.finish(returning)[0]
+            returning = None
+        if offset:  # back to the rank `offset` before; this rank's own gradient comes from `offset` after
+            returning = exchange.start([grad_block], -offset)
+        else:
+            grad_own += grad_block
+    if returning is not None:
+        grad_own += exchange.finish(returning)[0]
+    grad_sinks = None
+    if sinks is not None:  # d lse / d sink is the sink's probability; d out / d sink = −p_sink · out
+        grad_sinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum(dim=(0, 2)).to(sinks.dtype)
+    return grad_q.to(q.dtype), grad_own[0].to(k.dtype), grad_own[1].to(v.dtype), grad_sinks
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):  # type: ignore[override]
-        out, lse = ring_forward(q, k, v, group, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+    def forward(ctx, q, k, v, sinks, starts, group, visibility, scoring):  # type: ignore[override]
+        out, lse = ring_forward(q, k, v, group, visibility, scoring, starts, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, starts, sinks)
+        ctx.group, ctx.visibility, ctx.scoring = group, visibility, scoring
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = ring_backward(grad_out, q, k, v, out, lse, ctx.group, ctx.causal, ctx.scale)
-        return (*grads, None, None, None)
+        q, k, v, out, lse, starts, sinks = ctx.saved_tensors
+        grad_q, grad_k, grad_v, grad_sinks = ring_backward(
+            grad_out, q, k, v, out, lse, ctx.group, ctx.visibility, ctx.scoring, starts, sinks
+        )
+        return grad_q, grad_k, grad_v, grad_sinks, None, None, None, None
 
 
 def ring_attention(
@@ -165,11 +245,26 @@ def ring_attention(
     group: dist.ProcessGroup,
     causal: bool = True,
     scale: float | None = None,
+    window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of this rank's two query chunks over the whole (ring-distributed) sequence.
+    """Attention of this rank's two query chunks over the whole (distributed) sequence.
 
-    `scale` multiplies the scores (default 1/sqrt(head_dim), as in scaled dot-product attention).
+    `scale` multiplies the scores (default 1/sqrt(head_dim), as in scaled dot-product attention); `window` limits
+    each query to the keys fewer than `window` positions back; `position_ids` [batch, local_seq] (positions
+    restarting at 0 with each packed sample) keep packed samples apart; `sinks` [heads] are attention-sink logits;
+    `softcap` caps the scores at ±softcap with tanh (Gemma-2).
     """
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs an even local sequence (two chunks), got {q.shape[2]}")
-    return RingAttention.apply(q, k, v, group, causal, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be at least 1 position, got {window}")
+    cp, rank, half = dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2
+    starts = _sample_starts(position_ids, rank, cp, half)
+    if starts is not None:
+        starts = starts.expand(q.shape[0], -1).contiguous()  # a batch of 1 broadcasts over the rows
+    visibility = Visibility(causal=causal, window=window)
+    scoring = _Scoring(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), softcap or None)
+    return RingAttention.apply(q, k, v, sinks, starts, group, visibility, scoring)

@@ -38,12 +38,17 @@ class PipelineRunner:
         self.last_stage_rank = dist.get_global_rank(self.group, owner)
 
     def step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, grad_group: dist.ProcessGroup | None = None
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        grad_group: dist.ProcessGroup | None = None,
+        keywords: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients are left in the parameters' .grad.
 
-        With the default causal-LM loss the returned loss is the mean over every counted token of the step
-        on every rank of `grad_group`."""
+        `keywords` (e.g. packed samples' `position_ids`) go to every stage, split into micro-batches like the
+        inputs. With the default causal-LM loss the returned loss is the mean over every counted token of the
+        step on every rank of `grad_group`."""
         if inputs.shape[0] % self.microbatches:
             raise PipelineError(
                 f"the local batch of {inputs.shape[0]} does not split into pipeline.microbatches={self.microbatches}"
@@ -57,7 +62,7 @@ class PipelineRunner:
             ranks = collectives.group_size(grad_group)
             tokens = collectives.reduce((targets != IGNORE_INDEX).sum(), grad_group, op="sum")
             self.loss_fn.scale = self.microbatches * ranks / max(float(tokens), 1.0)
-        self.schedule.step(*args, **kwargs)
+        self.schedule.step(*args, **kwargs, **(keywords or {}))
         local = [(x.full_tensor() if isinstance(x, DTensor) else x).detach().float() for x in losses]
         loss = torch.stack(local).mean() if local else torch.zeros((), device=inputs.device)
         dist.broadcast(loss, src=self.last_stage_rank, group=self.group)  # the step's loss on every rank
@@ -65,7 +70,9 @@ class PipelineRunner:
             loss = collectives.reduce(loss, grad_group, op="mean")
         return loss
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def evaluate(
+        self, inputs: torch.Tensor, targets: torch.Tensor, keywords: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Forward only: the summed micro-batch losses (token sums for the causal-LM loss), on every rank."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.model.has_first_stage else ()
@@ -74,7 +81,7 @@ class PipelineRunner:
         if scale is not None:
             self.loss_fn.scale = 1.0
         try:
-            self.schedule.eval(*args, **kwargs)
+            self.schedule.eval(*args, **kwargs, **(keywords or {}))
         finally:
             if scale is not None:
                 self.loss_fn.scale = scale
