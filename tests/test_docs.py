@@ -43,6 +43,19 @@ def test_every_readme_link_lands_on_a_page_and_heading() -> None:
             assert anchor in heading_anchors(target.read_text()), f"README links to {page}#{anchor}: no such heading"
 
 
+def site_home(readme: str) -> str:
+    """docs/index.md: the README with its links made relative to docs/."""
+    home = readme.replace("](docs/", "](").replace("from [docs/](index.md)", "from `docs/`")
+    return home.replace("](BENCHMARKS.md)", "](benchmarks.md)")
+
+
+def test_the_site_home_is_the_readme() -> None:
+    assert (DOCS / "index.md").read_text() == site_home(README), (
+        "docs/index.md drifted from README.md: python -c 'from tests.test_docs import site_home, README; "
+        'open("docs/index.md", "w").write(site_home(README))\''
+    )
+
+
 def test_every_config_key_is_in_the_configuration_page() -> None:
     page = (DOCS / "configuration.md").read_text()
     missing = [key for key in leaf_keys() if f"`{key}`" not in page]

@@ -38,6 +38,9 @@ class AttentionFacts:
     # and that key's width; the layers before the per-head ones stay whole, their gradients whole on every tp rank
     latent: str | None = None
     rotary_width: int = 0
+    # norms over a whole projection's output, all heads at once (OLMo-2's q_norm/k_norm; Qwen3's norm each head
+    # alone and are not listed): under tp they are split with the heads and take their statistics over tp
+    projection_norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+import torch
 from torch import nn
 
 from meshkit.models.blocks import block_units, find_blocks
@@ -69,6 +70,22 @@ def _config_int(config: Any, *names: str) -> int | None:
     return None
 
 
+def _projection_norms(attention: nn.Module, heads: int | None, kv_heads: int | None, head_dim: int | None) -> tuple:
+    """Children of `attention` that normalise a whole projection output (a 1-D weight as wide as all query or
+    all key/value heads, wider than one head): OLMo-2's q_norm and k_norm."""
+    if None in (heads, kv_heads, head_dim):
+        return ()
+    widths = {heads * head_dim, kv_heads * head_dim} - {head_dim}  # type: ignore[operator]
+    return tuple(
+        name
+        for name, child in attention.named_children()
+        if not isinstance(child, nn.Linear)
+        and isinstance(weight := getattr(child, "weight", None), torch.Tensor)
+        and weight.dim() == 1
+        and weight.numel() in widths
+    )
+
+
 def _attention(config: Any, blocks_path: str, blocks: nn.Module) -> tuple[AttentionFacts, ...]:
 
     heads = _config_int(config, "num_attention_heads", "n_head")
@@ -90,7 +107,8 @@ def _attention(config: Any, blocks_path: str, blocks: nn.Module) -> tuple[Attent
                  if rotary and getattr(sub, "out_features", None) == latent_width),
                 None,
             )  # fmt: skip
-            found.append(AttentionFacts(path, own_heads, own_kv, own_dim, latent, rotary if latent else 0))
+            norms = _projection_norms(module, own_heads, own_kv, own_dim)
+            found.append(AttentionFacts(path, own_heads, own_kv, own_dim, latent, rotary if latent else 0, norms))
     return tuple(found)
 
 

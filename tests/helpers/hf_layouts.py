@@ -176,6 +176,9 @@ GROUPS = {
     },
     # fused layers split by their parts: Phi-3's q/k/v (unequal under GQA) and gate/up, GLM-4's gate/up
     "phi3-glm4": {"phi3": [*MATRIX, "tp2_cp2"], "glm4": list(MATRIX)},
+    # families described by nothing but their shapes: no adapter entry (OLMo-2 normalises a whole projection,
+    # split with its heads under tp; StableLM: partial rotary, LayerNorm, q/k/v biases; Granite: its multipliers)
+    "olmo2-stablelm-granite": {"olmo2": list(MATRIX), "stablelm": list(MATRIX), "granite": list(MATRIX)},
 }
 TESTED = {family: layouts for group in GROUPS.values() for family, layouts in group.items()}
 # (family, layout) -> the words of meshkit's one-line refusal; every other cell must match the reference

@@ -11,7 +11,21 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, POSITIONS = 64, 32, 4, 2, 4, 64
 WINDOW = 6  # sliding window of the families that have one (gemma2 and gemma3 alternate windowed and full layers)
 WINDOWED = ("mistral", "gemma2", "gemma3")
-FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "glm4")
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "gpt2",
+    "mistral",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "glm4",
+    "olmo2",
+    "stablelm",
+    "granite",
+)
 
 
 def config(family: str, **overrides: Any) -> Any:
@@ -40,6 +54,9 @@ def config(family: str, **overrides: Any) -> Any:
         "gemma3": "Gemma3TextConfig",
         "phi3": "Phi3Config",
         "glm4": "Glm4Config",  # a fused gate/up like Phi-3's, with q/k/v apart
+        "olmo2": "Olmo2Config",
+        "stablelm": "StableLmConfig",
+        "granite": "GraniteConfig",
     }
     settings = dict(
         vocab_size=VOCAB,

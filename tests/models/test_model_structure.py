@@ -44,6 +44,14 @@ def test_transformers_models_are_described_from_their_structure_and_config(famil
     assert dict(structure.training_inputs) == {"use_cache": False}  # no cache in training: packed rows stay apart
 
 
+def test_norms_over_a_whole_projection_are_told_from_per_head_norms() -> None:
+    """OLMo-2 normalises all query (key) heads at once: under tp its norm is split with them. Qwen3's norm each
+    head alone and stay whole."""
+    olmo2, qwen3 = describe(causal_lm("olmo2")), describe(causal_lm("qwen3"))
+    assert {facts.projection_norms for facts in olmo2.attention} == {("q_norm", "k_norm")}
+    assert {facts.projection_norms for facts in qwen3.attention} == {()}
+
+
 def test_chunked_attention_is_the_one_context_parallel_refusal() -> None:
     settings = dict(vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)  # fmt: skip

@@ -39,6 +39,7 @@ from meshkit.parallel.tensor.auto import (
 )
 from meshkit.parallel.tensor.latent import sum_shared_rotary_key
 from meshkit.parallel.tensor.lora import split_lora_layers
+from meshkit.parallel.tensor.norms import split_projection_norms
 from meshkit.parallel.tensor.sequence import apply_sequence_parallel, split_regions
 
 
@@ -141,6 +142,7 @@ def apply_tensor_parallel(
             divide_attributes(model.get_submodule(facts.path), tp)
         except AttributeError:  # the block lives on another pipeline stage
             continue
+    split_projection_norms(model, structure.attention, tp_mesh)
     if cfg.sequence_parallel:
         apply_sequence_parallel(model, structure, tp_mesh, set(styles))
     latent = sum_shared_rotary_key(model, structure.attention, tp_mesh.get_group())
