@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/plan_published.py
 	$(BIN)/python bench/plan_vs_measured.py
 	$(BIN)/python bench/moe.py
+	$(BIN)/python bench/ring_window.py
 	$(BIN)/meshkit bench comm --nproc-per-node 2 --out bench/results/comm-w2.json
 	$(BIN)/python bench/report.py
 

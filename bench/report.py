@@ -24,7 +24,7 @@ import torch
 if __package__ in (None, ""):  # run as `python bench/report.py`: its sections sit beside it in `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report_compare import against_commit, moe, peak_memory, peers_deepspeed, plan_vs_measured
+from bench.report_compare import against_commit, moe, peak_memory, peers_deepspeed, plan_vs_measured, ring_window
 from bench.report_table import table as _table
 
 
@@ -262,6 +262,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ),
     ("Peak memory per step, world 4", "peak-memory-w4.json", "python bench/peak_memory.py", peak_memory),
     ("Expert parallelism on a mixture of experts, world 4", "moe-w4.json", "python bench/moe.py", moe),
+    ("Ring attention with a sliding window, cp 4", "ring-window-w4.json", "python bench/ring_window.py", ring_window),
     (
         "Step time against the previous commit",
         "against-commit.json",

@@ -1,5 +1,6 @@
 """BENCHMARKS.md sections that compare: a commit with the one before, layouts' memory over a run, expert
-parallel against ZeRO-3, the planner's predictions against measured steps, meshkit against DeepSpeed."""
+parallel against ZeRO-3, the planner's predictions against measured steps, meshkit against DeepSpeed, ring
+attention with a sliding window against full attention."""
 
 from __future__ import annotations
 
@@ -111,4 +112,20 @@ def peers_deepspeed(data: dict[str, Any]) -> str:
         "step = median over the run (slowest rank), ratio = median of the per-round meshkit/DeepSpeed ratios. Peak "
         "rss+ = the largest rank's peak resident memory over its start; held = live tensor bytes after the last step."
         "\n\n" + _table(header, rows)
+    )
+
+
+def ring_window(data: dict[str, Any]) -> str:
+    rows = [
+        ["full" if row["window"] is None else str(row["window"]), f"{row['median_s'] * 1e3:.0f} ms",
+         f"{row['time_ratio_vs_full']:.2f}", f"{row['sent_mb']:.1f}", f"{row['sent_ratio_vs_full']:.2f}"]
+        for row in data["rows"]
+    ]  # fmt: skip
+    shape = data["shape"]
+    return (
+        f"cp {data['nproc']}, one sequence of {shape['seq']} tokens ({shape['chunk']} per chunk, 2 chunks per rank), "
+        f"{shape['heads']} heads of {shape['head_dim']}, fp32; `ring_attention` forward + backward, median of "
+        f"{data['repeats']} (slowest rank). Sent = bytes a rank's sends put on the wire per call (keys and values "
+        "out, their gradients back). A window no wider than a chunk needs only the neighbouring ranks' blocks.\n\n"
+        + _table(["window", "fwd + bwd", "vs full", "sent MB", "vs full"], rows)
     )
