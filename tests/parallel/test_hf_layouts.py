@@ -17,6 +17,7 @@ from tests.helpers.hf_layouts import GROUPS, REFUSED, reference_of, render_matri
 from tests.helpers.training import assert_close_relative, assert_state_close
 
 ANY_MODEL_PAGE = Path(__file__).resolve().parents[2] / "docs" / "any-model.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -37,8 +38,9 @@ def test_every_layout_trains_like_one_process(group: str) -> None:
                 assert_state_close(got["state"], state, 1e-5)
 
 
-def test_the_support_matrix_page_is_the_tested_one() -> None:
-    assert render_matrix() in ANY_MODEL_PAGE.read_text(), (
-        "regenerate the matrix in docs/any-model.md: "
+@pytest.mark.parametrize("page", [ANY_MODEL_PAGE, README])
+def test_the_support_matrix_shown_is_the_tested_one(page: Path) -> None:
+    assert render_matrix() in page.read_text(), (
+        f"regenerate the matrix in {page.name}: "
         "python -c 'from tests.helpers.hf_layouts import render_matrix; print(render_matrix())'"
     )
