@@ -17,6 +17,7 @@ from meshkit.engine.prepared import EngineError
 from meshkit.models.adapters import lora_merges
 from meshkit.parallel.compose import parallelize, unwrap
 from meshkit.parallel.dataparallel import bare_module
+from meshkit.parallel.pipeline.router_balance import PipelineBalancing
 from meshkit.parallel.pipeline.schedule import PipelineRunner
 from meshkit.parallel.pipeline.stages import PipelineModel
 from meshkit.parallel.pipeline.tied import TiedAcrossStages
@@ -78,9 +79,8 @@ class Preparation(EngineComponent):
         objects.causal_lm = done.structure is not None and done.structure.causal_lm  # HF batches get the LM loss
         objects.training_inputs = dict(done.structure.training_inputs) if done.structure else {}
         if done.structure is not None:
-            structure, pp = done.structure, ctx.mesh.size("pp")
-            mode = ctx.config.moe.router_aux_loss
-            loss = balancing_loss(structure.router_loss, structure.moe, mode, pp)
+            structure = done.structure
+            loss = balancing_loss(structure.router_loss, structure.moe, ctx.config.moe.router_aux_loss)
             cp = ctx.mesh.group("cp") if ctx.mesh.size("cp") > 1 else None
             objects.balancing = (loss, balancing_group(loss, ctx.placement.grad_group, cp) if loss else None)
         if done.notice:
@@ -102,6 +102,11 @@ class Preparation(EngineComponent):
             if loss_fn is None and done.structure is not None and done.structure.causal_lm:
                 loss_fn = CausalLMLoss()  # HF batches with labels: the token-mean next-token loss
             objects.pipeline = PipelineRunner(done.model, ctx.mesh, ctx.config.pipeline, loss_fn)
+            balancing, group = objects.balancing
+            if balancing is not None and done.structure is not None:  # (each stage adds its MoE layers' terms)
+                runner, chunks = objects.pipeline, [unwrap(chunk) for chunk in done.model.chunks]
+                stages = PipelineBalancing(balancing, chunks, done.structure.moe, runner.microbatches)
+                runner.add_balancing(stages, group)
             if done.structure is not None and done.structure.tied:
                 tied = TiedAcrossStages(done.model, done.structure, ctx.mesh)
                 gradients.model_reducers.append(tied)

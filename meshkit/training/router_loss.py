@@ -83,7 +83,7 @@ class BalancingLoss:
         return self.coefficient * share * all_count
 
 
-def balancing_loss(router_loss: Any, moe: tuple[Any, ...], mode: str, pipeline_stages: int) -> BalancingLoss | None:
+def balancing_loss(router_loss: Any, moe: tuple[Any, ...], mode: str) -> BalancingLoss | None:
     """The balancing loss train_step adds for a model the structure layer described (`router_loss`, `moe`)."""
     if router_loss is None or not router_loss.enabled or not router_loss.coefficient or not moe:
         return None
@@ -92,11 +92,6 @@ def balancing_loss(router_loss: Any, moe: tuple[Any, ...], mode: str, pipeline_s
         raise RouterLossError(
             f"the router's balancing loss needs the experts per token of {moe[0].path}: set num_experts_per_tok "
             "in the model config"
-        )
-    if pipeline_stages > 1:
-        raise RouterLossError(
-            "the router's balancing loss under pp: the last stage does not see the other stages' router logits; "
-            "set output_router_logits=false in the model config, or pp=1"
         )
     return BalancingLoss(router_loss.coefficient, moe[0].experts, top_k, mode == "global_batch")
 

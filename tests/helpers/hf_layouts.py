@@ -47,6 +47,17 @@ LAYOUTS = {
     "ep2_zero3_global_aux": {"ep": 2, "zero_stage": 3, "router_aux_loss": "global_batch"},
     "ep2_tp2_global_aux": {"ep": 2, "tp": 2, "router_aux_loss": "global_batch"},
     "ep2_cp2_global_aux": {"ep": 2, "cp": 2, "router_aux_loss": "global_batch"},
+    "pp2_global_aux": {"pp": 2, "schedule": "1f1b", "router_aux_loss": "global_batch"},
+    "ep2_pp2_global_aux": {"ep": 2, "pp": 2, "schedule": "1f1b", "router_aux_loss": "global_batch"},
+    "tp2_sp_global_aux": {"tp": 2, "sequence_parallel": True, "router_aux_loss": "global_batch"},
+    "pp2_gpipe_global_aux": {"pp": 2, "schedule": "gpipe", "router_aux_loss": "global_batch"},
+    "pp2_recompute_global_aux": {
+        "pp": 2,
+        "schedule": "1f1b",
+        "router_aux_loss": "global_batch",
+        "activation_checkpointing": {"mode": "full"},
+    },
+    "pp2_cp2_global_aux": {"pp": 2, "cp": 2, "schedule": "1f1b", "router_aux_loss": "global_batch"},
     # packed rows: several samples per row, kept apart by position_ids restarting at 0 (sample_packing)
     "ddp4_packed": {"packed": True},  # train_step builds no cache, so the model keeps the samples apart itself
     "cp2_packed": {"cp": 2, "packed": True},
@@ -55,6 +66,7 @@ LAYOUTS = {
     "zero3_cp2_packed": {"cp": 2, "zero_stage": 3, "packed": True},
     "ddp4_aux": {},  # per micro-batch: each rank's own (differs from one process)
     "cp2_aux": {"cp": 2},  # per micro-batch: a micro-batch's sequences are chunked over 2 cp ranks
+    "pp2_aux": {"pp": 2, "schedule": "1f1b"},  # per pipeline micro-batch
 }
 MATRIX = ("tp2", "tp2_sp", "cp2", "pp2_1f1b", "pp2_tp2", "fsdp2_tp2", "zero3_cp2")
 

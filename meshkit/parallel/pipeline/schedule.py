@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from meshkit.config.layout import check_pipeline
 from meshkit.config.schema import PipelineConfig
+from meshkit.parallel.pipeline.router_balance import PipelineBalancing
 from meshkit.parallel.pipeline.stages import SINGLE_STAGE, PipelineError, PipelineModel, schedule_class, stage_ids
 from meshkit.runtime import collectives
 from meshkit.runtime.mesh import ParallelMesh
@@ -36,6 +37,26 @@ class PipelineRunner:
         self.schedule = schedule_class(cfg.schedule)(stage_arg, n_microbatches=self.microbatches, loss_fn=loss_fn)
         owner = next(r for r in range(pp) if model.stages - 1 in stage_ids(r, pp, len(model.stage_list), cfg.schedule))
         self.last_stage_rank = dist.get_global_rank(self.group, owner)
+        self.balancing: PipelineBalancing | None = None  # the router's balancing loss of an MoE model
+        self.balancing_group: dist.ProcessGroup | None = None
+
+    def add_balancing(self, balancing: PipelineBalancing, group: dist.ProcessGroup | None) -> None:
+        """Add the router's balancing loss to every step, its statistics taken over `group` (None: this rank)."""
+        if not isinstance(self.loss_fn, CausalLMLoss):
+            raise PipelineError(
+                "the router's balancing loss under pp joins meshkit's causal-LM loss: drop loss_fn, or set "
+                "output_router_logits=false in the model config"
+            )
+        balancing.track(self.stages)
+        self.balancing, self.balancing_group = balancing, group
+
+    def _balancing_term(self, args: tuple[Any, ...], kwargs: dict[str, Any], targets: torch.Tensor) -> torch.Tensor:
+        """Count the step's routing in a forward-only pass; returns this rank's term for the step."""
+        assert self.balancing is not None
+        forward_only = {**kwargs, "losses": []} if self.model.has_last_stage else kwargs
+        self.balancing.count(lambda: self.schedule.eval(*args, **forward_only), targets.device)
+        counted = (targets != IGNORE_INDEX).reshape(self.microbatches, -1).sum(1)
+        return self.balancing.prepare_terms(counted, self.loss_fn.scale, self.group, self.balancing_group)
 
     def step(
         self,
@@ -62,10 +83,15 @@ class PipelineRunner:
             ranks = collectives.group_size(grad_group)
             tokens = collectives.reduce((targets != IGNORE_INDEX).sum(), grad_group, op="sum")
             self.loss_fn.scale = self.microbatches * ranks / max(float(tokens), 1.0)
+        term = None
+        if self.balancing is not None and token_mean:
+            term = self._balancing_term(args, {**kwargs, **(keywords or {})}, targets)
         self.schedule.step(*args, **kwargs, **(keywords or {}))
         local = [(x.full_tensor() if isinstance(x, DTensor) else x).detach().float() for x in losses]
         loss = torch.stack(local).mean() if local else torch.zeros((), device=inputs.device)
         dist.broadcast(loss, src=self.last_stage_rank, group=self.group)  # the step's loss on every rank
+        if term is not None:  # (the mean over micro-batches, as the token loss)
+            loss = loss + term.to(loss) / self.microbatches
         if token_mean:
             loss = collectives.reduce(loss, grad_group, op="mean")
         return loss
