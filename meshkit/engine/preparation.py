@@ -4,6 +4,7 @@ sharded, every loader split over the data-parallel ranks; what each produced is 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -79,10 +80,13 @@ class Preparation(EngineComponent):
         objects.causal_lm = done.structure is not None and done.structure.causal_lm  # HF batches get the LM loss
         objects.training_inputs = dict(done.structure.training_inputs) if done.structure else {}
         if done.structure is not None:
-            structure = done.structure
+            structure, tp = done.structure, ctx.mesh.size("tp")
             loss = balancing_loss(structure.router_loss, structure.moe, ctx.config.moe.router_aux_loss)
-            cp = ctx.mesh.group("cp") if ctx.mesh.size("cp") > 1 else None
-            objects.balancing = (loss, balancing_group(loss, ctx.placement.grad_group, cp) if loss else None)
+            if loss is not None and tp > 1 and ctx.config.tensor_parallel.sequence_parallel:
+                loss = replace(
+                    loss, sequence_shards=tp, shard=ctx.mesh.coordinate("tp"), shard_group=ctx.mesh.group("tp")
+                )
+            objects.balancing = (loss, balancing_group(loss, ctx.mesh, ctx.placement.grad_group) if loss else None)
         if done.notice:
             print_once_per_node(ctx.info, done.notice)
         objects.checkpointed.extend(done.checkpointed)

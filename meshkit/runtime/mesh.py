@@ -109,6 +109,7 @@ class ParallelMesh:
             if replicas > 1
             else shard_cp
         )
+        self._flattened: dict[tuple[str, ...], DeviceMesh] = {}
         self.expert_mesh: DeviceMesh | None = None
         if dims.ep > 1:
             # Expert parallel splits the dp × cp ranks (flattened in mesh order) into edp groups of ep ranks that
@@ -149,6 +150,18 @@ class ParallelMesh:
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.device_mesh.get_group(dim)
+
+    def flat_group(self, dims: tuple[str, ...]) -> dist.ProcessGroup | None:
+        """The ranks that differ only along `dims` (in mesh order), as one group; None when that is this rank
+        alone. The first call for some `dims` creates the group: every rank makes it at the same point."""
+        dims = tuple(dim for dim in PARALLEL_DIMS if dim in dims and self.size(dim) > 1)
+        if not dims:
+            return None
+        if len(dims) == 1:
+            return self.group(dims[0])
+        if dims not in self._flattened:
+            self._flattened[dims] = self.device_mesh[dims]._flatten("_".join(dims))
+        return self._flattened[dims].get_group()
 
     # data parallel (replicas and shards together)
     @property

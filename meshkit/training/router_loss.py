@@ -44,6 +44,12 @@ class BalancingLoss:
     experts: int
     top_k: int
     over_global_batch: bool
+    # under sequence parallel each tp rank's routers see one of `sequence_shards` contiguous parts of every
+    # sequence (this rank's: `shard`; the tp ranks: `shard_group`), while the token loss counts the same tokens
+    # on all of them
+    sequence_shards: int = 1
+    shard: int = 0
+    shard_group: Any = None
 
     def statistics(
         self, router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor | None
@@ -53,6 +59,8 @@ class BalancingLoss:
         probabilities = F.softmax(logits, dim=-1)
         _, chosen = torch.topk(probabilities, self.top_k, dim=-1)
         choices = F.one_hot(chosen, self.experts).to(probabilities.dtype)
+        if mask is not None and self.sequence_shards > 1:
+            mask = mask.chunk(self.sequence_shards, dim=1)[self.shard]
         if mask is None:
             keep = probabilities.new_ones(logits.shape[0])
         else:  # every layer routes the same tokens, in the order of the flattened [batch, seq] mask
@@ -73,14 +81,25 @@ class BalancingLoss:
             fractions = choices / tokens.clamp(min=1)
             loss = self.experts * (fractions * (probabilities / tokens.clamp(min=1))).sum()
             return self.coefficient * loss * count
-        summed = torch.cat((choices.reshape(-1), tokens.reshape(1), count.to(choices.dtype).reshape(1)))
+        share_of_count = count.to(choices.dtype).reshape(1) / self.sequence_shards  # (counted once over tp)
+        summed = torch.cat((choices.reshape(-1), tokens.reshape(1), share_of_count))
         summed = summed.detach().clone()
         dist.all_reduce(summed, group=group)
         all_tokens, all_count = summed[-2].clamp(min=1), summed[-1]
         fractions = summed[:-2].view_as(choices) / all_tokens
         # this rank's share of the group's P, weighted so that Σ over the group = its loss × its token count
         share = self.experts * (fractions * probabilities).sum() / all_tokens
-        return self.coefficient * share * all_count
+        return self.whole_sequence_value(self.coefficient * share * all_count)
+
+    def whole_sequence_value(self, term: torch.Tensor) -> torch.Tensor:
+        """Under sequence parallel: `term` (this rank's part of its sequences' term) with the value of the whole
+        sequences' term, so that the reported loss counts every part; the gradient stays this part's (the tp
+        ranks' gradients of the routers are summed)."""
+        if self.shard_group is None:
+            return term
+        whole = term.detach().clone()
+        dist.all_reduce(whole, group=self.shard_group)
+        return term + (whole - term.detach())
 
 
 def balancing_loss(router_loss: Any, moe: tuple[Any, ...], mode: str) -> BalancingLoss | None:
@@ -96,7 +115,13 @@ def balancing_loss(router_loss: Any, moe: tuple[Any, ...], mode: str) -> Balanci
     return BalancingLoss(router_loss.coefficient, moe[0].experts, top_k, mode == "global_batch")
 
 
-def balancing_group(loss: BalancingLoss, grad_group: Any, cp_group: Any | None) -> Any | None:
-    """The ranks a balancing loss takes its statistics over: every dp × cp rank (global batch); a micro-batch's
-    cp ranks, which hold its sequence in chunks; or this rank alone."""
-    return grad_group if loss.over_global_batch else cp_group
+def balancing_group(loss: BalancingLoss, mesh: Any, grad_group: Any) -> Any | None:
+    """The ranks a balancing loss takes its statistics over: every dp × cp rank (global batch, `grad_group`); a
+    micro-batch's cp ranks, which hold its sequence in chunks; or this rank alone — and under sequence parallel
+    the tp ranks too, whose routers see other parts of the same sequences."""
+    if loss.sequence_shards > 1:
+        dims = ("dp_replicate", "dp_shard", "cp", "tp") if loss.over_global_batch else ("cp", "tp")
+        return mesh.flat_group(dims)
+    if loss.over_global_batch:
+        return grad_group
+    return mesh.group("cp") if mesh.size("cp") > 1 else None

@@ -50,6 +50,14 @@ LAYOUTS = {
     "pp2_global_aux": {"pp": 2, "schedule": "1f1b", "router_aux_loss": "global_batch"},
     "ep2_pp2_global_aux": {"ep": 2, "pp": 2, "schedule": "1f1b", "router_aux_loss": "global_batch"},
     "tp2_sp_global_aux": {"tp": 2, "sequence_parallel": True, "router_aux_loss": "global_batch"},
+    "pp2_tp2_sp_global_aux": {
+        "pp": 2,
+        "tp": 2,
+        "sequence_parallel": True,
+        "schedule": "1f1b",
+        "router_aux_loss": "global_batch",
+    },
+    "tp2_sp_aux": {"tp": 2, "sequence_parallel": True},  # per micro-batch: a micro-batch's sequences over 2 tp ranks
     "pp2_gpipe_global_aux": {"pp": 2, "schedule": "gpipe", "router_aux_loss": "global_batch"},
     "pp2_recompute_global_aux": {
         "pp": 2,

@@ -21,8 +21,10 @@ EXPERT_CELLS = {  # tests/parallel/test_expert_parallel.py
 # the router's balancing loss over the global batch (the "<family>_aux" models), equal to one process
 GLOBAL_AUX = ["ddp4_global_aux", "zero3_4_global_aux", "ep4_global_aux", "ep2_zero3_global_aux",
               "ep2_tp2_global_aux", "ep2_cp2_global_aux", "pp2_global_aux", "ep2_pp2_global_aux"]  # fmt: skip
-# more pipelines with the global balancing loss, on one family: another schedule, recomputation, cp beside pp
-GLOBAL_AUX_MORE = {"mixtral_aux": ["pp2_gpipe_global_aux", "pp2_recompute_global_aux", "pp2_cp2_global_aux"]}
+# more layouts with the global balancing loss, on one family: pipelines (another schedule, recomputation, cp
+# beside pp) and sequence parallel (its routers see parts of the sequences), in a pipeline too
+GLOBAL_AUX_MORE = {"mixtral_aux": ["pp2_gpipe_global_aux", "pp2_recompute_global_aux", "pp2_cp2_global_aux",
+                                   "tp2_sp_global_aux", "pp2_tp2_sp_global_aux"]}  # fmt: skip
 GLOBAL_AUX_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 NO_AUXILIARY_LOSS = ("deepseek_v3",)  # it balances its experts by a router bias
 REFUSED: dict[tuple[str, str], str] = {}  # (family, layout) -> the words of meshkit's one-line refusal

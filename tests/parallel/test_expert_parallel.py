@@ -43,13 +43,13 @@ def test_moe_models_train_like_one_process_under_expert_parallel(family: str) ->
 
 @pytest.mark.parametrize("family", [f"{family}_aux" for family in GLOBAL_AUX_FAMILIES])
 def test_the_global_batch_router_loss_equals_one_process(family: str) -> None:
-    cells = [*GLOBAL_AUX, *GLOBAL_AUX_MORE.get(family, ()), "ddp4_aux", "cp2_aux", "pp2_aux"]
+    cells = [*GLOBAL_AUX, *GLOBAL_AUX_MORE.get(family, ()), "ddp4_aux", "cp2_aux", "tp2_sp_aux", "pp2_aux"]
     results = run_world(run_families, 4, {family: cells}, timeout=400)
     for layout in [*GLOBAL_AUX, *GLOBAL_AUX_MORE.get(family, ())]:
         assert_like_one_process(family, layout, results)
     # per micro-batch (the default): each rank's loss is the model's own on its micro-batch — a quarter of the
     # batch under DDP and under pp 2 × dp 2 (2 pipeline micro-batches of 1 sample on each of 2 data-parallel
-    # ranks); under cp 2 half of it, whose sequences two cp ranks hold in chunks
+    # ranks); under cp 2 (tp 2 + SP) half of it, whose sequences two cp (tp) ranks hold in parts
     model, first = build(family), batches()[0]
     with torch.no_grad():
         quarters = [model(**{k: v[i : i + 1] for k, v in first.items()}).loss.item() for i in range(4)]
@@ -58,6 +58,7 @@ def test_the_global_batch_router_loss_equals_one_process(family: str) -> None:
     got = results[0][family, "ddp4_aux"]["losses"][0]
     assert got == pytest.approx(sum(quarters) / 4, rel=1e-6) and abs(got - whole) > 1e-5
     assert results[0][family, "cp2_aux"]["losses"][0] == pytest.approx(sum(halves) / 2, rel=1e-6)
+    assert results[0][family, "tp2_sp_aux"]["losses"][0] == pytest.approx(sum(halves) / 2, rel=1e-6)
     assert results[0][family, "pp2_aux"]["losses"][0] == pytest.approx(sum(quarters) / 4, rel=1e-6)
 
 

@@ -139,7 +139,8 @@ class PipelineBalancing:
         m = self.microbatches
         routed = torch.cat((self.choices.reshape(m, -1), self.tokens[:, None]), 1)
         dist.all_reduce(routed, group=pp_group)  # every stage's layers (the counted targets are this rank's)
-        packed = torch.cat((routed, counted_targets.to(routed)[:, None]), 1)
+        counted = counted_targets.to(routed)[:, None] / self.loss.sequence_shards  # (counted once over tp)
+        packed = torch.cat((routed, counted), 1)
         if self.loss.over_global_batch:  # one set of statistics for the whole step
             packed = packed.sum(0, keepdim=True).expand(m, -1).contiguous()
         if group is not None:
@@ -152,4 +153,4 @@ class PipelineBalancing:
         )
         value = (self.weights * self.probabilities).sum().reshape(1)
         dist.all_reduce(value, group=pp_group)
-        return value[0]
+        return self.loss.whole_sequence_value(value[0])
