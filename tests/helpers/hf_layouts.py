@@ -44,6 +44,7 @@ LAYOUTS = {
     "ddp4_global_aux": {"router_aux_loss": "global_batch"},
     "zero3_4_global_aux": {"zero_stage": 3, "router_aux_loss": "global_batch"},
     "ep4_global_aux": {"ep": 4, "router_aux_loss": "global_batch"},
+    "ep2_dp2_global_aux": {"ep": 2, "router_aux_loss": "global_batch"},
     "ep2_zero3_global_aux": {"ep": 2, "zero_stage": 3, "router_aux_loss": "global_batch"},
     "ep2_tp2_global_aux": {"ep": 2, "tp": 2, "router_aux_loss": "global_batch"},
     "ep2_cp2_global_aux": {"ep": 2, "cp": 2, "router_aux_loss": "global_batch"},

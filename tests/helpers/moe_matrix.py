@@ -19,7 +19,7 @@ EXPERT_CELLS = {  # tests/parallel/test_expert_parallel.py
     "deepseek_v3_q_lora": ["tp2", "ep2_tp2"],  # its query through a low-rank projection too (as released)
 }
 # the router's balancing loss over the global batch (the "<family>_aux" models), equal to one process
-GLOBAL_AUX = ["ddp4_global_aux", "zero3_4_global_aux", "ep4_global_aux", "ep2_zero3_global_aux",
+GLOBAL_AUX = ["ddp4_global_aux", "zero3_4_global_aux", "ep4_global_aux", "ep2_dp2_global_aux", "ep2_zero3_global_aux",
               "ep2_tp2_global_aux", "ep2_cp2_global_aux", "pp2_global_aux", "ep2_pp2_global_aux"]  # fmt: skip
 # more layouts with the global balancing loss, on one family: pipelines (another schedule, recomputation, cp
 # beside pp) and sequence parallel (its routers see parts of the sequences), in a pipeline too
