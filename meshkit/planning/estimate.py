@@ -51,6 +51,7 @@ class ModelShape:
     experts: int = 0  # routed experts per MoE layer (0: a dense model)
     top_k: int = 0  # experts each token is routed to
     moe_layers: int = 0  # blocks with an expert bank
+    router_loss: bool = False  # the config turns the router's balancing loss on (`output_router_logits`)
 
     def local_params(self, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[float, float]:
         """(dense, expert) parameters one rank holds before ZeRO: tensor parallel splits the dense ones, expert
@@ -157,6 +158,7 @@ def moe_shape(config: dict[str, Any]) -> ModelShape:
         experts=experts,
         top_k=top_k,
         moe_layers=len(moe_layers),
+        router_loss=bool(config.get("output_router_logits")) and float(config.get("router_aux_loss_coef") or 0) > 0,
     )
 
 

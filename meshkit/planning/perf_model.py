@@ -32,7 +32,8 @@ bytes, all-gather / reduce-scatter (n−1)/n, each with n−1 (or 2(n−1)) late
   (ep − 1)/ep leave the rank): dispatch and combine, forward and backward (forward again under full
   recomputation), on the critical path. The busiest ep rank's experts compute `expert_imbalance` × the mean
   (the most tokens one rank's experts receive over the mean; `bench/moe.py` measures it). Expert gradients are
-  reduced over the dp·cp/ep ranks that hold the same experts.
+  reduced over the dp·cp/ep ranks that hold the same experts. The router's balancing loss under pp runs one
+  forward-only pass of the step through the pipeline first (its compute, bubble and all-to-alls).
 """
 
 from __future__ import annotations
@@ -167,6 +168,10 @@ def predict(
     # stages: an idle rank's share goes to a busy one, so only that shorter pipeline's ramp is lost
     devices = max(1.0, pp / hardware.ranks_per_device)
     bubble = (devices - 1) / (v * m) * (compute + recompute) if pp > 1 else 0.0
+    counting = pp > 1 and model.router_loss and model.moe_layers > 0
+    if counting:  # the balancing loss under pp: a forward-only pass of the step counts the routing first
+        recompute += compute / 3
+        bubble += (devices - 1) / (v * m) * compute / 3
     per_micro = (compute + recompute) / m  # one micro-batch's forward + backward on this device
     backward_last = per_micro * 2 / 3
 
@@ -234,7 +239,7 @@ def predict(
         link = links["ep_all_to_all"] = topology.link(layout.tp * layout.ep)
         gbps = hardware.intra_gbps if link == "intra" else hardware.inter_gbps
         latency = hardware.intra_latency_s if link == "intra" else hardware.inter_latency_s
-        calls = 6 if layout.activation_checkpointing == "full" else 4
+        calls = (6 if layout.activation_checkpointing == "full" else 4) + (2 if counting else 0)
         per_layer = volume / (gbps * 1e9) + calls * (layout.ep - 1) * latency
         comm["ep_all_to_all"] = per_layer * model.moe_layers / pp * m
     optimizer_params = (dense / shards + experts / edp) if layout.zero_stage >= 1 else local_params

@@ -8,7 +8,8 @@ import pytest
 
 from meshkit.config.layout import Layout
 from meshkit.planning.estimate import EstimateError, estimate_memory, moe_shape
-from meshkit.planning.perf_model import all_to_all_bytes
+from meshkit.planning.hardware import preset
+from meshkit.planning.perf_model import Topology, all_to_all_bytes, predict
 from meshkit.planning.plan import Cluster, plan, to_config
 
 # a Qwen3-30B-A3B-like config, and a DeepSeek-V3-like one
@@ -55,3 +56,21 @@ def test_the_planner_proposes_ep_where_it_pays() -> None:
     # one node: ZeRO-3's expert gathers hide behind compute, and the all-to-all would not
     small = plan(moe_shape(QWEN3_30B), Cluster(8, 80, 1), seq_len=4096, global_batch=64)
     assert small.fitting[0].layout.ep == 1 and any(lay.layout.ep > 1 for lay in small.fitting)
+
+
+def test_the_balancing_loss_under_pp_costs_one_forward_more() -> None:
+    """Under pp the router's balancing loss counts the routing in a forward-only pass first: a third of the
+    step's compute more, with its bubble; without pp, nothing."""
+    plain, counted = moe_shape(QWEN3_30B), moe_shape({**QWEN3_30B, "output_router_logits": True,
+                                                       "router_aux_loss_coef": 0.001})  # fmt: skip
+    assert counted.router_loss and not plain.router_loss
+    topology, hardware = Topology(8, 1), preset("h100")
+    times = {}
+    for name, shape in (("plain", plain), ("counted", counted)):
+        for pp in (1, 2):
+            layout = Layout(dp_replicate=8 // pp, pp=pp, zero_stage=3 if pp == 1 else 1)
+            times[name, pp] = predict(shape, layout, topology, hardware, seq_len=4096, global_batch=64)
+    assert times["counted", 1].step_s == times["plain", 1].step_s
+    extra = times["counted", 2].recompute_s - times["plain", 2].recompute_s
+    assert extra == pytest.approx(times["plain", 2].compute_s / 3)
+    assert times["counted", 2].bubble_s > times["plain", 2].bubble_s
