@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from meshkit import Engine
-from tests.helpers.hf_layouts import GLOBAL_BATCH, batches, build, make_optimizer
+from tests.helpers.hf_layouts import batches, build, make_optimizer, rank_part, train_steps
 
 
 def _engine(family: str, overrides: dict) -> tuple[Engine, torch.nn.Module]:
@@ -17,21 +17,12 @@ def _engine(family: str, overrides: dict) -> tuple[Engine, torch.nn.Module]:
     return engine, model
 
 
-def _steps(engine: Engine, chosen: list[dict[str, torch.Tensor]]) -> list[float]:
-    local = GLOBAL_BATCH // engine.dp_size
-    losses = []
-    for batch in chosen:
-        part = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batch.items()}
-        losses.append(engine.train_step(part).item())
-    return losses
-
-
 def save_then_resume(rank: int, family: str, first: dict, second: dict, directory: str) -> dict:
     """Two steps in layout `first`, save_state and save_model; two more in layout `second` from the checkpoint."""
     torch.distributed.init_process_group("gloo")
     all_batches = batches()
     engine, _ = _engine(family, first)
-    losses = _steps(engine, all_batches[:2])
+    losses = train_steps(engine, all_batches[:2])
     engine.save_state(Path(directory) / "state")
     engine.save_model(Path(directory) / "export")
     saved = engine.full_state_dict()
@@ -39,7 +30,7 @@ def save_then_resume(rank: int, family: str, first: dict, second: dict, director
     engine, _ = _engine(family, second)
     engine.load_state(Path(directory) / "state")
     resumed = engine.full_state_dict()
-    losses += _steps(engine, all_batches[2:])
+    losses += train_steps(engine, all_batches[2:])
     out = {"losses": losses, "saved": saved, "resumed": resumed, "state": engine.full_state_dict()}
     engine.end()
     torch.distributed.destroy_process_group()
@@ -50,9 +41,7 @@ def grads_after_backward(rank: int, family: str, overrides: dict) -> dict[str, b
     """Which expert-bank parameters hold a gradient after one backward (the plain loop, no optimizer step)."""
     torch.distributed.init_process_group("gloo")
     engine, model = _engine(family, overrides)
-    local = GLOBAL_BATCH // engine.dp_size
-    batch = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batches()[0].items()}
-    engine.backward(model(**batch).loss)
+    engine.backward(model(**rank_part(engine, batches()[0])).loss)
     out = {name: param.grad is not None for name, param in model.named_parameters() if "experts" in name}
     engine.end()
     torch.distributed.destroy_process_group()
@@ -65,10 +54,9 @@ def plain_loop(rank: int, family: str, overrides: dict) -> dict:
     engine = Engine(seed=0, **overrides)
     model = build(family)
     model, optimizer = engine.prepare(model, make_optimizer(model))
-    local = GLOBAL_BATCH // engine.dp_size
     losses = []
     for batch in batches():
-        part = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batch.items()}
+        part = rank_part(engine, batch)
         with engine.accumulate():
             loss = model(**part).loss
             engine.backward(loss)

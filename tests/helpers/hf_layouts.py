@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -155,27 +156,40 @@ def run_families(rank: int, cells: dict[str, list[str]]) -> dict[tuple[str, str]
     out: dict[tuple[str, str], dict] = {}
     for family, layouts in cells.items():
         for name in layouts:
-            out[family, name] = _train(family, LAYOUTS[name])
+            out[family, name] = train_in_layout(family, LAYOUTS[name])
     torch.distributed.destroy_process_group()
     return out
 
 
-def _train(family: str, overrides: dict) -> dict:
+def rank_part(engine: Engine, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's rows of a global batch."""
+    local = GLOBAL_BATCH // engine.dp_size
+    return {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batch.items()}
+
+
+def train_steps(engine: Engine, chosen: list[dict[str, torch.Tensor]]) -> list[float]:
+    """train_step on this rank's part of each global batch; the step losses."""
+    return [engine.train_step(rank_part(engine, batch)).item() for batch in chosen]
+
+
+def train_in_layout(
+    family: str,
+    overrides: dict,
+    builder: Callable[[str], torch.nn.Module] = build,
+    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = make_optimizer,
+) -> dict:
+    """Losses and full weights of `family` (made by `builder`) trained in the layout `overrides` (with
+    "packed": True, on packed rows), or the one-line refusal."""
     overrides = dict(overrides)
     packed = overrides.pop("packed", False)
     engine = Engine(seed=0, **overrides)
-    model = build(family)
+    model = builder(family)
     try:
-        model, _ = engine.prepare(model, make_optimizer(model))
+        model, _ = engine.prepare(model, optimizer(model))
     except Exception as err:  # noqa: BLE001 - a refusal is a result: the test checks its message
         engine.end()
         return {"refused": str(err)}
-    local = GLOBAL_BATCH // engine.dp_size
-    losses = []
-    for batch in batches(packed=packed):
-        part = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batch.items()}
-        losses.append(engine.train_step(part).item())
-    out = {"losses": losses, "state": engine.full_state_dict()}
+    out = {"losses": train_steps(engine, batches(packed=packed)), "state": engine.full_state_dict()}
     engine.end()
     return out
 

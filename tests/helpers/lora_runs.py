@@ -7,8 +7,7 @@ import functools
 
 import torch
 
-from meshkit import Engine
-from tests.helpers.hf_layouts import GLOBAL_BATCH, batches
+from tests.helpers.hf_layouts import batches, train_in_layout
 from tests.helpers.hf_models import causal_lm
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
@@ -47,17 +46,6 @@ def lora_reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def train_adapted(rank: int, family: str, layouts: dict[str, dict]) -> dict[str, dict]:
     torch.distributed.init_process_group("gloo")
-    out = {}
-    for label, overrides in layouts.items():
-        engine = Engine(seed=0, **overrides)
-        model = adapted(family)
-        model, _ = engine.prepare(model, _optimizer(model))
-        local = GLOBAL_BATCH // engine.dp_size
-        losses = []
-        for batch in batches():
-            part = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batch.items()}
-            losses.append(engine.train_step(part).item())
-        out[label] = {"losses": losses, "state": engine.full_state_dict()}
-        engine.end()
+    out = {label: train_in_layout(family, overrides, adapted, _optimizer) for label, overrides in layouts.items()}
     torch.distributed.destroy_process_group()
     return out

@@ -49,9 +49,7 @@ def reference_attention(q, k, v, window, positions, sinks, softcap):  # type: ig
     return torch.softmax(scores, dim=-1)[..., :SEQ] @ v
 
 
-def ring_rank(rank: int, case: dict) -> dict:
-    dist.init_process_group("gloo")
-    cp = dist.get_world_size()
+def ring_case(rank: int, cp: int, case: dict) -> dict:
     q, k, v, grad, sinks = full_inputs()
     q, k, v, grad = (shard_sequence(t, cp, rank, dim=2) for t in (q, k, v, grad))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -69,9 +67,17 @@ def ring_rank(rank: int, case: dict) -> dict:
         softcap=case.get("softcap"),
     )
     out.backward(grad)
-    dist.destroy_process_group()
     result = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     return result if sinks is None else {**result, "dsinks": sinks.grad}
+
+
+def ring_rank(rank: int, cases: dict[str, dict]) -> dict[str, dict]:
+    """Every case in one world (a world per case would spend its time starting processes)."""
+    dist.init_process_group("gloo")
+    cp = dist.get_world_size()
+    out = {name: ring_case(rank, cp, case) for name, case in cases.items()}
+    dist.destroy_process_group()
+    return out
 
 
 CASES = {
@@ -86,30 +92,34 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("case", CASES)
-def test_ring_attention_equals_full_attention(cp: int, case: str) -> None:
-    settings = CASES[case]
+def expected(settings: dict) -> dict[str, torch.Tensor]:
     q, k, v, grad, sinks = full_inputs()
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     sinks = sinks.clone().requires_grad_() if settings.get("sinks") else None
     if settings["causal"]:
         positions = packed_positions() if settings.get("packed") else None
-        expected = reference_attention(q, k, v, settings.get("window"), positions, sinks, settings.get("softcap"))
+        out = reference_attention(q, k, v, settings.get("window"), positions, sinks, settings.get("softcap"))
     else:
-        expected = F.scaled_dot_product_attention(q, k, v)
-    expected.backward(grad)
-    reference = {"out": expected.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    results = run_world(ring_rank, cp, settings, timeout=120)
-    for rank, result in enumerate(results):
-        for name, tensor in result.items():
-            if name == "dsinks":
-                continue
-            local = shard_sequence(reference[name], cp, rank, dim=2)
-            torch.testing.assert_close(tensor, local, rtol=1e-5, atol=1e-5, msg=f"{name} on rank {rank}")
-    if sinks is not None:  # each rank's sink gradient is its queries' share: they sum to the whole
-        total = torch.stack([result["dsinks"] for result in results]).sum(dim=0)
-        torch.testing.assert_close(total, sinks.grad, rtol=1e-5, atol=1e-5)
+        out = F.scaled_dot_product_attention(q, k, v)
+    out.backward(grad)
+    reference = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return reference if sinks is None else {**reference, "dsinks": sinks.grad}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_equals_full_attention(cp: int) -> None:
+    results = run_world(ring_rank, cp, CASES, timeout=120)
+    for case, settings in CASES.items():
+        reference = expected(settings)
+        for rank, by_case in enumerate(results):
+            for name, tensor in by_case[case].items():
+                if name == "dsinks":
+                    continue
+                local = shard_sequence(reference[name], cp, rank, dim=2)
+                torch.testing.assert_close(tensor, local, rtol=1e-5, atol=1e-5, msg=f"{case}: {name} on rank {rank}")
+        if "dsinks" in reference:  # each rank's sink gradient is its queries' share: they sum to the whole
+            total = torch.stack([by_case[case]["dsinks"] for by_case in results]).sum(dim=0)
+            torch.testing.assert_close(total, reference["dsinks"], rtol=1e-5, atol=1e-5, msg=case)
 
 
 def test_a_sliding_window_exchanges_fewer_blocks() -> None:
