@@ -71,6 +71,36 @@ def wrapped_module(module: nn.Module) -> nn.Module:
     return module
 
 
+def parameter_adapters(module: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """The module under peft's LoRA-on-parameter wrappers (`target_parameters`: one wrapper per adapted
+    parameter, nested), and those wrappers by the name of the parameter each adapts."""
+    wrappers = {}
+    while isinstance(getattr(module, "parameter_name", None), str) and wrapped_module(module) is not module:
+        wrappers[module.parameter_name] = module
+        module = module.base_layer
+    return module, wrappers
+
+
+def expert_delta(wrapper: nn.Module, experts: int, first: int, count: int, shape: torch.Size) -> torch.Tensor | None:
+    """The active adapters' update of experts [first, first + count) of the bank parameter `wrapper` adapts, shaped
+    like that parameter's piece (`shape`); None when no adapter is active. peft stacks one rank-r update per
+    expert: A [E·r, in] expert-major, B [out, r·E] expert-minor (`ParamWrapper.get_delta_weight`)."""
+    if getattr(wrapper, "disable_adapters", False) or getattr(wrapper, "merged", False):
+        return None
+    delta = None
+    for adapter in (name for name in wrapper.active_adapters if name in wrapper.lora_A):
+        a = wrapper.lora_A[adapter].weight
+        b = wrapper.lora_B[adapter].weight
+        low_a = a.reshape(experts, -1, a.shape[-1])[first : first + count]  # [e, r, in]
+        low_b = b.reshape(b.shape[0], -1, experts)[:, :, first : first + count]  # [out, r, e]
+        swapped = getattr(wrapper, "_did_swap_in_out_features", None)
+        if swapped is None:  # (a peft without the flag: the piece's own shape tells [E, out, in] from [E, in, out])
+            swapped = tuple(shape[1:]) == (b.shape[0], a.shape[-1])
+        update = torch.einsum("ore,eri->eoi" if swapped else "ore,eri->eio", low_b, low_a) * wrapper.scaling[adapter]
+        delta = update if delta is None else delta + update
+    return delta
+
+
 def _lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and hasattr(module, "base_layer"):

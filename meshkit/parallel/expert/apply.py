@@ -4,7 +4,9 @@ The bank's parameters become DTensors sharded on dim 0 (the experts) over the ep
 an export and a checkpoint that reshards see whole banks. Its forward becomes dispatch → the model's own expert
 computation on this rank's experts → combine (`dispatch.py`): any bank that takes (hidden, top_k_index,
 top_k_weights) — transformers 5's fused experts, Mixtral to DeepSeek-V3 and gpt-oss — runs without a kernel of
-its own. The router, shared experts and everything else stay as the other layouts leave them.
+its own. The router, shared experts and everything else stay as the other layouts leave them. LoRA on the bank
+(peft's `target_parameters`): the adapters stay whole on every rank, and each rank adds its own experts'
+updates to its pieces (in place of peft's parametrization of the whole bank, which a piece cannot take).
 
 Gradients: a bank's gradient on a rank sums the losses of every token its ep group routed to it, so it is
 summed over the edp ranks (which hold the same experts) and divided by all dp × cp ranks — the same average
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshkit.config.layout import choices_text
 from meshkit.core.errors import MeshkitError
+from meshkit.models.adapters import expert_delta, parameter_adapters
 from meshkit.models.experts import moe_blocks
 from meshkit.models.facts import ExpertFacts
 from meshkit.parallel.expert.dispatch import routed_experts
@@ -47,11 +51,6 @@ def check_expert_parallel(
             "data-parallel rank, whose experts differ under ep; use zero_stage=3 (FSDP) or 0 (DDP)"
         )
     for facts in moe:
-        if facts.adapted:
-            raise ExpertParallelError(
-                f"parallel.ep={ep}: the experts of {facts.path} carry LoRA adapters (lora_target_parameters), which "
-                "expert parallel does not split yet: adapt attention and dense layers only, or set parallel.ep=1"
-            )
         if not facts.fused:
             raise ExpertParallelError(
                 f"parallel.ep={ep}: the experts of {facts.path} are a list of modules; expert parallel splits a "
@@ -70,26 +69,48 @@ def apply_expert_parallel(
     `capacity_factor`: None routes every token (dropless), else see `dispatch.Route.plan`."""
     banks = []
     for facts in moe_blocks(model):
-        bank = model.get_submodule(facts.path).get_submodule(facts.bank)
+        bank, adapters = parameter_adapters(model.get_submodule(facts.path).get_submodule(facts.bank))
+        for wrapper in adapters.values():  # the adapters join the local pieces below, not by peft's parametrization
+            wrapper.forward = _PassThrough(wrapper.base_layer)  # type: ignore[method-assign]
         for name, param in list(bank.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])  # rank 0 of each ep group deals its experts
             if edp_mesh.size() > 1 and not sharded.is_meta:  # replicas of the experts start equal, as DDP's do
                 dist.broadcast(sharded.to_local(), group=edp_mesh.get_group(), group_src=0)
             bank.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        bank.forward = ExpertParallelForward(bank, facts.experts, ep_mesh, capacity_factor)  # type: ignore[method-assign]
+        forward = ExpertParallelForward(bank, facts.experts, ep_mesh, capacity_factor, adapters)
+        bank.forward = forward  # type: ignore[method-assign]
         banks.append(bank)
     return banks
+
+
+class _PassThrough:
+    """A LoRA wrapper's forward under expert parallel: straight to the module it wraps."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        self.inner = inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
 
 
 class ExpertParallelForward:
     """The bank's forward under expert parallel: route, run the bank's own forward on this rank's experts, combine."""
 
-    def __init__(self, bank: nn.Module, experts: int, ep_mesh: DeviceMesh, capacity_factor: float | None) -> None:
+    def __init__(
+        self,
+        bank: nn.Module,
+        experts: int,
+        ep_mesh: DeviceMesh,
+        capacity_factor: float | None,
+        adapters: dict[str, nn.Module] | None = None,
+    ) -> None:
         self.bank = bank
         self.experts = experts
         self.capacity_factor = capacity_factor
         self.group = ep_mesh.get_group()
         self.local_experts = experts // ep_mesh.size()
+        self.first_expert = ep_mesh.get_local_rank() * self.local_experts
+        self.adapters = adapters or {}  # parameter name -> peft's LoRA wrapper of it (lora_target_parameters)
         self.own_forward = type(bank).forward  # the class's: the instance attribute is this object
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -116,6 +137,10 @@ class ExpertParallelForward:
                 if param is None:
                     continue
                 local = param.to_local() if isinstance(param, DTensor) else param
+                if name in self.adapters:  # W + this rank's experts' low-rank updates (their gradients: A's, B's)
+                    shape, first, count = local.shape, self.first_expert, self.local_experts
+                    delta = expert_delta(self.adapters[name], self.experts, first, count, shape)
+                    local = local if delta is None else local + delta.to(local.dtype)
                 self.bank._parameters[name] = local  # type: ignore[assignment]
                 touch = local.reshape(-1)[:1].sum() * 0
                 anchor = touch if anchor is None else anchor + touch
