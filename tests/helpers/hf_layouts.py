@@ -206,8 +206,8 @@ GROUPS = {
     "qwen3-gemma3-gemma2": {
         "qwen3": [*MATRIX, "pp2_tp2_sp", "cp2_packed", "pp2_packed"],
         "gemma3": [*MATRIX, "cp2_packed"],  # packed rows through a sliding window
-        "gemma2": ["tp2", "cp2", "zero3_cp2"],
-        "mistral": ["cp2", "zero3_cp2", "tp2_cp2", "cp2_packed"],
+        "gemma2": ["tp2", "cp2", "zero3_cp2", "cp2_packed"],  # windows, soft-caps and packed rows at once
+        "mistral": ["cp2", "zero3_cp2", "tp2_cp2", "cp2_packed", "pp2_packed"],
     },
     # fused layers split by their parts: Phi-3's q/k/v (unequal under GQA) and gate/up, GLM-4's gate/up
     "phi3-glm4": {"phi3": [*MATRIX, "tp2_cp2"], "glm4": list(MATRIX)},
