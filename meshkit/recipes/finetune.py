@@ -25,6 +25,7 @@ from meshkit.data.loader import endless
 from meshkit.engine.engine import Engine
 from meshkit.models.quantized import parameter_count
 from meshkit.parallel.materialize import reset_adapters
+from meshkit.parallel.pipeline.schedule import forward_only_refusal
 from meshkit.recipes.finetune_config import FinetuneJob, resolve_finetune
 from meshkit.recipes.hf_base import (
     add_tokens,
@@ -64,6 +65,12 @@ def check_layout(engine: Engine, job: FinetuneJob) -> None:
             f"meshkit finetune runs the layouts of strategy=auto (DDP, ZeRO, tp, pp, cp), not strategy={cfg.strategy}: "
             "drop strategy, or drive that strategy from your own script with meshkit.Engine"
         )
+    evaluates = bool(job.settings.val_set_size or job.settings.test_datasets)
+    refusal = (
+        forward_only_refusal(cfg.pipeline.schedule, "evaluation (val_set_size, test_datasets)") if pp > 1 else None
+    )
+    if evaluates and refusal is not None:
+        raise FinetuneError(refusal)
     if job.settings.lora_modules_to_save and (engine.mesh.size("tp") > 1 or pp > 1):
         raise FinetuneError(
             "lora_modules_to_save wraps whole modules, which tensor and pipeline parallel do not split yet: set "

@@ -60,6 +60,12 @@ LAYOUTS = {
         "router_aux_loss": "global_batch",
     },
     "tp2_sp_aux": {"tp": 2, "sequence_parallel": True},  # per micro-batch: a micro-batch's sequences over 2 tp ranks
+    "pp2_zbv_global_aux": {
+        "pp": 2,
+        "schedule": "zbv_zero_bubble",
+        "microbatches": 2,
+        "router_aux_loss": "global_batch",
+    },  # refused: torch's V schedule has no forward-only pass
     "pp2_gpipe_global_aux": {"pp": 2, "schedule": "gpipe", "router_aux_loss": "global_batch"},
     "pp2_recompute_global_aux": {
         "pp": 2,

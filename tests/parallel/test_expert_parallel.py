@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshkit import Engine
 from meshkit.config.layout import Layout, MeshError
 from meshkit.config.schema import ParallelConfig
 from meshkit.models.facts import ExpertFacts
 from meshkit.parallel.expert.apply import ExpertParallelError, check_expert_parallel
 from tests.helpers.distributed import run_world
 from tests.helpers.expert_runs import grads_after_backward, plain_loop, route_with_capacity, save_then_resume
-from tests.helpers.hf_layouts import batches, build, reference, run_families
+from tests.helpers.hf_layouts import batches, build, make_optimizer, rank_part, reference, run_families
 from tests.helpers.moe_matrix import EXPERT_CELLS as CELLS  # (DeepSeek's latent attention refuses tp)
 from tests.helpers.moe_matrix import (
     GLOBAL_AUX,
@@ -138,3 +139,32 @@ def test_an_ep_that_does_not_fit_is_one_line_naming_the_choices() -> None:
     assert Layout.from_config(ParallelConfig(ep=2, tp=2, dp_replicate=-1), 8).describe() == (
         "dp_replicate4 × tp2, experts over ep2"
     )
+
+
+def refusals_under_zbv(rank: int) -> tuple[str, str]:
+    """(preparing a 4-block Mixtral with the balancing loss, engine.eval_token_loss of llama) in zbv_zero_bubble
+    pipelines: each one line."""
+    from tests.helpers.moe_models import ROUTER_LOSS, moe_causal_lm
+
+    torch.distributed.init_process_group("gloo")
+    out = []
+    for model in (moe_causal_lm("mixtral", num_hidden_layers=4, **ROUTER_LOSS), build("llama")):
+        engine = Engine(seed=0, pp=2, schedule="zbv_zero_bubble", microbatches=2, router_aux_loss="global_batch")
+        try:
+            engine.prepare(model, make_optimizer(model))
+            engine.eval_token_loss(rank_part(engine, batches()[0]))
+            out.append("")
+        except Exception as err:  # noqa: BLE001 - the refusal is the result
+            out.append(str(err))
+        engine.end()
+    torch.distributed.destroy_process_group()
+    return out[0], out[1]
+
+
+def test_forward_only_passes_are_refused_in_one_line_under_the_v_schedule() -> None:
+    """torch's zbv_zero_bubble runs gradient hand-overs between a rank's two stages even in eval (an assertion
+    inside torch): the balancing loss's counting pass and evaluation say so and name the schedule to use."""
+    balancing, evaluation = run_world(refusals_under_zbv, 4, timeout=200)[0]
+    assert balancing.startswith("the router's balancing loss (it counts the routing first) runs a forward-only")
+    assert evaluation.startswith("evaluation runs a forward-only pass")
+    assert all("interleaved_zero_bubble" in m and "\n" not in m for m in (balancing, evaluation))

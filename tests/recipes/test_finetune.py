@@ -72,6 +72,14 @@ def test_a_strategy_other_than_auto_is_refused_on_the_command_line(tmp_path, mat
     assert len(lines) == 1 and "not strategy=dataparallel" in lines[0], proc.stderr
 
 
+def test_evaluation_under_the_v_schedule_is_refused_before_training(tmp_path, material) -> None:
+    path = write_config(tmp_path / "ft.yaml", material, val_set_size=4)
+    proc = meshkit("finetune", str(path), "pp=2", "nproc_per_node=2", "schedule=zbv_zero_bubble")
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "evaluation (val_set_size, test_datasets) runs" in line]
+    assert len(lines) == 1 and "use schedule interleaved_zero_bubble" in lines[0], proc.stderr
+
+
 def test_a_missing_field_names_the_record(tmp_path, tokenizer) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}, {"instruction": "c"}])
     with pytest.raises(DataFormatError, match=r"d.jsonl:2: the record has no 'output' field"):

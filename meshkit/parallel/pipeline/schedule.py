@@ -17,6 +17,19 @@ from meshkit.runtime import collectives
 from meshkit.runtime.mesh import ParallelMesh
 from meshkit.training.loss import IGNORE_INDEX, CausalLMLoss
 
+NO_FORWARD_ONLY = "zbv_zero_bubble"  # torch's V schedule hands gradients between a rank's two stages even in eval
+
+
+def forward_only_refusal(schedule: str, what: str) -> str | None:
+    """The one-line reason `what` (a forward-only pass through the pipeline) cannot run on `schedule`, if any."""
+    if schedule != NO_FORWARD_ONLY:
+        return None
+    return (
+        f"{what} runs a forward-only pass through the pipeline, which torch's {NO_FORWARD_ONLY} schedule cannot "
+        "(its V turn passes gradients between a rank's two stages even in eval): use schedule "
+        "interleaved_zero_bubble"
+    )
+
 
 class PipelineRunner:
     """Drives this rank's stages through the configured schedule; `step` returns the mean micro-batch loss."""
@@ -27,6 +40,7 @@ class PipelineRunner:
         pp = mesh.size("pp")
         self.model = model
         self.loss_fn = loss_fn
+        self.schedule_name = cfg.schedule
         self.group = mesh.group("pp")
         self.microbatches = check_pipeline(cfg, pp)
         self.stages = [
@@ -42,6 +56,9 @@ class PipelineRunner:
 
     def add_balancing(self, balancing: PipelineBalancing, group: dist.ProcessGroup | None) -> None:
         """Add the router's balancing loss to every step, its statistics taken over `group` (None: this rank)."""
+        refusal = forward_only_refusal(self.schedule_name, "the router's balancing loss (it counts the routing first)")
+        if refusal is not None:
+            raise PipelineError(refusal)
         if not isinstance(self.loss_fn, CausalLMLoss):
             raise PipelineError(
                 "the router's balancing loss under pp joins meshkit's causal-LM loss: drop loss_fn, or set "
@@ -100,6 +117,9 @@ class PipelineRunner:
         self, inputs: torch.Tensor, targets: torch.Tensor, keywords: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """Forward only: the summed micro-batch losses (token sums for the causal-LM loss), on every rank."""
+        refusal = forward_only_refusal(self.schedule_name, "evaluation")
+        if refusal is not None:
+            raise PipelineError(refusal)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.model.has_first_stage else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.model.has_last_stage else {}
