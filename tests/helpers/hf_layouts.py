@@ -66,6 +66,12 @@ LAYOUTS = {
         "microbatches": 2,
         "router_aux_loss": "global_batch",
     },  # refused: torch's V schedule has no forward-only pass
+    "pp2_interleaved_global_aux": {"pp": 2, "schedule": "interleaved_1f1b", "router_aux_loss": "global_batch"},
+    "pp2_interleaved_zb_global_aux": {
+        "pp": 2,
+        "schedule": "interleaved_zero_bubble",
+        "router_aux_loss": "global_batch",
+    },
     "pp2_gpipe_global_aux": {"pp": 2, "schedule": "gpipe", "router_aux_loss": "global_batch"},
     "pp2_recompute_global_aux": {
         "pp": 2,

@@ -25,6 +25,8 @@ GLOBAL_AUX = ["ddp4_global_aux", "zero3_4_global_aux", "ep4_global_aux", "ep2_dp
 # beside pp) and sequence parallel (its routers see parts of the sequences), in a pipeline too
 GLOBAL_AUX_MORE = {"mixtral_aux": ["pp2_gpipe_global_aux", "pp2_recompute_global_aux", "pp2_cp2_global_aux",
                                    "tp2_sp_global_aux", "pp2_tp2_sp_global_aux"]}  # fmt: skip
+# two stages per rank: the counting pass and the terms follow each stage's micro-batches (4 blocks)
+INTERLEAVED_AUX = {"mixtral_aux_deep": ["pp2_interleaved_global_aux", "pp2_interleaved_zb_global_aux"]}
 GLOBAL_AUX_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 NO_AUXILIARY_LOSS = ("deepseek_v3",)  # it balances its experts by a router bias
 REFUSED: dict[tuple[str, str], str] = {}  # (family, layout) -> the words of meshkit's one-line refusal

@@ -11,7 +11,8 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, EXPERTS, TOP_K = 64, 32, 4, 2, 2, 4, 2
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 # see moe_causal_lm
-TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux", "qwen2_moe_aux", "gpt_oss", "deepseek_v3_q_lora")
+TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux", "qwen2_moe_aux", "gpt_oss", "deepseek_v3_q_lora",
+                 "mixtral_aux_deep")  # fmt: skip
 # (MoE blocks, shared experts, router loss coefficient) of each tiny model
 EXPECTED = {
     "mixtral": (LAYERS, None, 0.001),
@@ -54,12 +55,15 @@ LOW_RANK_QUERY = "deepseek_v3_q_lora"
 ONE_SIDED = "mixtral_one_sided"  # Mixtral whose routers send every token to the same two experts at first
 # "<family>_aux": the same model with the router's balancing loss on (a coefficient large enough to matter)
 WITH_ROUTER_LOSS = {"mixtral_aux": "mixtral", "qwen3_moe_aux": "qwen3_moe", "qwen2_moe_aux": "qwen2_moe"}
+DEEP = "mixtral_aux_deep"  # mixtral_aux with 4 blocks: 2 stages per rank of a pp 2 pipeline
 ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.1)
 
 
 def moe_causal_lm(family: str, seed: int = 0, **overrides: Any) -> Any:
     import torch
 
+    if family == DEEP:
+        family, overrides = "mixtral", {**ROUTER_LOSS, "num_hidden_layers": 4, **overrides}
     if family in WITH_ROUTER_LOSS:
         family, overrides = WITH_ROUTER_LOSS[family], {**ROUTER_LOSS, **overrides}
     if family == LOW_RANK_QUERY:  # DeepSeek-V3 as released: the query through a low-rank projection too

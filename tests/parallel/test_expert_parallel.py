@@ -26,6 +26,7 @@ from tests.helpers.moe_matrix import (
     GLOBAL_AUX,
     GLOBAL_AUX_FAMILIES,
     GLOBAL_AUX_MORE,
+    INTERLEAVED_AUX,
     assert_like_one_process,
     render_moe_matrix,
 )
@@ -139,6 +140,13 @@ def test_an_ep_that_does_not_fit_is_one_line_naming_the_choices() -> None:
     assert Layout.from_config(ParallelConfig(ep=2, tp=2, dp_replicate=-1), 8).describe() == (
         "dp_replicate4 × tp2, experts over ep2"
     )
+
+
+def test_the_global_balancing_loss_follows_interleaved_schedules() -> None:
+    results = run_world(run_families, 4, INTERLEAVED_AUX, timeout=300)
+    for family, layouts in INTERLEAVED_AUX.items():
+        for layout in layouts:
+            assert_like_one_process(family, layout, results)
 
 
 def refusals_under_zbv(rank: int) -> tuple[str, str]:
