@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from meshkit.parallel.context.apply import shard_sequence
 from meshkit.parallel.context.ring_attention import ring_attention
-from meshkit.parallel.context.visibility import Visibility
+from meshkit.parallel.context.visibility import Visibility, chunk_index
 from tests.helpers.distributed import run_world
 
 BATCH, HEADS, SEQ, DIM = 2, 3, 16, 8
@@ -129,6 +129,20 @@ def test_a_sliding_window_exchanges_fewer_blocks() -> None:
     assert Visibility(window=3).offsets(4, 2) == [0, 1, 3]
     assert Visibility(window=64).offsets(4, 2) == [0, 1, 2, 3]
     assert Visibility(window=1).offsets(4, 2) == [0]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_kinds_from_chunk_numbers_agree_with_the_dense_mask(causal: bool) -> None:
+    """What a block's queries see of its keys is decided from the chunk numbers alone (no device sync): it must
+    be what the dense mask of those positions says."""
+    half = 4
+    for window in (None, 1, 2, 3, 4, 5, 8, 9, 13):
+        visibility = Visibility(causal=causal, window=window)
+        for q in range(6):
+            for k in range(6):
+                dense = visibility.geometric(chunk_index(q, half, None), chunk_index(k, half, None))
+                expected = "none" if not dense.any() else "all" if dense.all() else "some"
+                assert visibility.chunk_pair(q, k, half) == expected, (causal, window, q, k)
 
 
 def test_a_window_below_one_is_refused() -> None:

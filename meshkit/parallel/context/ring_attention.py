@@ -102,17 +102,16 @@ def _blocks(
 ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
     """(query part a, key part b, mask) of every pair of this rank's query chunks and the block's chunks that
     shares at least one seen (query, key)."""
-    device = block.kv.device
-    q_index = _local_index(rank, cp, half, device)
-    k_index = _local_index((rank - offset) % cp, cp, half, device)
+    q_chunks, k_chunks = chunk_ids(rank, cp), chunk_ids((rank - offset) % cp, cp)
     for a in range(2):
         for b in range(2):
             mask = block_mask(
                 visibility,
-                q_index[a],
-                k_index[b],
+                (q_chunks[a], k_chunks[b]),
+                half,
                 None if q_starts is None else q_starts[:, a * half : (a + 1) * half],
                 None if block.starts is None else block.starts[:, b * half : (b + 1) * half],
+                block.kv.device,
             )
             if mask is not False:
                 yield a, b, mask

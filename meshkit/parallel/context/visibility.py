@@ -42,14 +42,21 @@ class Visibility:
             seen &= (distance < self.window) if self.causal else (distance.abs() < self.window)
         return seen
 
+    def chunk_pair(self, q_chunk: int, k_chunk: int, half: int) -> str:
+        """What the queries of `q_chunk` see of the keys of `k_chunk` by position alone: 'none', 'all' or 'some'
+        (decided from the chunk numbers, with no tensor and no device synchronisation)."""
+        if self.causal and k_chunk > q_chunk:
+            return "none"
+        gap = abs(q_chunk - k_chunk) * half
+        nearest, farthest = max(0, gap - (half - 1)), gap + (half - 1)
+        if self.window is not None and nearest >= self.window:
+            return "none"
+        diagonal = self.causal and q_chunk == k_chunk
+        return "some" if diagonal or (self.window is not None and farthest >= self.window) else "all"
+
     def chunk_pair_seen(self, q_chunk: int, k_chunk: int, half: int) -> bool:
         """Whether any query of `q_chunk` sees any key of `k_chunk` (by position alone)."""
-        if self.causal and k_chunk > q_chunk:
-            return False
-        if self.window is None:
-            return True
-        closest = abs(q_chunk - k_chunk) * half - (half - 1) if q_chunk != k_chunk else 0
-        return closest < self.window
+        return self.chunk_pair(q_chunk, k_chunk, half) != "none"
 
     def offsets(self, cp: int, half: int) -> list[int]:
         """Ring offsets some rank needs: 0 (its own block) first, then the others in order."""
@@ -67,18 +74,22 @@ class Visibility:
 
 def block_mask(
     visibility: Visibility,
-    q_index: torch.Tensor,
-    k_index: torch.Tensor,
+    chunks: tuple[int, int],
+    half: int,
     q_starts: torch.Tensor | None,
     k_starts: torch.Tensor | None,
+    device: torch.device,
 ) -> torch.Tensor | None | bool:
-    """The block's mask: False (nothing seen: skip it), None (everything seen), or a bool tensor broadcasting
-    to the scores [batch, heads, n, m] (True = seen)."""
-    seen = visibility.geometric(q_index, k_index)
-    if q_starts is not None and k_starts is not None:  # same packed sample: [batch, 1, n, m]
-        seen = (seen & (q_starts[:, :, None] == k_starts[:, None, :]))[:, None]
-    if not bool(seen.any()):
+    """The mask of the block of query chunk `chunks[0]` and key chunk `chunks[1]`: False (nothing seen: skip
+    it), None (everything seen), or a bool tensor broadcasting to the scores [batch, heads, n, m] (True = seen).
+    Packed samples always give a tensor (which samples meet is the data's, not known without looking)."""
+    kind = visibility.chunk_pair(chunks[0], chunks[1], half)
+    if kind == "none":
         return False
-    if bool(seen.all()):
+    packed = q_starts is not None and k_starts is not None
+    if kind == "all" and not packed:
         return None
+    seen = visibility.geometric(chunk_index(chunks[0], half, device), chunk_index(chunks[1], half, device))
+    if packed:  # same packed sample: [batch, 1, n, m]
+        seen = (seen & (q_starts[:, :, None] == k_starts[:, None, :]))[:, None]  # type: ignore[index]
     return seen
