@@ -165,7 +165,8 @@ _add(G, "gptq", honoured("a GPTQ base loads through transformers where gptqmodel
 _add(G, ("peft_init_lora_weights", "relora", "peft_layer_replication"),
      refused("LoRA starts from peft's default initialisation on the listed modules: remove the key"))
 _add(G, "lora_target_parameters", honoured("peft target_parameters: LoRA on parameters, e.g. a mixture-of-experts "
-                                           "bank (one low-rank update per expert); not under parallel.ep"))
+                                           "bank (one low-rank update per expert), in every layout, parallel.ep "
+                                           "included"))
 
 G = "training"
 for name, target in (("micro_batch_size", "train.micro_batch_size"),
