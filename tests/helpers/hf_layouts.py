@@ -147,11 +147,20 @@ def reference(
     family: str, max_grad_norm: float | None = None, packed: bool = False
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The user's plain loop in one process: model(**batch).loss, backward, step."""
-    torch.set_num_threads(1)
     model = build(family)
-    optimizer = make_optimizer(model)
+    return one_process(model, make_optimizer(model), batches(packed=packed), max_grad_norm)
+
+
+def one_process(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    chosen: list[dict[str, torch.Tensor]],
+    max_grad_norm: float | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final weights of the plain loop (model(**batch).loss, backward, clip, step) in this process."""
+    torch.set_num_threads(1)
     losses = []
-    for batch in batches(packed=packed):  # (transformers keeps packed samples apart only without a cache)
+    for batch in chosen:  # (transformers keeps packed samples apart only without a cache)
         loss = model(**batch, use_cache=False).loss
         loss.backward()
         if max_grad_norm is not None:

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from tests.helpers.hf_layouts import batches, train_in_layout
+from tests.helpers.hf_layouts import batches, one_process, train_in_layout
 from tests.helpers.hf_models import causal_lm
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
@@ -31,17 +31,8 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 @functools.cache
 def lora_reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    torch.set_num_threads(1)
     model = adapted(family)
-    optimizer = _optimizer(model)
-    losses = []
-    for batch in batches():
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return one_process(model, _optimizer(model), batches())
 
 
 def train_adapted(rank: int, family: str, layouts: dict[str, dict]) -> dict[str, dict]:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from meshkit import Engine
 from meshkit.parallel.context.apply import ContextParallelError
 from tests.helpers.distributed import run_world
-from tests.helpers.hf_layouts import GLOBAL_BATCH, batches, make_optimizer
+from tests.helpers.hf_layouts import GLOBAL_BATCH, batches, make_optimizer, one_process
 from tests.helpers.hf_models import causal_lm
 from tests.helpers.training import assert_close_relative, assert_state_close
 
@@ -27,17 +27,8 @@ def _batches(padded: bool) -> list[dict[str, torch.Tensor]]:
 
 
 def _reference(family: str, padded: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    torch.set_num_threads(1)
     model = causal_lm(family)
-    optimizer = make_optimizer(model)
-    losses = []
-    for batch in _batches(padded):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return one_process(model, make_optimizer(model), _batches(padded))
 
 
 def _loop(rank: int, family: str, overrides: dict, padded: bool) -> dict:

@@ -67,6 +67,18 @@ class _Exchange:
             work.wait()
         return received
 
+    def blocks(self, own: _Block, offsets: list[int]) -> Iterator[tuple[int, _Block]]:
+        """(offset, the block of the rank `offset` before) for each offset in turn, `own` first; the next block's
+        exchange is posted before the current one is handed out, so the transfer overlaps its compute."""
+        pending = self.send_block(own, offsets[1]) if len(offsets) > 1 else None
+        for step, offset in enumerate(offsets):
+            if not offset:
+                yield offset, own
+                continue
+            block = _as_block(self.finish(pending))  # type: ignore[arg-type]
+            pending = self.send_block(own, offsets[step + 1]) if step + 1 < len(offsets) else None
+            yield offset, block
+
 
 def _as_block(tensors: list[torch.Tensor]) -> _Block:
     return _Block(tensors[0], tensors[1] if len(tensors) > 1 else None)
@@ -132,6 +144,7 @@ def ring_forward(
     group: dist.ProcessGroup,
     visibility: Visibility,
     scoring: _Scoring,
+    offsets: list[int],
     starts: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,22 +154,17 @@ def ring_forward(
     outs = [torch.zeros_like(part, dtype=torch.float32) for part in q_parts]
     lses = [torch.full(part.shape[:-1], float("-inf"), device=q.device) for part in q_parts]
     own = _Block(torch.stack((k, v)), starts)
-    offsets = visibility.offsets(cp, half)
-    pending = exchange.send_block(own, offsets[1]) if len(offsets) > 1 else None
-    for step, offset in enumerate(offsets):
-        block = own
-        if offset:
-            block = _as_block(exchange.finish(pending))  # type: ignore[arg-type]
-            pending = exchange.send_block(own, offsets[step + 1]) if step + 1 < len(offsets) else None
+    for offset, block in exchange.blocks(own, offsets):
         for a, b, mask in _blocks(starts, block, rank, offset, cp, half, visibility):
             cols = slice(b * half, (b + 1) * half)
             scores = scoring(q_parts[a], block.kv[0][:, :, cols], mask)
             block_lse = torch.logsumexp(scores, dim=-1)
-            weights = torch.exp(scores - block_lse[..., None]).nan_to_num(0.0)  # a row seeing nothing: 0
-            block_out = torch.matmul(weights, block.kv[1][:, :, cols].float())
+            weights = torch.exp(scores - block_lse[..., None])
             merged = torch.logaddexp(lses[a], block_lse)  # online softmax: rescale both parts to the new total
-            keep_old = torch.exp(lses[a] - merged).nan_to_num(0.0)
-            keep_new = torch.exp(block_lse - merged).nan_to_num(0.0)
+            keep_old, keep_new = torch.exp(lses[a] - merged), torch.exp(block_lse - merged)
+            if mask is not None:  # a row that sees nothing yet (-inf − -inf): no weight, nothing kept
+                weights, keep_old, keep_new = (t.nan_to_num(0.0) for t in (weights, keep_old, keep_new))
+            block_out = torch.matmul(weights, block.kv[1][:, :, cols].float())
             outs[a] = outs[a] * keep_old[..., None] + block_out * keep_new[..., None]
             lses[a] = merged
     out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -176,6 +184,7 @@ def ring_backward(
     group: dist.ProcessGroup,
     visibility: Visibility,
     scoring: _Scoring,
+    offsets: list[int],
     starts: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -185,14 +194,8 @@ def ring_backward(
     delta = (grad_out.float() * out.float()).sum(dim=-1)  # [batch, heads, local_seq]: rowsum(dO ∘ O)
     own = _Block(torch.stack((k, v)), starts)
     grad_own = torch.zeros_like(own.kv, dtype=torch.float32)
-    offsets = visibility.offsets(cp, half)
-    pending = exchange.send_block(own, offsets[1]) if len(offsets) > 1 else None
     returning = None  # the previous block's gradient on its way back to its owner
-    for step, offset in enumerate(offsets):
-        block = own
-        if offset:
-            block = _as_block(exchange.finish(pending))  # type: ignore[arg-type]
-            pending = exchange.send_block(own, offsets[step + 1]) if step + 1 < len(offsets) else None
+    for offset, block in exchange.blocks(own, offsets):
         grad_block = torch.zeros_like(block.kv, dtype=torch.float32)
         for a, b, mask in _blocks(starts, block, rank, offset, cp, half, visibility):
             rows, cols = slice(a * half, (a + 1) * half), slice(b * half, (b + 1) * half)
@@ -223,16 +226,17 @@ def ring_backward(
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, starts, group, visibility, scoring):  # type: ignore[override]
-        out, lse = ring_forward(q, k, v, group, visibility, scoring, starts, sinks)
+        offsets = visibility.offsets(dist.get_world_size(group), q.shape[2] // 2)  # (once: backward reuses them)
+        out, lse = ring_forward(q, k, v, group, visibility, scoring, offsets, starts, sinks)
         ctx.save_for_backward(q, k, v, out, lse, starts, sinks)
-        ctx.group, ctx.visibility, ctx.scoring = group, visibility, scoring
+        ctx.group, ctx.visibility, ctx.scoring, ctx.offsets = group, visibility, scoring, offsets
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse, starts, sinks = ctx.saved_tensors
         grad_q, grad_k, grad_v, grad_sinks = ring_backward(
-            grad_out, q, k, v, out, lse, ctx.group, ctx.visibility, ctx.scoring, starts, sinks
+            grad_out, q, k, v, out, lse, ctx.group, ctx.visibility, ctx.scoring, ctx.offsets, starts, sinks
         )
         return grad_q, grad_k, grad_v, grad_sinks, None, None, None, None
 
