@@ -40,16 +40,12 @@ def isolated_config(tmp_path, monkeypatch):
 
 
 def _world8_rank(rank: int) -> dict:
-    import torch.distributed as dist
-
+    from tests.helpers.distributed import gloo_world
     from tests.helpers.layouts import run_layouts
     from tests.runtime.test_mesh import mesh_answers
 
-    dist.init_process_group("gloo")
-    try:
+    with gloo_world():
         return {"mesh": mesh_answers(), "layouts": run_layouts(rank, WORLD8_LAYOUTS)}
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

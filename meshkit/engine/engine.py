@@ -14,14 +14,12 @@ the Engine's own attributes (`engine.save_state` is `engine.checkpoints.save_sta
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -48,7 +46,7 @@ from meshkit.parallel.dataparallel import WrappedModelWarning  # noqa: F401 - re
 from meshkit.paramserver.run import ParameterServerRun
 from meshkit.runtime.hang_doctor import HangDoctor, watched
 from meshkit.runtime.host_memory import ResidentGuard
-from meshkit.runtime.mesh import ParallelMesh, ProcessInfo, select_device, start_process_group
+from meshkit.runtime.mesh import ParallelMesh, ProcessInfo, select_device, start_process_group, stop_process_group
 from meshkit.runtime.preemption import Preempted, PreemptionWatch
 from meshkit.runtime.tracking import TrackerSet, check_trackers
 from meshkit.training.accumulation import GradientState
@@ -199,7 +197,7 @@ class Engine:
         try:
             return place(config, self.info, self.device, self._say_once)
         except Exception:
-            self._stop_process_group()
+            self._leave_process_group(wait_for_peers=False)
             raise
 
     def _say_once(self, line: str) -> None:
@@ -374,15 +372,11 @@ class Engine:
             self.ctx.hang_doctor = None
         self.ctx.trackers.close()  # (already closed above, unless this is an error path)
         # (a parameter-server run ends when the servers have heard every worker finish; a lost worker misses a barrier)
-        peers = dist.is_initialized() and dist.get_world_size() > 1
-        if wait_for_peers and self.ctx.placement.ps is None and self._owns_process_group and peers:
-            dist.barrier()
-        self._stop_process_group()
+        self._leave_process_group(wait_for_peers and self.ctx.placement.ps is None)
 
-    def _stop_process_group(self) -> None:
-        if self._owns_process_group and dist.is_initialized():
-            gc.collect()  # drop finished work handles (and their tensors) before the communicator goes
-            dist.destroy_process_group()
+    def _leave_process_group(self, wait_for_peers: bool) -> None:
+        if self._owns_process_group:
+            stop_process_group(wait_for_peers)
         self._owns_process_group = False
 
     def __enter__(self) -> Engine:

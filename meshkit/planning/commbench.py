@@ -25,6 +25,7 @@ import torch.distributed as dist
 from meshkit.core.errors import MeshkitError
 from meshkit.core.io import parse_size
 from meshkit.runtime import collectives
+from meshkit.runtime.mesh import stop_process_group
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -186,8 +187,10 @@ def worker(argv: list[str]) -> None:
             report = {"benchmark": "comm", "backend": backend, "ranks": dist.get_world_size(), "rows": rows}
             args.out.write_text(json.dumps(report, indent=2) + "\n")
             print(f"written to {args.out}")
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        stop_process_group(wait_for_peers=False)
+        raise
+    stop_process_group(wait_for_peers=True)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from meshkit.planning.perf_model import predict
 from meshkit.planning.plan import Cluster, plan, to_config
 from meshkit.planning.probe import measure_profile
 from meshkit.planning.workload_probe import model_profile
-from meshkit.runtime.mesh import ProcessInfo, select_device, start_process_group
+from meshkit.runtime.mesh import ProcessInfo, select_device, start_process_group, stop_process_group
 
 PROBED = "layout: auto (probed)"
 # A function that prepares a run on an engine and returns one optimizer step as a callable.
@@ -245,9 +245,12 @@ def one_process_group(config: RunConfig) -> Iterator[ProcessInfo]:
     owned = start_process_group(info, select_device(config.device, info.local_rank), config.collective_timeout_s)
     try:
         yield info
-    finally:
-        if owned and dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException:
+        if owned:
+            stop_process_group(wait_for_peers=False)
+        raise
+    if owned:
+        stop_process_group(wait_for_peers=True)
 
 
 def choose(

@@ -8,6 +8,7 @@ parallel a second mesh (pp, edp, ep, tp) numbers the same ranks with dp × cp sp
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,6 +84,18 @@ def start_process_group(info: ProcessInfo, device: torch.device, timeout_s: floa
         store = dist.HashStore()
         dist.init_process_group(backend_for(device), store=store, rank=0, world_size=1, timeout=timeout)
     return True
+
+
+def stop_process_group(wait_for_peers: bool) -> None:
+    """Leave the default process group. With `wait_for_peers`, first wait until every rank is here: a rank that
+    leaves while a peer still reads its last collective closes that peer's connection under it (gloo: "Connection
+    closed by peer"). An error path leaves at once (a peer may never arrive)."""
+    if not dist.is_initialized():
+        return
+    if wait_for_peers and dist.get_world_size() > 1:
+        dist.barrier()
+    gc.collect()  # drop finished work handles (and their tensors) before the communicator goes
+    dist.destroy_process_group()
 
 
 class ParallelMesh:

@@ -6,14 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from meshkit import Engine
 from meshkit.models.gpt import lm_loss
 from tests.core.test_export import load_index
 from tests.helpers.checkpointing import GLOBAL_BATCH, adamw
 from tests.helpers.cli import meshkit
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import gloo_world, run_world
 from tests.helpers.layouts import build
 from tests.helpers.training import split, token_batches
 
@@ -26,11 +25,8 @@ LAYOUTS = {
 
 def save_all(rank: int, out: str) -> dict[str, dict[str, torch.Tensor]]:
     """`save_both` for every layout, in one world."""
-    dist.init_process_group("gloo")
-    try:
+    with gloo_world():
         return {name: save_both(kind, layout, f"{out}/{name}") for name, (_, kind, layout) in LAYOUTS.items()}
-    finally:
-        dist.destroy_process_group()
 
 
 def save_both(kind: str, layout: dict, out: str) -> dict[str, torch.Tensor]:

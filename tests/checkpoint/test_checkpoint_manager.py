@@ -21,7 +21,7 @@ from meshkit.checkpoint.directory import CheckpointSkippedWarning, latest
 from meshkit.checkpoint.storage import CheckpointError, verify
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
 from tests.helpers.cli import ROOT, meshkit
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import leave_world, run_world
 from tests.helpers.training import TINY, split, token_batches
 
 
@@ -201,7 +201,7 @@ def save_with_a_failing_rank(rank: int, root: str) -> str:
     session.write_json = original
     engine.save_checkpoint(force=True)
     engine.end()
-    dist.destroy_process_group()
+    leave_world()
     return outcome
 
 

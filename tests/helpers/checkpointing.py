@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from meshkit import Engine
 from meshkit.models.gpt import lm_loss
+from tests.helpers.distributed import gloo_world
 from tests.helpers.layouts import build
 from tests.helpers.training import split, token_batches
 
@@ -21,20 +21,14 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def train(rank: int, layout: dict, options: dict) -> dict:
     """`run_world` entry: see `train_steps`."""
-    dist.init_process_group("gloo")
-    try:
+    with gloo_world():
         return train_steps(layout, **options)
-    finally:
-        dist.destroy_process_group()
 
 
 def train_jobs(rank: int, jobs: dict[str, tuple[dict, dict]]) -> dict[str, dict]:
     """`run_world` entry: several `train_steps` runs, one after another in the same world (one start-up)."""
-    dist.init_process_group("gloo")
-    try:
+    with gloo_world():
         return {name: train_steps(layout, **options) for name, (layout, options) in jobs.items()}
-    finally:
-        dist.destroy_process_group()
 
 
 def train_steps(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -10,17 +11,39 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import reduction
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from meshkit.runtime.mesh import stop_process_group
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def leave_world() -> None:
+    """Leave the default process group together: a rank that left while a peer still read its last collective
+    would close the peer's connection under it (gloo: "Connection closed by peer")."""
+    stop_process_group(wait_for_peers=True)
+
+
+@contextlib.contextmanager
+def gloo_world() -> Iterator[None]:
+    """The default gloo process group around a rank's work: left together at the end, at once on an error (the
+    rank reports its traceback; a peer may never reach the barrier)."""
+    dist.init_process_group("gloo")
+    try:
+        yield
+    except BaseException:
+        stop_process_group(wait_for_peers=False)
+        raise
+    leave_world()
 
 
 # Imported once by the fork server, not by every rank: torch and meshkit (~3 s a rank), and where the hf extra is
@@ -94,6 +117,45 @@ def _rank_main(
         results.put((rank, False, traceback.format_exc()))
 
 
+# A rank that lost a peer fails with one of these: the cause is elsewhere (another rank's error or exit).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "recvValueWithTimeout failed")
+
+
+def _failure(rank: int, value: str, results: Any, procs: list, outcome: dict[int, tuple[bool, Any]]) -> AssertionError:
+    """The failure to report. A lost peer is a consequence: the others get a moment to report, and the cause is
+    shown (another rank's error first), or else which ranks had already finished or exited."""
+    failures = {rank: value}
+    if any(sign in value for sign in PEER_LOST):
+        grace = time.monotonic() + 5.0
+        while time.monotonic() < grace:
+            try:
+                other, ok, text = results.get(timeout=0.2)
+            except queue.Empty:
+                if all(p.exitcode is not None for r, p in enumerate(procs) if r not in failures and r not in outcome):
+                    break  # every other rank has ended, and what they said has been read
+                continue
+            if ok:
+                outcome[other] = (ok, text)
+            else:
+                failures[other] = text
+    causes = [r for r, text in failures.items() if not any(sign in text for sign in PEER_LOST)]
+    chosen = causes[0] if causes else rank
+    notes = []
+    if not causes:
+        finished = sorted(outcome)
+        exited = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None and r not in failures}
+        exited = {r: code for r, code in exited.items() if r not in outcome}
+        if finished:
+            notes.append(f"ranks {finished} had finished")
+        if exited:
+            notes.append(f"ranks exited without a result (exit codes): {exited}")
+    others = sorted(set(failures) - {chosen})
+    if others:
+        notes.append(f"ranks {others} failed too")
+    note = f" ({'; '.join(notes)})" if notes else ""
+    return AssertionError(f"rank {chosen} failed{note}:\n{failures[chosen]}")
+
+
 def run_world(
     fn: Callable[..., Any],
     world_size: int,
@@ -143,9 +205,9 @@ def run_world(
                 if dead:
                     raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                 continue
-            outcome[rank] = (ok, value)
             if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
+                raise _failure(rank, value, results, procs, outcome)
+            outcome[rank] = (ok, value)
     finally:
         for proc in procs:
             proc.join(timeout=5)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from meshkit import Engine
+from tests.helpers.distributed import leave_world
 from tests.helpers.hf_layouts import batches, build, make_optimizer, rank_part, train_steps
 
 
@@ -33,7 +34,7 @@ def save_then_resume(rank: int, family: str, first: dict, second: dict, director
     losses += train_steps(engine, all_batches[2:])
     out = {"losses": losses, "saved": saved, "resumed": resumed, "state": engine.full_state_dict()}
     engine.end()
-    torch.distributed.destroy_process_group()
+    leave_world()
     return out
 
 
@@ -44,7 +45,7 @@ def grads_after_backward(rank: int, family: str, overrides: dict) -> dict[str, b
     engine.backward(model(**rank_part(engine, batches()[0])).loss)
     out = {name: param.grad is not None for name, param in model.named_parameters() if "experts" in name}
     engine.end()
-    torch.distributed.destroy_process_group()
+    leave_world()
     return out
 
 
@@ -65,7 +66,7 @@ def plain_loop(rank: int, family: str, overrides: dict) -> dict:
         losses.append(engine.reduce(loss.detach(), "mean").item())
     out = {"losses": losses, "state": engine.full_state_dict()}
     engine.end()
-    torch.distributed.destroy_process_group()
+    leave_world()
     return out
 
 
@@ -80,5 +81,5 @@ def route_with_capacity(rank: int, capacity_factor: float | None) -> dict:
     hidden = torch.arange(8.0).unsqueeze(1).repeat(1, 3)
     route = Route.plan(top_k_index, 4, group, capacity_factor)
     out = routed_experts(hidden, top_k_index, weights, 4, group, lambda x, e, w: x * w, capacity_factor)
-    torch.distributed.destroy_process_group()
+    leave_world()
     return {"send": route.send, "kept": route.order.tolist(), "out": out[:, 0].tolist()}

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from meshkit import Engine
+from tests.helpers.distributed import leave_world
 from tests.helpers.hf_models import causal_lm
 from tests.helpers.moe_models import MOE_FAMILIES, TEST_VARIANTS, moe_causal_lm
 
@@ -178,7 +179,7 @@ def run_families(rank: int, cells: dict[str, list[str]]) -> dict[tuple[str, str]
     for family, layouts in cells.items():
         for name in layouts:
             out[family, name] = train_in_layout(family, LAYOUTS[name])
-    torch.distributed.destroy_process_group()
+    leave_world()
     return out
 
 

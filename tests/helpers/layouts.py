@@ -7,6 +7,7 @@ from torch import nn
 
 from meshkit import Engine
 from meshkit.models.gpt import GPT, lm_loss
+from tests.helpers.distributed import leave_world
 from tests.helpers.hf_style import TinyDecoder, TinyGPT2
 from tests.helpers.training import (
     TINY,
@@ -67,7 +68,7 @@ def run_layouts(rank: int, layouts: dict) -> dict:
         out[name] = {"losses": losses, "state": engine.full_state_dict()}
         engine.end()
     if owns_group:
-        torch.distributed.destroy_process_group()
+        leave_world()
     return out
 
 

@@ -7,6 +7,7 @@ import functools
 
 import torch
 
+from tests.helpers.distributed import leave_world
 from tests.helpers.hf_layouts import batches, one_process, train_in_layout
 from tests.helpers.hf_models import causal_lm
 
@@ -38,5 +39,5 @@ def lora_reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 def train_adapted(rank: int, family: str, layouts: dict[str, dict]) -> dict[str, dict]:
     torch.distributed.init_process_group("gloo")
     out = {label: train_in_layout(family, overrides, adapted, _optimizer) for label, overrides in layouts.items()}
-    torch.distributed.destroy_process_group()
+    leave_world()
     return out

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from meshkit import Engine
+from tests.helpers.distributed import leave_world
 from tests.helpers.hf_layouts import batches, make_optimizer
 from tests.helpers.hf_models import causal_lm
 
@@ -68,7 +69,7 @@ def run_stack(rank: int, layout: dict) -> dict:
     units = sorted(name for name, m in engine.unwrap_model().named_modules() if isinstance(m, FSDPModule))
     out = {"losses": losses, "state": engine.full_state_dict(), "units": units, "held": held, "total": total_bytes}
     engine.end()
-    dist.destroy_process_group()
+    leave_world()
     return out
 
 
@@ -105,5 +106,5 @@ def run_tied(rank: int, layout: dict, directory: str, asynchronous: bool) -> dic
     second = train(engine, steps[2:])
     second_state = engine.full_state_dict()
     engine.end()
-    dist.destroy_process_group()
+    leave_world()
     return {"first": first, "second": second, "first_state": first_state, "second_state": second_state}

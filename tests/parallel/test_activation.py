@@ -14,7 +14,7 @@ from meshkit.config import RunConfig
 from meshkit.core.errors import MeshkitError
 from meshkit.models.gpt import GPT, GPTConfig, lm_loss
 from meshkit.parallel.activation import ActivationOffloadNotice
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import leave_world, run_world
 from tests.helpers.training import make_optimizer, split, tiny_gpt, token_batches
 
 MODES = {
@@ -88,7 +88,7 @@ def fsdp_modes(rank: int) -> dict[str, tuple]:
         results[mode] = run({**sharded, **MODES[mode]}, rank, 2)
     prefetch = {"sharding": {"zero_stage": 3, "forward_prefetch": 2, "backward_prefetch": 1}}
     results["selective+prefetch"] = run({"hang_doctor": False, **prefetch, **MODES["selective"]}, rank, 2)
-    torch.distributed.destroy_process_group()
+    leave_world()
     return results
 
 

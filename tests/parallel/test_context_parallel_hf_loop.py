@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from meshkit import Engine
 from meshkit.parallel.context.apply import ContextParallelError
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import leave_world, run_world
 from tests.helpers.hf_layouts import GLOBAL_BATCH, batches, make_optimizer, one_process
 from tests.helpers.hf_models import causal_lm
 from tests.helpers.training import assert_close_relative, assert_state_close
@@ -52,7 +52,7 @@ def _loop(rank: int, family: str, overrides: dict, padded: bool) -> dict:
         refused = str(err)
     out = {"losses": losses, "state": engine.full_state_dict(), "refused": refused}
     engine.end()
-    dist.destroy_process_group()
+    leave_world()
     return out
 
 

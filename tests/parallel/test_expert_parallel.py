@@ -18,7 +18,7 @@ from meshkit.config.layout import Layout, MeshError
 from meshkit.config.schema import ParallelConfig
 from meshkit.models.facts import ExpertFacts
 from meshkit.parallel.expert.apply import ExpertParallelError, check_expert_parallel
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import leave_world, run_world
 from tests.helpers.expert_runs import grads_after_backward, plain_loop, route_with_capacity, save_then_resume
 from tests.helpers.hf_layouts import batches, build, make_optimizer, rank_part, reference, run_families
 from tests.helpers.moe_matrix import EXPERT_CELLS as CELLS  # (DeepSeek's latent attention refuses tp)
@@ -165,7 +165,7 @@ def refusals_under_zbv(rank: int) -> tuple[str, str]:
         except Exception as err:  # noqa: BLE001 - the refusal is the result
             out.append(str(err))
         engine.end()
-    torch.distributed.destroy_process_group()
+    leave_world()
     return out[0], out[1]
 
 

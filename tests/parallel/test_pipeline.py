@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshkit.parallel.pipeline.stages import SCHEDULE_CLASSES, PipelineError, balanced_split
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import leave_world, run_world
 from tests.helpers.layouts import check, run_layouts
 
 PP2 = {f"pp2_{name}": ("gpt4", {"pp": 2, "schedule": name}) for name in SCHEDULE_CLASSES}
@@ -72,7 +72,7 @@ def bad_microbatches_rank(rank: int) -> list[str]:
         engine.train_step(split(token_batches(1, 3)[0]))
     except ValueError as err:
         messages.append(str(err))
-    torch.distributed.destroy_process_group()
+    leave_world()
     return messages
 
 

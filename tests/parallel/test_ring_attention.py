@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from meshkit.parallel.context.apply import shard_sequence
 from meshkit.parallel.context.ring_attention import ring_attention
 from meshkit.parallel.context.visibility import Visibility, chunk_index
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import leave_world, run_world
 
 BATCH, HEADS, SEQ, DIM = 2, 3, 16, 8
 PACKED = ((5, 7, 4), (3, 9, 4))  # sample lengths of each row of a packed batch
@@ -76,7 +76,7 @@ def ring_rank(rank: int, cases: dict[str, dict]) -> dict[str, dict]:
     dist.init_process_group("gloo")
     cp = dist.get_world_size()
     out = {name: ring_case(rank, cp, case) for name, case in cases.items()}
-    dist.destroy_process_group()
+    leave_world()
     return out
 
 

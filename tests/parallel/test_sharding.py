@@ -9,7 +9,7 @@ import torch
 
 from meshkit import Engine
 from meshkit.models.gpt import lm_loss
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import gloo_world, run_world
 from tests.helpers.training import assert_close_relative, assert_state_close, split, tiny_gpt, token_batches
 
 STEPS, GLOBAL_BATCH, WORLD = 10, 8, 4
@@ -57,11 +57,8 @@ def _train_layout(overrides: dict, caught: list) -> dict:
 
 def all_layouts(rank: int) -> dict:
     # One process group for all layouts: each Engine joins it (and leaves it in place at end()).
-    torch.distributed.init_process_group("gloo")
-    try:
+    with gloo_world():
         return {name: train_layout(rank, overrides) for name, overrides in LAYOUTS.items()}
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

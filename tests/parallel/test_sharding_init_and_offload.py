@@ -15,7 +15,7 @@ from meshkit.models.gpt import GPT, lm_loss
 from meshkit.parallel.materialize import MaterializeError, materialize
 from meshkit.parallel.zero.nvme import OffloadDirError
 from meshkit.parallel.zero.sharding import ShardingError, UnshardedRunWarning, effective_zero_stage
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import leave_world, run_world
 from tests.helpers.training import TINY, assert_close_relative, assert_state_close, split, tiny_gpt, token_batches
 
 
@@ -35,7 +35,7 @@ def meta_init_rank(rank: int, init_from: str | None) -> dict:
             "rope": engine.unwrap_model().rope_cos.clone(),
         }
         engine.end()
-    torch.distributed.destroy_process_group()
+    leave_world()
     return out
 
 
@@ -82,7 +82,7 @@ def nvme_rank(rank: int, directory: str) -> dict:
             losses.append(engine.reduce(engine.train_step(split(batch[rank * 2 : rank * 2 + 2]))).item())
         out[name] = {"losses": losses, "state": engine.full_state_dict(), "memory": engine.memory_report()}
         engine.end()
-    torch.distributed.destroy_process_group()
+    leave_world()
     return out
 
 

@@ -6,7 +6,7 @@ import torch
 
 from meshkit import Engine
 from meshkit.models.gpt import lm_loss
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import leave_world, run_world
 from tests.helpers.training import assert_close_relative, assert_state_close, split, tiny_gpt, token_batches
 
 LAYOUTS = {"ddp": {}, "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
@@ -24,7 +24,7 @@ def accumulate_and_clip(rank: int) -> dict:
             losses.append(engine.reduce(engine.train_step(split(batch[rank * 2 : rank * 2 + 2]))).item())
         out[name] = {"losses": losses, "state": engine.full_state_dict()}
         engine.end()
-    torch.distributed.destroy_process_group()
+    leave_world()
     return out
 
 

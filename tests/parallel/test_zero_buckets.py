@@ -13,7 +13,7 @@ from meshkit.parallel.zero.buckets import IN_FLIGHT, plan_buckets
 from meshkit.parallel.zero.optimizer import ZeroOptimizer
 from meshkit.runtime.host_memory import WARMUP_STEPS
 from meshkit.runtime.memory import current_rss_bytes
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import leave_world, run_world
 from tests.helpers.training import assert_state_close, make_optimizer, split, tiny_gpt, token_batches
 
 SMALL_BUCKET_MB = 0.02  # ~5k fp32 elements: tiny GPT's gradients span many buckets, several per rank's chunk
@@ -66,7 +66,7 @@ def _train(rank: int, world: int, accum: int, weighted: bool, tp: int = 1, clip:
                 optimizer.zero_grad()
         out[name] = engine.full_state_dict()
         engine.end()
-    torch.distributed.destroy_process_group()
+    leave_world()
     return out
 
 
@@ -138,7 +138,7 @@ def _rss(rank: int) -> dict[int, list[float]]:
         engine.end()
         del model, optimizer, engine
         out[stage] = sizes
-    torch.distributed.destroy_process_group()
+    leave_world()
     return out
 
 
@@ -163,7 +163,7 @@ def _pipeline(rank: int) -> dict:
             engine.train_step(split(batch[engine.dp_rank * 4 : engine.dp_rank * 4 + 4]))
         out[stage] = engine.full_state_dict()
         engine.end()
-    torch.distributed.destroy_process_group()
+    leave_world()
     out["initial"] = initial
     return out
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from meshkit.runtime.collectives import all_gather_flat
-from tests.helpers.distributed import run_world
+from tests.helpers.distributed import leave_world, run_world
 
 SHARD = 1000  # elements per rank; pieces of 384 bytes = 96 fp32 elements: 11 pieces, the last one short
 
@@ -21,7 +21,7 @@ def _gather(rank: int) -> dict:
         output[rank * SHARD : (rank + 1) * SHARD] = torch.arange(SHARD) + 10_000 * rank
     all_gather_flat(whole, whole[rank * SHARD : (rank + 1) * SHARD], None)
     all_gather_flat(pieces, pieces[rank * SHARD : (rank + 1) * SHARD], None, piece_bytes=384)
-    dist.destroy_process_group()
+    leave_world()
     return {"whole": whole, "pieces": pieces}
 
 
