@@ -9,7 +9,9 @@ it needs. Two exceptions:
   are saved in their original order as full tensors and re-interleaved on load;
 - ZeRO-1/2 keep each param group's optimizer state as one flat buffer split at arbitrary offsets, which no
   rectangular piece of a parameter can describe. It is saved as `optim.flat.pp<p>.group<g>.<state>`, one
-  1-D tensor per group split over the data-parallel ranks, and loads directly at any ZeRO-1/2 world size.
+  1-D tensor per group split over the data-parallel ranks, and loads directly at any ZeRO-1/2 world size
+  (under expert parallel a group's expert banks have a buffer of their own per ep rank,
+  `optim.flat.pp<p>.experts<e>.group<g>.<state>`, split over the ranks holding those experts).
   Moving between this form and the per-parameter one (e.g. ZeRO-1 → DDP) reads the full states on every
   rank once: transient memory of one unsharded optimizer state.
 """
@@ -126,23 +128,29 @@ class TrainingState:
     def _model_tensors(self) -> dict[str, torch.Tensor]:
         return {key: self.names.to_canonical(key, tensor) for key, tensor in self._model_state().items()}
 
-    def _flat_key(self, index: int, group: int, state: str) -> str:
-        # Under tensor parallel each tp rank's flat buffer holds its own shards: one key per tp coordinate.
+    def _flat_key(self, index: int, shard: FlatShard, state: str) -> str:
+        # Under tensor parallel each tp rank's flat buffer holds its own shards: one key per tp coordinate; under
+        # expert parallel each ep rank's expert buffer holds its own experts: one key per ep coordinate.
         tp = f".tp{self.mesh.coordinate('tp')}" if self.mesh.size("tp") > 1 else ""
-        return f"{_prefix('optim', index)}.flat.pp{self.mesh.coordinate('pp')}{tp}.group{group}.{state}"
+        ep = f".experts{self.mesh.expert_dim('ep').get_local_rank()}" if shard.expert else ""
+        pp = self.mesh.coordinate("pp")
+        return f"{_prefix('optim', index)}.flat.pp{pp}{tp}{ep}.group{shard.group_index}.{state}"
 
-    def _refuse_flat_tp_crossing(self, index: int, stored: StoredShapes, into_flat: bool) -> None:
-        """ZeRO-1/2 states saved under tensor parallel hold tp shards in flat buffers: only ZeRO-1/2 at the same
-        tp size can read them (any dp size); anything else would need them cut out and reassembled."""
-        flat = [k for k in stored if k.startswith(f"{_prefix('optim', index)}.flat.")]
-        saved_tp = len({part for k in flat for part in k.split(".")[3:4] if part.startswith("tp")}) or 1
-        readable_tp = self.mesh.size("tp") if into_flat else 1  # other layouts read the flat states as full ones
-        if flat and saved_tp != readable_tp:
-            here = f"ZeRO-1/2 with tp={self.mesh.size('tp')}" if into_flat else "not ZeRO-1/2"
+    def _refuse_flat_crossing(self, index: int, stored: StoredShapes, into: ZeroOptimizer | None) -> None:
+        """ZeRO-1/2 states saved under tensor or expert parallel hold tp shards (and each ep rank's experts) in
+        flat buffers: only ZeRO-1/2 at the same tp and ep sizes can read them (any dp size); anything else would
+        need them cut out and reassembled."""
+        flat = [k.split(".") for k in stored if k.startswith(f"{_prefix('optim', index)}.flat.")]
+        saved_tp = len({part for k in flat for part in k[3:4] if part.startswith("tp")}) or 1
+        saved_ep = len({part for k in flat for part in k[3:5] if part.startswith("experts")}) or 1
+        experts = into is not None and any(shard.expert for shard in into.shards)
+        readable = (self.mesh.size("tp"), self.mesh.dims.ep if experts else 1) if into else (1, 1)
+        if flat and (saved_tp, saved_ep) != readable:
+            here = f"ZeRO-1/2 with tp={readable[0]}, ep={readable[1]}" if into else "not ZeRO-1/2"
             raise CheckpointLayoutError(
-                f"optimizer states were saved by ZeRO-1/2 with tp={saved_tp} (flat buffers of tp shards) and this "
-                f"run is {here}: resume with the saving run's zero_stage and tp (any dp), or export the weights "
-                "(meshkit export) and start the optimizer afresh"
+                f"optimizer states were saved by ZeRO-1/2 with tp={saved_tp}, ep={saved_ep} (flat buffers of "
+                f"this rank's pieces) and this run is {here}: resume with the saving run's zero_stage, tp and ep "
+                "(any dp), or export the weights (meshkit export) and start the optimizer afresh"
             )
 
     # ------------------------------------------------------------------ save
@@ -152,10 +160,10 @@ class TrainingState:
         for index, optimizer in enumerate(self.optimizers):
             inner = _inner(optimizer)
             if isinstance(inner, ZeroOptimizer):
-                for number, shard in enumerate(inner.shards):
+                for shard in inner.shards:
                     for state, value in to_canonical(inner.state.get(shard.shard, {})).items():
                         if isinstance(value, torch.Tensor):
-                            out[self._flat_key(index, number, state)] = self._flat_piece(shard, value)
+                            out[self._flat_key(index, shard, state)] = self._flat_piece(shard, value)
                 continue
             prefix = _prefix("optim", index)
             for param, states in inner.state.items():
@@ -173,9 +181,8 @@ class TrainingState:
         numel = sum(size for _, size in shard.slices)
         start = shard.bounds[0]
         valid = max(0, min(shard.chunk, numel - start))
-        return DTensor.from_local(
-            value[:valid], self.mesh.grad_mesh, [Shard(0)], run_check=False, shape=(numel,), stride=(1,)
-        )
+        mesh = self.mesh.expert_dim("edp") if shard.expert else self.mesh.grad_mesh  # the ranks it is chunked over
+        return DTensor.from_local(value[:valid], mesh, [Shard(0)], run_check=False, shape=(numel,), stride=(1,))
 
     def hyperparameters(self) -> list[list[dict[str, Any]]]:
         """Per optimizer, its param groups' settings (JSON-ready; parameters left out)."""
@@ -229,7 +236,7 @@ class TrainingState:
         params = [p for group in inner.param_groups for p in group["params"]]
         flat_stored = any(k.startswith(f"{prefix}.flat.") for k in stored)
         if flat_stored:
-            self._refuse_flat_tp_crossing(index, stored, into_flat=False)
+            self._refuse_flat_crossing(index, stored, into=None)
             full = self._read_flat_as_full(index, stored, read)
         targets: dict[int, dict[str, torch.Tensor]] = {}
         for param in params:
@@ -292,12 +299,12 @@ class TrainingState:
                 chunk_states = {state: _chunk_of(shard, values) for state, values in states.items()}
                 inner.state[shard.shard] = from_canonical(inner.inner, shard.shard, chunk_states)
             return
-        self._refuse_flat_tp_crossing(index, stored, into_flat=True)
+        self._refuse_flat_crossing(index, stored, into=inner)
         targets: dict[str, torch.Tensor] = {}
-        for number, shard in enumerate(inner.shards):
+        for shard in inner.shards:
             state = inner.state.setdefault(shard.shard, {})
             for key, (shape, dtype) in stored.items():
-                head = self._flat_key(index, number, "")
+                head = self._flat_key(index, shard, "")
                 if not key.startswith(head):
                     continue
                 name = key[len(head) :]

@@ -94,6 +94,7 @@ class Preparation(EngineComponent):
             partial = [now[name] for name in done.partial_over_tp if name in now]
             gradients.model_reducers.append(GradientAllReduce(partial, ctx.mesh.group("tp"), average=False))
         experts = {id(param) for bank in done.experts for param in bank.parameters()}
+        objects.expert_params |= experts  # (ZeRO-1/2 chunk them over edp)
         if done.needs_gradient_reduce:
             others = [param for param in now.values() if id(param) not in experts]
             gradients.model_reducers.append(GradientAllReduce(others, ctx.mesh.grad_group))
@@ -123,7 +124,8 @@ class Preparation(EngineComponent):
         if ctx.placement.ps is not None:
             return ctx.placement.ps.prepare_optimizer(optimizer, ctx.objects.models, ctx.gradient_state)
         elsewhere = gradients.reduced_by_models()  # ZeRO leaves these gradients to their reducers
+        objects = ctx.objects
         sharded = shard_optimizer(
-            optimizer, ctx.objects.models, ctx.mesh, ctx.config, ctx.placement.zero_stage, elsewhere
+            optimizer, objects.models, ctx.mesh, ctx.config, ctx.placement.zero_stage, elsewhere, objects.expert_params
         )
         return PreparedOptimizer(sharded, ctx.gradient_state, ctx.scaler, self._after_step)

@@ -35,6 +35,7 @@ class PreparedObjects:
     pipeline: PipelineRunner | None = None  # the prepared model is split into pipeline stages
     # id(original parameter) -> the one splitting put in its place (None: it lives on another pipeline stage)
     renamed_params: dict[int, nn.Parameter | None] = field(default_factory=dict)
+    expert_params: set[int] = field(default_factory=set)  # ids of the expert banks' parameters split over ep
     logits_sharded: bool = False  # a prepared model returns vocab-sharded logits (tensor parallel)
     causal_lm: bool = False  # the prepared model is a causal LM (next-token logits)
     training_inputs: dict[str, Any] = field(default_factory=dict)  # keywords train_step adds to an HF batch

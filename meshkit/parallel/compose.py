@@ -54,7 +54,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
     pp = mesh.size("pp")
     notice = None
     if mesh.dims.ep > 1:
-        check_expert_parallel(structure.moe, mesh.dims.ep, mesh.grad_size, zero_stage, config.strategy)
+        check_expert_parallel(structure.moe, mesh.dims.ep, mesh.grad_size, config.strategy)
         if not structure.moe:
             notice = f"meshkit: parallel.ep={mesh.dims.ep} changes nothing: the model has no mixture-of-experts blocks"
     if config.strategy == "dataparallel":  # one process: the wrapper replicates the model on every forward

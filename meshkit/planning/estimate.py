@@ -368,11 +368,8 @@ def _check_layout(model: ModelShape, zero_stage: int, dp: int, tp: int, pp: int,
     for name, size in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if size < 1:
             raise EstimateError(f"{name}={size}: sizes are 1 or more")
-    if ep > 1:
-        if (dp * cp) % ep or (model.experts and model.experts % ep):
-            raise EstimateError(f"ep={ep} must divide dp·cp={dp * cp} and the {model.experts or '?'} experts")
-        if zero_stage in (1, 2):
-            raise EstimateError(f"ep={ep} runs with ZeRO-0 or ZeRO-3, not ZeRO-{zero_stage}")
+    if ep > 1 and ((dp * cp) % ep or (model.experts and model.experts % ep)):
+        raise EstimateError(f"ep={ep} must divide dp·cp={dp * cp} and the {model.experts or '?'} experts")
     if model.heads is not None and (tp > model.heads or model.heads % tp):
         raise EstimateError(f"tp={tp} does not divide the {model.heads} attention heads")
     if model.layers is not None and pp > model.layers:

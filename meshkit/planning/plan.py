@@ -105,7 +105,7 @@ def candidates(model: ModelShape, cluster: Cluster, seq_len: int, global_batch: 
                     continue
                 chunks = [v for v in (1, 2, 4) if v == 1 or (layers >= pp * v and microbatches % pp == 0)]
                 for ep in expert_parallel_sizes(model, dp * cp):
-                    for zero in (0, 1, 2, 3) if dp * cp > 1 and ep == 1 else (0, 3) if ep > 1 else (0,):
+                    for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                         for recompute in ("none", "selective", "full"):
                             for offload in ("none", "cpu") if zero == 3 else ("none",):
                                 for v in chunks if pp > 1 else [1]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from meshkit import Engine
-from tests.helpers.distributed import leave_world
+from tests.helpers.distributed import gloo_world, leave_world
 from tests.helpers.hf_layouts import batches, build, make_optimizer, rank_part, train_steps
 
 
@@ -35,6 +35,32 @@ def save_then_resume(rank: int, family: str, first: dict, second: dict, director
     out = {"losses": losses, "saved": saved, "resumed": resumed, "state": engine.full_state_dict()}
     engine.end()
     leave_world()
+    return out
+
+
+def train_then_save(rank: int, family: str, layout: dict, directory: str) -> list[float]:
+    """Two steps in `layout`, then save_state: the losses."""
+    with gloo_world():
+        engine, _ = _engine(family, layout)
+        losses = train_steps(engine, batches()[:2])
+        engine.save_state(Path(directory))
+        engine.end()
+    return losses
+
+
+def resume_then_train(rank: int, family: str, layouts: dict[str, dict], directory: str) -> dict:
+    """Per layout: load_state from `directory` and the last two steps (losses and weights), or the refusal."""
+    out: dict[str, dict] = {}
+    with gloo_world():
+        for name, layout in layouts.items():
+            engine, _ = _engine(family, layout)
+            try:
+                engine.load_state(Path(directory))
+            except Exception as err:  # noqa: BLE001 - a refusal is a result: the test checks its words
+                out[name] = {"refused": str(err)}
+            else:
+                out[name] = {"losses": train_steps(engine, batches()[2:]), "state": engine.full_state_dict()}
+            engine.end()
     return out
 
 

@@ -94,7 +94,16 @@ def run_finetune(rank: int, config: str, assignments: list[str]) -> dict[str, An
     from meshkit.recipes.finetune_config import resolve_finetune
 
     summary = finetune(resolve_finetune(config, assignments))
-    keep = ("losses", "evals", "outputs", "trainable_parameters", "resumed_at_step", "layout", "layout_description")
+    keep = (
+        "losses",
+        "evals",
+        "outputs",
+        "trainable_parameters",
+        "resumed_at_step",
+        "layout",
+        "layout_description",
+        "zero_stage",
+    )
     return {key: summary[key] for key in keep}
 
 

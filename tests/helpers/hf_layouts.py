@@ -40,6 +40,11 @@ LAYOUTS = {
     "ep2_tp2": {"ep": 2, "tp": 2},
     "ep2_pp2": {"ep": 2, "pp": 2, "schedule": "1f1b"},
     "ep2_clipped": {"ep": 2, "max_grad_norm": CLIP},
+    "ep2_zero1": {"ep": 2, "zero_stage": 1},  # ZeRO-1/2: each rank's experts chunked over the 2 ranks holding them
+    "ep2_zero2": {"ep": 2, "zero_stage": 2},
+    "ep2_zero2_clipped": {"ep": 2, "zero_stage": 2, "max_grad_norm": CLIP},
+    "ep2_tp2_zero1_clipped": {"ep": 2, "tp": 2, "zero_stage": 1, "max_grad_norm": CLIP},  # banks whole over tp
+    "ep2_pp2_zero2": {"ep": 2, "pp": 2, "zero_stage": 2, "schedule": "1f1b"},
     "ep4_capacity_ample": {"ep": 4, "capacity_factor": 4.0},
     "ep2_zero3_recompute": {"ep": 2, "zero_stage": 3, "activation_checkpointing": {"mode": "full"}},
     # the router's balancing loss over the global batch (what one process computes)
@@ -48,6 +53,7 @@ LAYOUTS = {
     "ep4_global_aux": {"ep": 4, "router_aux_loss": "global_batch"},
     "ep2_dp2_global_aux": {"ep": 2, "router_aux_loss": "global_batch"},
     "ep2_zero3_global_aux": {"ep": 2, "zero_stage": 3, "router_aux_loss": "global_batch"},
+    "ep2_zero2_global_aux": {"ep": 2, "zero_stage": 2, "router_aux_loss": "global_batch"},
     "ep2_tp2_global_aux": {"ep": 2, "tp": 2, "router_aux_loss": "global_batch"},
     "ep2_cp2_global_aux": {"ep": 2, "cp": 2, "router_aux_loss": "global_batch"},
     "pp2_global_aux": {"pp": 2, "schedule": "1f1b", "router_aux_loss": "global_batch"},

@@ -10,12 +10,26 @@ LAYOUT_CELLS = {  # tests/parallel/test_moe_layouts.py
     "qwen2_moe": ["zero3_4", "tp2", "tp2_sp", "fsdp2_tp2"],  # a shared expert with its own gate, split by tp
 }
 EXPERT_CELLS = {  # tests/parallel/test_expert_parallel.py
-    "mixtral": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2", "ep2_clipped", "ep2_zero3_recompute"],
-    "qwen3_moe": ["ep4", "ep2_dp2", "ep2_zero3", "ep2_tp2", "ep2_pp2"],
-    "deepseek_v3": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2"],
-    "qwen2_moe": ["ep4", "ep2_zero3", "ep2_tp2", "ep2_pp2"],
+    "mixtral": [
+        "ep4",
+        "ep2_dp2",
+        "ep2_zero3",
+        "ep4_zero3",
+        "ep2_tp2",
+        "ep2_pp2",
+        "ep2_clipped",
+        "ep2_zero3_recompute",
+        "ep2_zero1",
+        "ep2_zero2",
+        "ep2_zero2_clipped",
+        "ep2_tp2_zero1_clipped",
+        "ep2_pp2_zero2",
+    ],
+    "qwen3_moe": ["ep4", "ep2_dp2", "ep2_zero3", "ep2_tp2", "ep2_pp2", "ep2_zero2"],
+    "deepseek_v3": ["ep4", "ep2_dp2", "ep2_zero3", "ep4_zero3", "ep2_tp2", "ep2_pp2", "ep2_zero2"],
+    "qwen2_moe": ["ep4", "ep2_zero3", "ep2_tp2", "ep2_pp2", "ep2_zero2"],
     # a bank with biases, stored [E, in, out]; under cp, ring attention with its sliding window and sinks
-    "gpt_oss": ["ddp4", "cp2", "ep4", "ep2_dp2", "ep2_zero3"],
+    "gpt_oss": ["ddp4", "cp2", "ep4", "ep2_dp2", "ep2_zero3", "ep2_zero2"],
     "deepseek_v3_q_lora": ["tp2", "ep2_tp2"],  # its query through a low-rank projection too (as released)
 }
 # the router's balancing loss over the global batch (the "<family>_aux" models), equal to one process
@@ -24,7 +38,7 @@ GLOBAL_AUX = ["ddp4_global_aux", "zero3_4_global_aux", "ep4_global_aux", "ep2_dp
 # more layouts with the global balancing loss, on one family: pipelines (another schedule, recomputation, cp
 # beside pp) and sequence parallel (its routers see parts of the sequences), in a pipeline too
 GLOBAL_AUX_MORE = {"mixtral_aux": ["pp2_gpipe_global_aux", "pp2_recompute_global_aux", "pp2_cp2_global_aux",
-                                   "tp2_sp_global_aux", "pp2_tp2_sp_global_aux"]}  # fmt: skip
+                                   "tp2_sp_global_aux", "pp2_tp2_sp_global_aux", "ep2_zero2_global_aux"]}  # fmt: skip
 # two stages per rank: the counting pass and the terms follow each stage's micro-batches (4 blocks)
 INTERLEAVED_AUX = {"mixtral_aux_deep": ["pp2_interleaved_global_aux", "pp2_interleaved_zb_global_aux"]}
 GLOBAL_AUX_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
@@ -41,6 +55,7 @@ COLUMNS = {
     "ep4": "ep 4",
     "ep2_dp2": "ep 2 × dp 2",
     "ep2_zero3": "ep 2 + ZeRO-3",
+    "ep2_zero2": "ep 2 + ZeRO-2",
     "ep2_tp2": "ep 2 × tp 2",
     "ep2_pp2": "ep 2 × pp 2",
     "global_aux": "global aux loss",

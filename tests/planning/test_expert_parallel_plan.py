@@ -27,13 +27,16 @@ def test_expert_states_split_over_ep_and_stay_whole_under_tp() -> None:
     plain = estimate_memory(shape, precision="fp32", optimizer="sgd", dp=8, tp=2)
     assert plain.gb("params") * 1e9 == pytest.approx(4 * (dense / 2 + shape.expert_params))
     split = estimate_memory(shape, precision="fp32", optimizer="sgd", dp=8, ep=8)
+    split4 = estimate_memory(shape, precision="fp32", optimizer="sgd", dp=8, ep=4)
     assert split.gb("params") * 1e9 == pytest.approx(4 * (dense + shape.expert_params / 8))
     sharded = estimate_memory(shape, precision="fp32", optimizer="sgd", dp=8, ep=4, zero_stage=3)
     # ZeRO-3: dense over all 8 ranks; each rank's quarter of the experts over the 2 ranks that hold it
     assert sharded.gb("params") * 1e9 == pytest.approx(4 * (dense / 8 + shape.expert_params / 4 / 2))
     assert "Ψexperts/(ep·pp)" in split.lines[0].formula
-    with pytest.raises(EstimateError, match="ep=4 runs with ZeRO-0 or ZeRO-3, not ZeRO-1"):
-        estimate_memory(shape, dp=8, ep=4, zero_stage=1)
+    chunked = estimate_memory(shape, precision="fp32", optimizer="sgd", dp=8, ep=4, zero_stage=1)
+    # ZeRO-1: whole parameters; the optimizer's chunks as ZeRO-3's parameter shards
+    assert chunked.gb("params") == pytest.approx(split4.gb("params"))
+    assert chunked.gb("optimizer") * 1e9 == pytest.approx(4 * (dense / 8 + shape.expert_params / 4 / 2))
     with pytest.raises(EstimateError, match="ep=3 must divide dp·cp=6 and the 128 experts"):
         estimate_memory(shape, dp=6, ep=3)
 

@@ -1,5 +1,6 @@
 """`meshkit finetune` on a mixture of experts: an Axolotl config with expert_parallel_size trains like one
-process, alone and with ZeRO-3, and its merged output loads with from_pretrained."""
+process, alone, with ZeRO-2 (Axolotl's stock DeepSpeed file) and with ZeRO-3, and its merged output loads with
+from_pretrained."""
 
 from __future__ import annotations
 
@@ -24,16 +25,18 @@ def moe(tmp_path_factory, material):
     return material, reference
 
 
-@pytest.mark.parametrize("zero_stage", [0, 3])
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_expert_parallel_fine_tune_equals_one_process_and_exports(tmp_path, moe, zero_stage: int) -> None:
     from transformers import AutoModelForCausalLM
 
     material, reference = moe
-    config = write_config(tmp_path / "ft.yaml", material, expert_parallel_size=2, save_steps=4)
-    arguments = [f"output_dir={tmp_path / 'out'}", f"zero_stage={zero_stage}"]
+    # ZeRO-2 as Axolotl's MoE examples write it: its stock DeepSpeed file, by name
+    stage = {"deepspeed": "deepspeed_configs/zero2.json"} if zero_stage == 2 else {}
+    config = write_config(tmp_path / "ft.yaml", material, expert_parallel_size=2, save_steps=4, **stage)
+    arguments = [f"output_dir={tmp_path / 'out'}"] + ([] if stage else [f"zero_stage={zero_stage}"])
     summary = run_world(run_finetune, 2, str(config), arguments, timeout=180)[0]
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
-    assert summary["layout_description"].endswith("experts over ep2")
+    assert summary["layout_description"].endswith("experts over ep2") and summary["zero_stage"] == zero_stage
     trained = load_file(
         export_checkpoint(tmp_path / "out" / "checkpoints", tmp_path / "ckpt").parent / "model.safetensors"
     )

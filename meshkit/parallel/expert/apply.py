@@ -39,17 +39,10 @@ class ExpertParallelError(MeshkitError):
     """An expert-parallel layout that cannot run; the message says what to change."""
 
 
-def check_expert_parallel(
-    moe: tuple[ExpertFacts, ...], ep: int, token_ranks: int, zero_stage: int, strategy: str
-) -> None:
+def check_expert_parallel(moe: tuple[ExpertFacts, ...], ep: int, token_ranks: int, strategy: str) -> None:
     """Refuse, in one line, what expert parallelism cannot do; `token_ranks` = dp × cp."""
     if strategy in ("parameter_server", "dataparallel"):
         raise ExpertParallelError(f"parallel.ep={ep} needs the mesh strategy, not {strategy}: set parallel.ep=1")
-    if zero_stage in (1, 2):
-        raise ExpertParallelError(
-            f"parallel.ep={ep} with zero_stage={zero_stage}: ZeRO-1/2 shard optimizer states over every "
-            "data-parallel rank, whose experts differ under ep; use zero_stage=3 (FSDP) or 0 (DDP)"
-        )
     for facts in moe:
         if not facts.fused:
             raise ExpertParallelError(

@@ -11,7 +11,9 @@ Per rank, with Ψ parameters, N dp ranks and Adam in fp32 (bytes of storage held
 Gradients are reduced in buckets while backward goes on (`meshkit.parallel.zero.buckets`), so stage 2 never
 holds the full 4Ψ (unless `zero.reduce_every_micro_step: false` keeps it over an accumulation window).
 Pipeline stages (whose schedule runs many backward passes per step) and groups holding parameters another
-reducer finishes after backward (summed over tp first) reduce once after backward instead.
+reducer finishes after backward (summed over tp first) reduce once after backward instead. Under expert
+parallel each group's expert banks (this rank's experts) have a flat buffer of their own, chunked over the ranks
+that hold the same experts (`ExpertShards`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,19 +44,37 @@ class ZeroError(MeshkitError):
     """An optimizer ZeRO-1/2 cannot shard; the message says what to change."""
 
 
+@dataclass(frozen=True)
+class ExpertShards:
+    """Expert banks split over ep: each rank's own experts go into flat buffers of their own, chunked over the
+    `group` of ranks that hold the same experts (edp); their gradients are summed there and divided by every
+    data-parallel rank (`divisor` = dp × cp: a bank's gradient holds the tokens its whole ep group routed to it)."""
+
+    params: frozenset[int]  # ids of the banks' parameters
+    group: dist.ProcessGroup
+    divisor: int
+
+
 class FlatShard:
-    """One param group's parameters in one flat buffer; this rank steps chunk `rank` of it."""
+    """Parameters of one param group in one flat buffer, chunked over `group`; this rank steps its chunk."""
 
     def __init__(
         self,
         params: list[nn.Parameter],
-        rank: int,
-        world: int,
+        group: dist.ProcessGroup,
         stage: int,
-        overlap: tuple[dist.ProcessGroup, int, bool, set[int]] | None = None,
+        overlap: tuple[int, bool, set[int]] | None = None,
+        experts: ExpertShards | None = None,
+        group_index: int = 0,
     ) -> None:
-        """`overlap`: (dp group, bucket bytes, reduce every micro-step, ids of parameters another reducer finishes
-        after backward — a group holding one reduces after backward too) to reduce in buckets during backward."""
+        """`overlap`: (bucket bytes, reduce every micro-step, ids of parameters another reducer finishes after
+        backward — a group holding one reduces after backward too) to reduce in buckets during backward.
+        `experts`: these are expert-bank parameters (reduced after backward over the experts' group)."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group
+        self.group_index = group_index  # the optimizer param group they came from
+        self.expert = experts is not None
+        self.divisor = experts.divisor if experts is not None else world
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ZeroError(
@@ -87,19 +108,19 @@ class FlatShard:
         self.shard = nn.Parameter(self.flat[self.bounds[0] : self.bounds[1]])
         self.flat_grad: torch.Tensor | None = None
         self._attached = False  # the parameters' .grad are views of flat_grad (attach_grads)
-        self.piece_bytes = overlap[1] if overlap is not None else GATHER_PIECE_BYTES
+        self.piece_bytes = overlap[0] if overlap is not None else GATHER_PIECE_BYTES
         self.bucketed = (
             BucketedReduce(
                 params,
                 self.slices,
                 self.chunk,
-                overlap[0],
+                group,
                 stage,
-                overlap[1] // self.flat.element_size(),
-                overlap[2],
+                overlap[0] // self.flat.element_size(),
+                overlap[1],
                 self.shard,
             )
-            if overlap is not None and not any(id(p) in overlap[3] for p in params)
+            if overlap is not None and not self.expert and not any(id(p) in overlap[2] for p in params)
             else None
         )
 
@@ -124,7 +145,7 @@ class FlatShard:
             param.grad = self.flat_grad[offset : offset + size].view_as(param)
         self._attached = True
 
-    def reduce(self, group: dist.ProcessGroup) -> None:
+    def reduce(self) -> None:
         """After the last backward of a window: average the gradients over the dp ranks."""
         if self.bucketed is not None:  # reduced during backward already
             self.shard.grad = self.bucketed.reduced_shard(self.bounds, self.shard.detach())
@@ -134,13 +155,13 @@ class FlatShard:
         if self.flat_grad is None:
             self.shard.grad = None
             return
-        self.flat_grad.div_(self.world)  # pre-divide, as DDP does, so the sum cannot overflow
+        self.flat_grad.div_(self.divisor)  # pre-divide, as DDP does, so the sum cannot overflow
         if self.stage == 1:
-            dist.all_reduce(self.flat_grad, group=group)
+            dist.all_reduce(self.flat_grad, group=self.group)
             self.shard.grad = self.flat_grad[self.bounds[0] : self.bounds[1]]
             return
         shard_grad = torch.empty_like(self.shard)
-        reduce_scatter_flat(shard_grad, self.flat_grad, group)
+        reduce_scatter_flat(shard_grad, self.flat_grad, self.group)
         self.shard.grad = shard_grad
         for param in self.params:  # the full gradients are no longer needed: free them
             param.grad = None
@@ -162,9 +183,12 @@ class FlatShard:
 
     def norm_weights(self, tp_size: int) -> torch.Tensor | None:
         """Per element of this rank's chunk: 1, or 1/tp for a parameter every tensor-parallel rank holds whole
-        (its gradient would otherwise count tp times in a norm summed over the tp ranks)."""
+        (its gradient would otherwise count tp times in a norm summed over the tp ranks). Expert banks stay whole
+        on every tp rank."""
         if not self.distributed or tp_size == 1:
             return None
+        if self.expert:
+            return torch.full_like(self.shard.detach(), 1.0 / tp_size)
         weights = torch.ones_like(self.flat)
         for param, (offset, size) in zip(self.params, self.slices, strict=True):
             sharded = isinstance(param, DTensor) and any(placement.is_shard() for placement in param.placements)
@@ -172,9 +196,9 @@ class FlatShard:
                 weights[offset : offset + size] = 1.0 / tp_size
         return weights[self.bounds[0] : self.bounds[1]]
 
-    def gather(self, group: dist.ProcessGroup) -> None:
+    def gather(self) -> None:
         """After the step: every rank receives the others' updated chunks (in bucket-sized pieces)."""
-        all_gather_flat(self.flat, self.shard.detach(), group, self.piece_bytes)
+        all_gather_flat(self.flat, self.shard.detach(), self.group, self.piece_bytes)
 
     def zero_grad(self) -> None:
         if self.bucketed is not None:
@@ -194,10 +218,11 @@ class FlatShard:
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, shards: list[FlatShard]) -> torch.optim.Optimizer:
-    """The same optimizer class and hyper-parameters, over one chunk parameter per param group."""
+    """The same optimizer class and hyper-parameters, over each param group's chunk parameters (one, and one
+    more for its expert banks under expert parallel)."""
     groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [shard.shard]}
-        for group, shard in zip(optimizer.param_groups, shards, strict=True)
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [s.shard for s in shards if s.group_index == i]}
+        for i, group in enumerate(optimizer.param_groups)
     ]
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # per-group values win anyway
@@ -221,17 +246,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         wrap_inner: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
         tp_group: dist.ProcessGroup | None = None,
         overlap: tuple[int, bool, set[int]] | None = None,
+        experts: ExpertShards | None = None,
     ) -> None:
-        """`overlap`: (bucket bytes, reduce every micro-step, parameters reduced elsewhere), see `FlatShard`."""
+        """`overlap`: (bucket bytes, reduce every micro-step, parameters reduced elsewhere), see `FlatShard`;
+        `experts`: the expert banks' parameters under expert parallel, chunked over their own group."""
         # Deliberately no super().__init__: the inner optimizer keeps all the state.
         if optimizer.state:
             raise ZeroError("prepare() the optimizer before its first step: zero_stage 1/2 cannot shard existing state")
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
         self.tp_group = tp_group  # tensor parallel: the chunks hold local shards, a norm sums over tp too
         self.stage = stage
-        buckets = (group, *overlap) if overlap is not None else None
-        self.shards = [FlatShard(list(g["params"]), rank, world, stage, buckets) for g in optimizer.param_groups]
+        self.shards: list[FlatShard] = []
+        for index, param_group in enumerate(optimizer.param_groups):
+            banks = [p for p in param_group["params"] if experts is not None and id(p) in experts.params]
+            others = [p for p in param_group["params"] if experts is None or id(p) not in experts.params]
+            if others or not banks:
+                self.shards.append(FlatShard(others, group, stage, overlap, group_index=index))
+            if banks:
+                self.shards.append(FlatShard(banks, experts.group, stage, None, experts, index))  # type: ignore[union-attr]
         inner = rebuild_optimizer(optimizer, self.shards)
         self.inner = wrap_inner(inner) if wrap_inner else inner
         # An LR scheduler built on the user's optimizer keeps driving it: let it see the rebuilt groups.
@@ -269,11 +301,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def reduce_gradients(self) -> None:
         for shard in self.shards:
-            shard.reduce(self.group)
+            shard.reduce()
         self._reduced = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Global norm from the chunks (one all-reduce), then scale the chunks' gradients."""
+        """Global norm from the chunks (one all-reduce: the expert chunks too, as the edp × ep ranks that hold
+        them are the dp × cp ranks), then scale the chunks' gradients."""
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         pairs = [(s.shard.grad, s.norm_weights(tp)) for s in self.shards if s.shard.grad is not None]
         grads = [grad for grad, _ in pairs]
@@ -303,7 +336,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reduced = False
         result = self.inner.step(closure) if closure else self.inner.step()
         for shard in self.shards:
-            shard.gather(self.group)
+            shard.gather()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

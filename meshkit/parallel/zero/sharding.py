@@ -15,7 +15,7 @@ from meshkit.config.schema import RunConfig, ShardingConfig
 from meshkit.core.errors import MeshkitError
 from meshkit.parallel.zero.local_shards import LocalShardOptimizer, steps_plain_tensors
 from meshkit.parallel.zero.nvme import NVMeOptimizer, block_pages
-from meshkit.parallel.zero.optimizer import ZeroOptimizer
+from meshkit.parallel.zero.optimizer import ExpertShards, ZeroOptimizer
 from meshkit.runtime.mesh import ParallelMesh
 
 
@@ -86,6 +86,7 @@ def shard_optimizer(
     config: RunConfig,
     stage: int,
     reduced_elsewhere: set[int] | None = None,
+    experts: set[int] | None = None,
 ) -> torch.optim.Optimizer:
     """ZeRO-1/2 shard the optimizer itself (reducing gradients in `zero`'s buckets during backward, except on
     pipeline stages and for groups holding `reduced_elsewhere` parameters); `offload=nvme` moves its states to
@@ -103,7 +104,10 @@ def shard_optimizer(
         bucket = int(zero.bucket_mb * 1e6)
         overlap = (bucket, per_micro_step, reduced_elsewhere or set()) if mesh.size("pp") == 1 else None
         wrap = offload if cfg.offload == "nvme" else None
-        return ZeroOptimizer(optimizer, mesh.grad_group, stage, wrap, tp_group, overlap)
+        banks = None
+        if experts and mesh.dims.ep > 1:  # each rank's own experts: chunked over the ranks holding the same ones
+            banks = ExpertShards(frozenset(experts), mesh.expert_dim("edp").get_group(), mesh.grad_size)
+        return ZeroOptimizer(optimizer, mesh.grad_group, stage, wrap, tp_group, overlap, banks)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if steps_plain_tensors(optimizer) and any(isinstance(p, DTensor) for p in params):
         optimizer = LocalShardOptimizer(optimizer)  # ZeRO-3 and tp shards, stepped as plain local pieces
