@@ -1,13 +1,14 @@
 """Expert parallelism on a tiny mixture of experts (Mixtral-style, 8 experts, top-2) at world 4.
 
 Layouts, each in a world of its own: DDP (the baseline: every rank holds every expert), ZeRO-3 (every parameter
-sharded over the 4 ranks), ep 4 (each rank holds 2 experts), ep 2 × dp 2 (each rank holds 4 experts, two ranks
-hold the same ones), and ep 2 with ZeRO-3 on the rest. Per layout: the median step time (and its ratio to DDP's),
-the model states each rank holds (weights, gradients and SGD momentum of its local parameters), the peak resident
-set size, the bytes each rank's all-to-alls sent to other ranks per step against the formula for uniform routing
-(4 passes × top-k × tokens × hidden × 4 bytes × (ep − 1)/ep per MoE layer: dispatch and combine, forward and
-backward), and the balance: the busiest ep rank's routed tokens over the mean (the perf model's
-`expert_imbalance`), and the busiest expert's over the mean. Prints a table and writes JSON.
+sharded over the 4 ranks), ep 4 (each rank holds 2 experts), ep 2 × dp 2 (each rank holds 4 experts, two ranks hold
+the same ones), ep 2 with ZeRO-3 on the rest, and ep 2 with ZeRO-2 (each rank's experts' optimizer chunks over the 2
+ranks that hold them). Per layout: the median step time (and its ratio to DDP's), the weights and the optimizer
+state (SGD momentum) a rank holds after the last step (measured), the peak resident set size, the bytes each rank's
+all-to-alls sent to other ranks per step against the formula for uniform routing (4 passes × top-k × tokens × hidden
+× 4 bytes × (ep − 1)/ep per MoE layer: dispatch and combine, forward and backward), and the balance: the busiest ep
+rank's routed tokens over the mean (the perf model's `expert_imbalance`), and the busiest expert's over the mean.
+Prints a table and writes JSON.
 
     python bench/moe.py [--nproc 4] [--steps 12] [--out bench/results/moe-w4.json]
 """
@@ -26,6 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+if __package__ in (None, ""):  # run as `python bench/moe.py`: the report's section sits beside it in `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report_compare import moe as moe_section
 from meshkit import Engine
 from meshkit.config import LaunchSettings
 from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
@@ -38,6 +43,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ep4": {"ep": 4},
     "ep2 x dp2": {"ep": 2},
     "ep2 + zero3": {"ep": 2, "zero_stage": 3, "dp_shard": -1},
+    "ep2 + zero2": {"ep": 2, "zero_stage": 2},
 }
 
 
@@ -72,15 +78,6 @@ class AllToAllMeter:
         return self.original(output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 
-def local_state_bytes(model: torch.nn.Module) -> int:
-    """Weights, gradients and momentum of the parameters this rank holds (its shards), fp32."""
-    held = 0
-    for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        held += local.numel() * local.element_size() * 3
-    return held
-
-
 def worker(name: str, steps: int, out: Path) -> None:
     meter = AllToAllMeter()
     dist.all_to_all_single = meter  # (this bench's process only: count what the expert layers send)
@@ -98,10 +95,12 @@ def worker(name: str, steps: int, out: Path) -> None:
         seconds.append(time.perf_counter() - start)
         sent.append(meter.sent_bytes - before)
     tokens = (BATCH // engine.dp_size or 1) * SEQ
+    held = engine.memory_report()
     row = {
         "seconds": seconds,
         "sent_bytes": statistics.median(sent),
-        "states_mb": local_state_bytes(model) / 2**20,
+        "weights_mb": held["params"] / 2**20,
+        "optimizer_mb": held["optimizer"] / 2**20,
         "peak_rss_mb": peak_rss_bytes() / 2**20,
         "routed": meter.routed.tolist(),
         "tokens": tokens,
@@ -123,7 +122,8 @@ def summarise(name: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "layout": name,
         "median_step_s": statistics.median(slowest[2:] or slowest),
-        "states_mb": max(rank["states_mb"] for rank in ranks),
+        "weights_mb": max(rank["weights_mb"] for rank in ranks),
+        "optimizer_mb": max(rank["optimizer_mb"] for rank in ranks),
         "peak_rss_mb": max(rank["peak_rss_mb"] for rank in ranks),
         "all_to_all_mb_per_step": max(rank["sent_bytes"] for rank in ranks) / 2**20,
         "formula_mb_per_step": formula / 2**20,
@@ -159,18 +159,11 @@ def main() -> int:
     base = rows[0]["median_step_s"]
     for row in rows:
         row["step_ratio_vs_ddp"] = row["median_step_s"] / base
-    print(f"{'layout':<13}{'step s':>8}{'vs ddp':>8}{'states MB':>11}{'peak MB':>9}{'a2a MB':>8}{'formula':>9}"
-          f"{'ep rank max/mean':>18}{'expert max/mean':>17}")  # fmt: skip
-    for row in rows:
-        expert = f"{row['expert_imbalance']:.2f}" if row["expert_imbalance"] else "-"
-        print(f"{row['layout']:<13}{row['median_step_s']:>8.3f}{row['step_ratio_vs_ddp']:>8.2f}{row['states_mb']:>11.1f}"
-              f"{row['peak_rss_mb']:>9.0f}{row['all_to_all_mb_per_step']:>8.2f}{row['formula_mb_per_step']:>9.2f}"
-              f"{row['ep_rank_imbalance']:>18.2f}{expert:>17}")  # fmt: skip
     shape = {"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "expert_ffn": EXPERT_FFN, "layers": LAYERS,
              "seq": SEQ, "global_batch": BATCH}  # fmt: skip
-    out.write_text(
-        json.dumps({"nproc": args.nproc, "steps": args.steps, "model": shape, "rows": rows}, indent=2) + "\n"
-    )
+    data = {"nproc": args.nproc, "steps": args.steps, "model": shape, "rows": rows}
+    print(moe_section(data))  # as BENCHMARKS.md shows it
+    out.write_text(json.dumps(data, indent=2) + "\n")
     print(f"written to {out}")
     return 0
 

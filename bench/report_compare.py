@@ -40,7 +40,7 @@ def peak_memory(data: dict[str, Any]) -> str:
 def moe(data: dict[str, Any]) -> str:
     rows = [
         [row["layout"], f"{row['median_step_s'] * 1e3:.0f} ms", f"{row['step_ratio_vs_ddp']:.2f}",
-         f"{row['states_mb']:.1f}", f"{row['peak_rss_mb']:.0f}",
+         f"{row['weights_mb']:.1f}", f"{row['optimizer_mb']:.1f}", f"{row['peak_rss_mb']:.0f}",
          f"{row['all_to_all_mb_per_step']:.2f} / {row['formula_mb_per_step']:.2f}", f"{row['ep_rank_imbalance']:.2f}",
          f"{row['expert_imbalance']:.2f}" if row["expert_imbalance"] else "-"]
         for row in data["rows"]
@@ -50,7 +50,8 @@ def moe(data: dict[str, Any]) -> str:
         f"World {data['nproc']}, a Mixtral-style model of {model['layers']} MoE blocks ({model['experts']} experts, "
         f"top-{model['top_k']}, hidden {model['hidden']}, expert FFN {model['expert_ffn']}), global batch "
         f"{model['global_batch']} × {model['seq']} tokens, SGD with momentum, {data['steps']} steps (median, slowest "
-        "rank). States = weights, gradients and momentum a rank holds; all-to-all = what a rank's expert layers send "
+        "rank). Weights and optimizer = what a rank holds after the last step (the optimizer: SGD's momentum, "
+        "ZeRO's chunks of it); all-to-all = what a rank's expert layers send "
         "to other ranks per step, against the uniform-routing formula; balance = the busiest ep rank's (and expert's) "
         "routed tokens over the mean.\n\n"
         + _table(
@@ -58,7 +59,8 @@ def moe(data: dict[str, Any]) -> str:
                 "layout",
                 "step",
                 "vs DDP",
-                "states MB",
+                "weights MB",
+                "optimizer MB",
                 "peak MB",
                 "all-to-all MB / formula",
                 "ep rank max/mean",
