@@ -352,7 +352,9 @@ def flat_layout(param_groups: list[dict[str, Any]], names: dict[int, str]) -> li
     layout = []
     for group in param_groups:
         offset, entries = 0, []
-        for param in group["params"]:  # ZeRO-1/2 flatten a group's parameters in this same order
+        for param in group["params"]:  # ZeRO-1/2 flatten a group's trainable parameters in this same order
+            if not param.requires_grad:
+                continue
             entries.append((names[id(param)], offset, param.shape))
             offset += param.numel()
         layout.append(entries)

@@ -3,8 +3,9 @@
 An MoE block is a module with two children: an expert bank — one module whose own parameters are 3-D with the
 experts first (transformers 5 fuses them: `experts.gate_up_proj` [E, 2·I, H], `experts.down_proj` [E, H, I];
 biases beside them are [E, out]), or
-a ModuleList of E alike expert MLPs — and a router whose `weight` has one row per expert ([E, H]). A child named
-`shared_expert(s)` is the MLP every token also passes through (DeepSeek, Qwen2-MoE). Mixtral, Qwen2/3-MoE, OLMoE,
+a ModuleList of E alike expert MLPs — and a router whose one weight matrix has a row per expert ([E, H]; its own
+or a Linear's inside it). A child named `shared_expert(s)` or `shared_mlp` is the MLP every token also passes
+through (DeepSeek, Qwen2-MoE, HunYuan). Mixtral, Qwen2/3-MoE, OLMoE,
 DeepSeek-V2/V3 and gpt-oss all read this way, and so does a user's own model built alike; nothing here is keyed
 on a family name. Top-k comes from the router or block (`top_k`), else the model config; the load-balancing
 loss from the config (`router_aux_loss_coef`, switched on by `output_router_logits`).
@@ -20,7 +21,8 @@ from torch import nn
 from meshkit.models.adapters import wrapped_module
 from meshkit.models.facts import ExpertFacts, RouterLoss
 
-TOP_K_ATTRIBUTES = ("top_k", "num_experts_per_tok", "moe_top_k", "num_selected_experts")
+TOP_K_ATTRIBUTES = ("top_k", "num_experts_per_tok", "moe_top_k", "num_selected_experts", "moe_topk")
+SHARED_NAMES = ("shared_expert", "shared_mlp")  # (DeepSeek, Qwen2-MoE; HunYuan)
 ROUTER_LOSS_COEFFICIENT = "router_aux_loss_coef"
 ROUTER_LOSS_SWITCH = "output_router_logits"
 
@@ -51,9 +53,14 @@ def _bank_size(name: str, module: nn.Module) -> tuple[int, bool] | None:
 
 
 def _router(block: nn.Module, bank: str, experts: int) -> str | None:
+    """The child whose one weight matrix has a row per expert: its own (`gate.weight`) or one Linear's inside it
+    (HunYuan's `gate.wg`)."""
     for name, child in block.named_children():
+        if name == bank:
+            continue
         weight = getattr(child, "weight", None)
-        if name != bank and isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape[0] == experts:
+        rows = [param for param in child.parameters() if param.dim() == 2 and param.shape[0] == experts]
+        if (isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape[0] == experts) or len(rows) == 1:
             return name
     return None
 
@@ -71,7 +78,7 @@ def moe_block(path: str, block: nn.Module, config: Any = None) -> ExpertFacts | 
         router_module = getattr(block, router)
         top_k = _int_attribute(router_module, TOP_K_ATTRIBUTES) or _int_attribute(block, TOP_K_ATTRIBUTES)
         top_k = top_k or _int_attribute(config, TOP_K_ATTRIBUTES)
-        shared = next((name for name, _ in block.named_children() if name.startswith("shared_expert")), None)
+        shared = next((name for name, _ in block.named_children() if name.startswith(SHARED_NAMES)), None)
         parameters = tuple(f"{bank}.{name}" for name, _ in child.named_parameters())
         adapted = wrapped_module(child) is not child
         return ExpertFacts(path, router, bank, experts, top_k, fused, parameters, shared, adapted)

@@ -112,8 +112,9 @@ def _attention(config: Any, blocks_path: str, blocks: nn.Module) -> tuple[Attent
     return tuple(found)
 
 
-def _cannot(config: Any, family: str) -> dict[str, str]:
-    """Layouts this family cannot run, with the reason meshkit prints."""
+def _cannot(config: Any, family: str, unattended: list[tuple[int, str]]) -> dict[str, str]:
+    """Layouts this family cannot run, with the reason meshkit prints. `unattended`: the blocks (index, path)
+    that hold no attention module."""
     notes: dict[str, str] = {}
     chunk = getattr(config, "attention_chunk_size", None)
     longest = _config_int(config, "max_position_embeddings", "n_positions")
@@ -122,7 +123,25 @@ def _cannot(config: Any, family: str) -> dict[str, str]:
             f"{family} attends within chunks of {config.attention_chunk_size} tokens (attention_chunk_size), which "
             "ring attention does not compute"
         )
+    if unattended:  # a linear-attention, state-space or convolution layer sees only its rank's chunk
+        index, path = unattended[0]
+        kinds = getattr(config, "layer_types", None)
+        kind = f" ({kinds[index]})" if isinstance(kinds, (list, tuple)) and index < len(kinds) else ""
+        notes["cp"] = (
+            f"{family} mixes tokens without attention in {len(unattended)} of its blocks, e.g. {path}{kind}, and ring "
+            "attention splits only attention over the sequence: use cp=1"
+        )
     return notes
+
+
+def _unattended(blocks_path: str, blocks: nn.Module, attention: tuple[AttentionFacts, ...]) -> list[tuple[int, str]]:
+    """The blocks (index, path) that hold none of the attention modules found."""
+    out = []
+    for index, _ in block_units(blocks):
+        path = ".".join(part for part in (blocks_path, str(index)) if part)
+        if not any(facts.path == path or facts.path.startswith(path + ".") for facts in attention):
+            out.append((index, path))
+    return out
 
 
 def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
@@ -152,6 +171,7 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
         last.append(names[id(head)])
     causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
     moe = describe_experts(path, block_units(blocks), config)
+    attention = _attention(config, path, blocks)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocabulary = tuple(f"{names[id(m)]}.weight" for m in (embedding, head) if m is not None and id(m) in names)
     return ModelStructure(
@@ -160,12 +180,12 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
         first_stage=tuple(first),
         last_stage=tuple(last),
         stage_style="hf" if causal and base_name and first else None,
-        attention=_attention(config, path, blocks),
+        attention=attention,
         position_argument="position_ids" if takes_argument(model.forward, "position_ids") else None,
         tied=tied_parameters(model),
         causal_lm=causal,
         training_inputs=(("use_cache", False),) if takes_argument(model.forward, "use_cache") else (),
-        notes=_cannot(config, family),
+        notes=_cannot(config, family, _unattended(path, blocks, attention)),
         vocabulary=tuple(dict.fromkeys(vocabulary)),
         moe=moe,
         router_loss=router_loss(config, moe),

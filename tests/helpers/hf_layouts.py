@@ -10,7 +10,7 @@ import torch
 from meshkit import Engine
 from tests.helpers.distributed import leave_world
 from tests.helpers.hf_models import causal_lm
-from tests.helpers.moe_models import MOE_FAMILIES, TEST_VARIANTS, moe_causal_lm
+from tests.helpers.moe_models import MOE_FAMILIES, MORE_MOE_FAMILIES, TEST_VARIANTS, moe_causal_lm
 
 STEPS, GLOBAL_BATCH, SEQ = 4, 4, 16
 CLIP = 0.1  # small enough that every step of the test clips
@@ -102,7 +102,7 @@ MATRIX = ("tp2", "tp2_sp", "cp2", "pp2_1f1b", "pp2_tp2", "fsdp2_tp2", "zero3_cp2
 
 def build(family: str, seed: int = 0) -> torch.nn.Module:
     """The tiny model of `family`: a dense one (`hf_models`) or a mixture of experts (`moe_models`)."""
-    moe = family in MOE_FAMILIES or family in TEST_VARIANTS
+    moe = family in MOE_FAMILIES or family in MORE_MOE_FAMILIES or family in TEST_VARIANTS
     return moe_causal_lm(family, seed) if moe else causal_lm(family, seed)
 
 

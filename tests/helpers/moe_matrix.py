@@ -32,6 +32,20 @@ EXPERT_CELLS = {  # tests/parallel/test_expert_parallel.py
     "gpt_oss": ["ddp4", "cp2", "ep4", "ep2_dp2", "ep2_zero3", "ep2_zero2"],
     "deepseek_v3_q_lora": ["tp2", "ep2_tp2"],  # its query through a low-rank projection too (as released)
 }
+# families with no adapter entry, in two worlds: what sets each apart (see moe_models.MORE_MOE_FAMILIES)
+MORE_FAMILY_CELLS = {  # tests/parallel/test_moe_layouts.py
+    "olmoe-deepseek_v2-phimoe": {
+        "olmoe": ["tp2", "cp2", "ep2_zero2"],
+        "deepseek_v2": ["cp2", "tp2_cp2", "ep2_tp2"],
+        "phimoe": ["tp2_sp", "ep2_tp2"],
+    },
+    "hunyuan-ernie-granite-qwen3_next": {
+        "hunyuan_moe": ["tp2", "ep2_dp2"],
+        "ernie4_5_moe": ["zero1_4", "ep2_zero2"],
+        "granitemoe": ["tp2", "ep2_dp2"],
+        "qwen3_next": ["cp2", "ep2_dp2", "pp2_1f1b"],
+    },
+}
 # the router's balancing loss over the global batch (the "<family>_aux" models), equal to one process
 GLOBAL_AUX = ["ddp4_global_aux", "zero3_4_global_aux", "ep4_global_aux", "ep2_dp2_global_aux", "ep2_zero3_global_aux",
               "ep2_tp2_global_aux", "ep2_cp2_global_aux", "pp2_global_aux", "ep2_pp2_global_aux"]  # fmt: skip
@@ -43,7 +57,9 @@ GLOBAL_AUX_MORE = {"mixtral_aux": ["pp2_gpipe_global_aux", "pp2_recompute_global
 INTERLEAVED_AUX = {"mixtral_aux_deep": ["pp2_interleaved_global_aux", "pp2_interleaved_zb_global_aux"]}
 GLOBAL_AUX_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 NO_AUXILIARY_LOSS = ("deepseek_v3",)  # it balances its experts by a router bias
-REFUSED: dict[tuple[str, str], str] = {}  # (family, layout) -> the words of meshkit's one-line refusal
+REFUSED: dict[tuple[str, str], str] = {  # (family, layout) -> the words of meshkit's one-line refusal
+    ("qwen3_next", "cp2"): "mixes tokens without attention in 1 of its blocks, e.g. model.layers.0 (linear_attention)",
+}
 COLUMNS = {
     "ddp4": "DDP",
     "zero1_4": "ZeRO-1",
@@ -82,8 +98,9 @@ def render_moe_matrix() -> str:
     """What the MoE tests check, family by family (✓: equal to one process; refused: one line; n/a¹: the model
     has no auxiliary loss)."""
     lines = ["| family | " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
-    for family in {**LAYOUT_CELLS, **EXPERT_CELLS}:
-        run = set(LAYOUT_CELLS.get(family, ())) | set(EXPERT_CELLS[family])
+    more = {family: cells for group in MORE_FAMILY_CELLS.values() for family, cells in group.items()}
+    for family in {**LAYOUT_CELLS, **EXPERT_CELLS, **more}:
+        run = {*LAYOUT_CELLS.get(family, ()), *EXPERT_CELLS.get(family, ()), *more.get(family, ())}
         if family in GLOBAL_AUX_FAMILIES:
             run.add("global_aux")
         cells = ["refused" if (family, c) in REFUSED else "✓" if c in run else "not run" for c in COLUMNS]

@@ -10,6 +10,11 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, EXPERTS, TOP_K = 64, 32, 4, 2, 2, 4, 2
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
+# families meshkit has no adapter entry for, each read from its shapes alone: OLMoE (q/k norms over whole
+# projections), DeepSeek-V2 (latent attention, values narrower than keys), PhiMoE and HunYuan (routers named
+# `router`, and a Linear inside `gate`), ERNIE 4.5 (a frozen correction bias in the router), GraniteMoE, and
+# Qwen3-Next (linear-attention layers beside attention)
+MORE_MOE_FAMILIES = ("olmoe", "deepseek_v2", "phimoe", "hunyuan_moe", "ernie4_5_moe", "granitemoe", "qwen3_next")
 # see moe_causal_lm
 TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux", "qwen2_moe_aux", "gpt_oss", "deepseek_v3_q_lora",
                  "mixtral_aux_deep")  # fmt: skip
@@ -19,6 +24,13 @@ EXPECTED = {
     "qwen3_moe": (LAYERS, None, 0.001),
     "qwen2_moe": (LAYERS, "shared_expert", 0.001),
     "deepseek_v3": (LAYERS - 1, "shared_experts", None),  # its first block is dense; no auxiliary loss
+    "olmoe": (LAYERS, None, 0.01),
+    "deepseek_v2": (LAYERS - 1, "shared_experts", None),
+    "phimoe": (LAYERS, None, 0.001),
+    "hunyuan_moe": (LAYERS, "shared_mlp", None),
+    "ernie4_5_moe": (LAYERS, None, 0.001),
+    "granitemoe": (LAYERS, None, 0.001),
+    "qwen3_next": (LAYERS, "shared_expert", 0.001),
 }
 
 
@@ -48,7 +60,57 @@ def moe_config(family: str, **overrides: Any) -> Any:
         settings = dict(common, num_local_experts=EXPERTS, head_dim=HIDDEN // HEADS, sliding_window=8,
                         layer_types=["sliding_attention", "full_attention"])  # fmt: skip
         return transformers.GptOssConfig(**{**settings, **overrides})
+    more = _more_families(common)
+    if family in more:
+        config_class, settings = more[family]
+        return config_class(**{**settings, **overrides})
     raise ValueError(family)
+
+
+def _more_families(common: dict[str, Any]) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Families with no adapter entry, each with what sets it apart (see MORE_MOE_FAMILIES)."""
+    deepseek = dict(common, num_key_value_heads=HEADS, moe_intermediate_size=HIDDEN, n_shared_experts=1,
+                    first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
+                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)  # fmt: skip
+    return {
+        "olmoe": (transformers.OlmoeConfig, dict(common, num_experts=EXPERTS)),
+        "deepseek_v2": (transformers.DeepseekV2Config, dict(deepseek, n_routed_experts=EXPERTS)),
+        "phimoe": (
+            transformers.PhimoeConfig,
+            dict(common, num_local_experts=EXPERTS, router_jitter_noise=0.0, input_jitter_noise=0.0),
+        ),  # fmt: skip
+        "hunyuan_moe": (
+            transformers.HunYuanMoEV1Config,
+            dict(common, num_experts=EXPERTS, moe_topk=TOP_K, head_dim=HIDDEN // HEADS),
+        ),  # fmt: skip
+        "ernie4_5_moe": (
+            transformers.Ernie4_5_MoeConfig,
+            dict(
+                common,
+                moe_num_experts=EXPERTS,
+                moe_k=TOP_K,
+                moe_intermediate_size=HIDDEN,
+                moe_layer_start_index=0,
+                moe_num_shared_experts=0,
+            ),
+        ),  # fmt: skip
+        "granitemoe": (transformers.GraniteMoeConfig, dict(common, num_local_experts=EXPERTS)),
+        "qwen3_next": (
+            transformers.Qwen3NextConfig,
+            dict(
+                common,
+                num_experts=EXPERTS,
+                moe_intermediate_size=HIDDEN,
+                shared_expert_intermediate_size=HIDDEN,
+                head_dim=HIDDEN // HEADS,
+                linear_num_value_heads=2,
+                linear_num_key_heads=2,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                layer_types=["linear_attention", "full_attention"],
+            ),
+        ),  # fmt: skip
+    }
 
 
 LOW_RANK_QUERY = "deepseek_v3_q_lora"

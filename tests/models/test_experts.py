@@ -9,10 +9,10 @@ from torch import nn
 
 from meshkit.models.structure import describe
 from tests.helpers.hf_models import causal_lm
-from tests.helpers.moe_models import EXPECTED, EXPERTS, MOE_FAMILIES, TOP_K, moe_causal_lm
+from tests.helpers.moe_models import EXPECTED, EXPERTS, MOE_FAMILIES, MORE_MOE_FAMILIES, TOP_K, moe_causal_lm
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", MOE_FAMILIES + MORE_MOE_FAMILIES)
 def test_moe_blocks_of_transformers_families_are_described(family: str) -> None:
     model = moe_causal_lm(family)
     found = describe(model)
@@ -21,13 +21,16 @@ def test_moe_blocks_of_transformers_families_are_described(family: str) -> None:
     for facts in found.moe:
         assert (facts.experts, facts.top_k, facts.fused, facts.shared) == (EXPERTS, TOP_K, True, shared)
         block = model.get_submodule(facts.path)
-        assert getattr(block, facts.router).weight.shape[0] == EXPERTS
-        assert facts.path.startswith(f"{found.blocks}.") and facts.path.endswith(".mlp")
+        rows = [param.shape[0] for param in block.get_submodule(facts.router).parameters() if param.dim() == 2]
+        assert EXPERTS in rows  # its own weight, or a Linear's inside it (HunYuan's gate.wg)
+        assert facts.path.startswith(f"{found.blocks}.") and facts.path.endswith((".mlp", ".block_sparse_moe"))
     names = dict(model.named_parameters())
     expert_names = found.expert_parameters
     assert expert_names and all(names[name].dim() == 3 and names[name].shape[0] == EXPERTS for name in expert_names)
-    # every 3-D parameter of the model is a routed expert's: nothing an expert strategy must place is missed
-    assert set(expert_names) == {name for name, param in names.items() if param.dim() == 3}
+    # every 3-D parameter of the model with a row per expert is a routed expert's (Qwen3-Next's convolution
+    # weights are 3-D too): nothing an expert strategy must place is missed
+    banks = {name for name, param in names.items() if param.dim() == 3 and param.shape[0] == EXPERTS}
+    assert set(expert_names) == banks
     if coefficient is None:
         assert found.router_loss is None
     else:

@@ -1,5 +1,6 @@
 """Ring attention equals full attention (output and q/k/v gradients, fp32, <= 1e-5) at cp = 2 and 4: causal and
-not, with a sliding window, over packed rows (samples kept apart by position_ids) and with attention sinks."""
+not, with a sliding window, over packed rows (samples kept apart by position_ids), with attention sinks, and with
+values narrower than the keys (latent attention)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,15 @@ def reference_attention(q, k, v, window, positions, sinks, softcap):  # type: ig
     return torch.softmax(scores, dim=-1)[..., :SEQ] @ v
 
 
+def narrowed(case: dict, v: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values (and the output's gradient) of `value_dim` features: narrower than the keys, as in latent attention."""
+    width = case.get("value_dim", DIM)
+    return v[..., :width].contiguous(), grad[..., :width].contiguous()
+
+
 def ring_case(rank: int, cp: int, case: dict) -> dict:
     q, k, v, grad, sinks = full_inputs()
+    v, grad = narrowed(case, v, grad)
     q, k, v, grad = (shard_sequence(t, cp, rank, dim=2) for t in (q, k, v, grad))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     sinks = sinks.clone().requires_grad_() if case.get("sinks") else None
@@ -89,11 +97,13 @@ CASES = {
     "packed_window3": {"causal": True, "packed": True, "window": 3},
     "sinks_window5": {"causal": True, "sinks": True, "window": 5},
     "softcap_window3": {"causal": True, "softcap": 0.5, "window": 3},
+    "narrow_values": {"causal": True, "value_dim": DIM // 2},  # DeepSeek's latent attention: v narrower than q, k
 }
 
 
 def expected(settings: dict) -> dict[str, torch.Tensor]:
     q, k, v, grad, sinks = full_inputs()
+    v, grad = narrowed(settings, v, grad)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     sinks = sinks.clone().requires_grad_() if settings.get("sinks") else None
     if settings["causal"]:

@@ -35,6 +35,33 @@ def test_accumulation_and_clipping_match_ddp_on_every_stage() -> None:
             assert_state_close(result[name]["state"], result["ddp"]["state"], 1e-5)
 
 
+def with_a_frozen_layer(rank: int) -> dict:
+    """The optimizer given every parameter, one layer frozen (as a fine-tune freezes embeddings), AdamW with weight
+    decay: torch never steps a parameter without a gradient, so the frozen layer must not move."""
+    torch.distributed.init_process_group("gloo")
+    out = {}
+    for name in ("ddp", "zero1", "zero2"):
+        engine = Engine(seed=0, **LAYOUTS[name])
+        model = tiny_gpt()
+        model.layers[0].requires_grad_(False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model, _ = engine.prepare(model, optimizer, loss_fn=lm_loss)
+        for batch in token_batches(3, 4):
+            engine.train_step(split(batch[rank * 2 : rank * 2 + 2]))
+        out[name] = engine.full_state_dict()
+        engine.end()
+    leave_world()
+    return out
+
+
+def test_a_frozen_layer_in_the_optimizer_stays_put_on_every_stage() -> None:
+    frozen = {k: v for k, v in tiny_gpt().state_dict().items() if k.startswith("layers.0.")}
+    for result in run_world(with_a_frozen_layer, 2, timeout=240):
+        for name in ("ddp", "zero1", "zero2"):
+            assert all(torch.equal(result[name][k], v) for k, v in frozen.items()), name
+            assert_state_close(result[name], result["ddp"], 1e-5)
+
+
 def fp16_skip(rank: int, stage: int) -> dict:
     engine = Engine(seed=0, zero_stage=stage, precision="fp16")
     model = tiny_gpt()

@@ -31,7 +31,8 @@ from meshkit.parallel.context.visibility import Visibility, block_mask, chunk_id
 
 @dataclass
 class _Block:
-    """One rank's keys and values ([2, batch, heads, local_seq, head_dim]), with their packed-sample starts."""
+    """One rank's keys and values side by side ([batch, heads, local_seq, k_dim + v_dim]: their widths may differ,
+    as in DeepSeek's latent attention), with their packed-sample starts."""
 
     kv: torch.Tensor
     starts: torch.Tensor | None
@@ -151,20 +152,20 @@ def ring_forward(
     exchange = _Exchange(group)
     rank, cp, half = exchange.rank, exchange.size, q.shape[2] // 2
     q_parts = (q[:, :, :half], q[:, :, half:])
-    outs = [torch.zeros_like(part, dtype=torch.float32) for part in q_parts]
+    outs = [part.new_zeros((*part.shape[:-1], v.shape[-1]), dtype=torch.float32) for part in q_parts]  # (v's width)
     lses = [torch.full(part.shape[:-1], float("-inf"), device=q.device) for part in q_parts]
-    own = _Block(torch.stack((k, v)), starts)
+    own, width = _Block(torch.cat((k, v), dim=-1), starts), k.shape[-1]
     for offset, block in exchange.blocks(own, offsets):
         for a, b, mask in _blocks(starts, block, rank, offset, cp, half, visibility):
             cols = slice(b * half, (b + 1) * half)
-            scores = scoring(q_parts[a], block.kv[0][:, :, cols], mask)
+            scores = scoring(q_parts[a], block.kv[:, :, cols, :width], mask)
             block_lse = torch.logsumexp(scores, dim=-1)
             weights = torch.exp(scores - block_lse[..., None])
             merged = torch.logaddexp(lses[a], block_lse)  # online softmax: rescale both parts to the new total
             keep_old, keep_new = torch.exp(lses[a] - merged), torch.exp(block_lse - merged)
             if mask is not None:  # a row that sees nothing yet (-inf − -inf): no weight, nothing kept
                 weights, keep_old, keep_new = (t.nan_to_num(0.0) for t in (weights, keep_old, keep_new))
-            block_out = torch.matmul(weights, block.kv[1][:, :, cols].float())
+            block_out = torch.matmul(weights, block.kv[:, :, cols, width:].float())
             outs[a] = outs[a] * keep_old[..., None] + block_out * keep_new[..., None]
             lses[a] = merged
     out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -192,22 +193,22 @@ def ring_backward(
     rank, cp, half = exchange.rank, exchange.size, q.shape[2] // 2
     grad_q = torch.zeros_like(q, dtype=torch.float32)
     delta = (grad_out.float() * out.float()).sum(dim=-1)  # [batch, heads, local_seq]: rowsum(dO ∘ O)
-    own = _Block(torch.stack((k, v)), starts)
+    own, width = _Block(torch.cat((k, v), dim=-1), starts), k.shape[-1]
     grad_own = torch.zeros_like(own.kv, dtype=torch.float32)
     returning = None  # the previous block's gradient on its way back to its owner
     for offset, block in exchange.blocks(own, offsets):
         grad_block = torch.zeros_like(block.kv, dtype=torch.float32)
         for a, b, mask in _blocks(starts, block, rank, offset, cp, half, visibility):
             rows, cols = slice(a * half, (a + 1) * half), slice(b * half, (b + 1) * half)
-            k_block, v_block = block.kv[0][:, :, cols].float(), block.kv[1][:, :, cols].float()
+            k_block, v_block = block.kv[:, :, cols, :width].float(), block.kv[:, :, cols, width:].float()
             scores = scoring(q[:, :, rows], k_block, mask)
             probs = torch.exp(scores - lse[:, :, rows, None])
             d_out = grad_out[:, :, rows].float()
-            grad_block[1][:, :, cols] += torch.matmul(probs.transpose(-2, -1), d_out)
+            grad_block[:, :, cols, width:] += torch.matmul(probs.transpose(-2, -1), d_out)
             d_scores = probs * (torch.matmul(d_out, v_block.transpose(-2, -1)) - delta[:, :, rows, None])
             d_scores = scoring.raw_gradient(d_scores, scores) * scoring.scale
             grad_q[:, :, rows] += torch.matmul(d_scores, k_block)
-            grad_block[0][:, :, cols] += torch.matmul(d_scores.transpose(-2, -1), q[:, :, rows].float())
+            grad_block[:, :, cols, :width] += torch.matmul(d_scores.transpose(-2, -1), q[:, :, rows].float())
         if returning is not None:
             grad_own += exchange.finish(returning)[0]
             returning = None
@@ -220,7 +221,7 @@ def ring_backward(
     grad_sinks = None
     if sinks is not None:  # d lse / d sink is the sink's probability; d out / d sink = −p_sink · out
         grad_sinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum(dim=(0, 2)).to(sinks.dtype)
-    return grad_q.to(q.dtype), grad_own[0].to(k.dtype), grad_own[1].to(v.dtype), grad_sinks
+    return grad_q.to(q.dtype), grad_own[..., :width].to(k.dtype), grad_own[..., width:].to(v.dtype), grad_sinks
 
 
 class RingAttention(torch.autograd.Function):

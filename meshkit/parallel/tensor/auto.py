@@ -121,8 +121,9 @@ def style(kind: str, sequence_parallel: bool) -> ParallelStyle | None:
     return None
 
 
-def named_plan(model: nn.Module, cfg: TensorParallelConfig) -> dict[str, str]:
-    """Module name -> style kind, from the user's patterns or the automatic naming rules."""
+def named_plan(model: nn.Module, cfg: TensorParallelConfig, whole: tuple[str, ...] = ()) -> dict[str, str]:
+    """Module name -> style kind, from the user's patterns or the automatic naming rules; Linear layers at or
+    under a name in `whole` (the routers of MoE blocks, whatever their names) are replicated."""
     if cfg.plan is not None:  # the first pattern that matches a module name decides its style
         plan = {}
         for name, _ in model.named_modules():
@@ -136,7 +137,8 @@ def named_plan(model: nn.Module, cfg: TensorParallelConfig) -> dict[str, str]:
         if inside_lora_layer(name, lora_layers):
             continue  # planned with its LoRA layer (`lora.py`)
         if _is_linear(module) or name in lora_layers:
-            kind = AUTO_RULES.get(name.rsplit(".", 1)[-1])
+            kept = any(name == prefix or name.startswith(f"{prefix}.") for prefix in whole)
+            kind = "replicate" if kept else AUTO_RULES.get(name.rsplit(".", 1)[-1])
             if kind is None:
                 unknown.append(name)
             else:

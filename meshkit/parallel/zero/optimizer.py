@@ -258,9 +258,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stage = stage
         self.shards: list[FlatShard] = []
         for index, param_group in enumerate(optimizer.param_groups):
-            banks = [p for p in param_group["params"] if experts is not None and id(p) in experts.params]
-            others = [p for p in param_group["params"] if experts is None or id(p) not in experts.params]
-            if others or not banks:
+            # A frozen parameter never has a gradient, so torch's optimizers never step it: it stays out of the
+            # chunks (weight decay on a zero gradient would move it).
+            trainable = [p for p in param_group["params"] if p.requires_grad]
+            banks = [p for p in trainable if experts is not None and id(p) in experts.params]
+            others = [p for p in trainable if experts is None or id(p) not in experts.params]
+            if others:
                 self.shards.append(FlatShard(others, group, stage, overlap, group_index=index))
             if banks:
                 self.shards.append(FlatShard(banks, experts.group, stage, None, experts, index))  # type: ignore[union-attr]
