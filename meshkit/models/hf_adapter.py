@@ -155,8 +155,10 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
     family = str(getattr(config, "model_type", type(model).__name__))
     path, blocks = find_blocks(model, blocks_override)
     names = {id(module): name for name, module in model.named_modules()}
-    base = getattr(model, "base_model", model)
-    base_name = names.get(id(base), "")
+    # the module that holds the blocks beside the embeddings and final norm (the model's base_model; Llama 4's
+    # text model is not under the name its base_model_prefix gives)
+    base_name = path.rpartition(".")[0]
+    base = model.get_submodule(base_name) if base_name else model
     first, last, after_blocks = [], [], False
     for child in base.children():
         name = names[id(child)]

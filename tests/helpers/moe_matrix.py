@@ -45,6 +45,7 @@ MORE_FAMILY_CELLS = {  # tests/parallel/test_moe_layouts.py
         "granitemoe": ["tp2", "ep2_dp2"],
         "qwen3_next": ["cp2", "ep2_dp2", "pp2_1f1b"],
     },
+    "llama4": {"llama4": ["tp2", "cp2", "pp2_1f1b", "pp2_tp2", "ep4", "ep2_zero2", "ep2_tp2", "ep2_pp2"]},
 }
 # the router's balancing loss over the global batch (the "<family>_aux" models), equal to one process
 GLOBAL_AUX = ["ddp4_global_aux", "zero3_4_global_aux", "ep4_global_aux", "ep2_dp2_global_aux", "ep2_zero3_global_aux",

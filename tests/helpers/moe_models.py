@@ -12,9 +12,11 @@ VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, EXPERTS, TOP_K = 64, 32, 4, 2, 2, 4, 2
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 # families meshkit has no adapter entry for, each read from its shapes alone: OLMoE (q/k norms over whole
 # projections), DeepSeek-V2 (latent attention, values narrower than keys), PhiMoE and HunYuan (routers named
-# `router`, and a Linear inside `gate`), ERNIE 4.5 (a frozen correction bias in the router), GraniteMoE, and
-# Qwen3-Next (linear-attention layers beside attention)
-MORE_MOE_FAMILIES = ("olmoe", "deepseek_v2", "phimoe", "hunyuan_moe", "ernie4_5_moe", "granitemoe", "qwen3_next")
+# `router`, and a Linear inside `gate`), ERNIE 4.5 (a frozen correction bias in the router), GraniteMoE,
+# Qwen3-Next (linear-attention layers beside attention) and Llama 4's text model (every token through every
+# expert's rows, its shared expert's output added to in place, a base model not under its base_model_prefix)
+MORE_MOE_FAMILIES = ("olmoe", "deepseek_v2", "phimoe", "hunyuan_moe", "ernie4_5_moe", "granitemoe", "qwen3_next",
+                     "llama4")  # fmt: skip
 # see moe_causal_lm
 TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux", "qwen2_moe_aux", "gpt_oss", "deepseek_v3_q_lora",
                  "mixtral_aux_deep")  # fmt: skip
@@ -31,6 +33,7 @@ EXPECTED = {
     "ernie4_5_moe": (LAYERS, None, 0.001),
     "granitemoe": (LAYERS, None, 0.001),
     "qwen3_next": (LAYERS, "shared_expert", 0.001),
+    "llama4": (LAYERS, "shared_expert", 0.001),
 }
 
 
@@ -95,6 +98,19 @@ def _more_families(common: dict[str, Any]) -> dict[str, tuple[Any, dict[str, Any
             ),
         ),  # fmt: skip
         "granitemoe": (transformers.GraniteMoeConfig, dict(common, num_local_experts=EXPERTS)),
+        # every token through every expert's rows (routing weights on the inputs), a shared expert added in place
+        "llama4": (
+            transformers.Llama4TextConfig,
+            dict(
+                common,
+                intermediate_size=HIDDEN,
+                intermediate_size_mlp=2 * HIDDEN,
+                num_local_experts=EXPERTS,
+                head_dim=HIDDEN // HEADS,
+                interleave_moe_layer_step=1,
+                attention_chunk_size=64,
+            ),
+        ),  # fmt: skip
         "qwen3_next": (
             transformers.Qwen3NextConfig,
             dict(

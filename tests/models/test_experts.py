@@ -23,7 +23,8 @@ def test_moe_blocks_of_transformers_families_are_described(family: str) -> None:
         block = model.get_submodule(facts.path)
         rows = [param.shape[0] for param in block.get_submodule(facts.router).parameters() if param.dim() == 2]
         assert EXPERTS in rows  # its own weight, or a Linear's inside it (HunYuan's gate.wg)
-        assert facts.path.startswith(f"{found.blocks}.") and facts.path.endswith((".mlp", ".block_sparse_moe"))
+        assert facts.path.startswith(f"{found.blocks}.")
+        assert facts.path.endswith((".mlp", ".block_sparse_moe", ".feed_forward"))
     names = dict(model.named_parameters())
     expert_names = found.expert_parameters
     assert expert_names and all(names[name].dim() == 3 and names[name].shape[0] == EXPERTS for name in expert_names)

@@ -30,7 +30,7 @@ from meshkit.core.errors import MeshkitError
 from meshkit.models.adapters import expert_delta, parameter_adapters
 from meshkit.models.experts import moe_blocks
 from meshkit.models.facts import ExpertFacts
-from meshkit.parallel.expert.dispatch import routed_experts
+from meshkit.parallel.expert.dispatch import exchange, routed_experts
 
 EXPERT_COUNT_ATTRIBUTES = ("num_experts", "num_local_experts")  # what a bank's own forward reads its size from
 
@@ -106,10 +106,35 @@ class ExpertParallelForward:
         self.adapters = adapters or {}  # parameter name -> peft's LoRA wrapper of it (lora_target_parameters)
         self.own_forward = type(bank).forward  # the class's: the instance attribute is this object
 
-    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor | None = None, top_k_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if top_k_index is None or top_k_weights is None:  # every token for every expert, already weighted
+            return self._every_token(hidden)
         return routed_experts(
             hidden, top_k_index, top_k_weights, self.experts, self.group, self._compute, self.capacity_factor
         )
+
+    def _every_token(self, rows: torch.Tensor) -> torch.Tensor:
+        """A bank that takes each expert's rows for every token, experts one after another and the routing
+        weight already applied (Llama 4: [experts · tokens, hidden]): each rank's rows for an expert go to the
+        rank holding it, which runs the bank's own forward on its experts' rows from every rank and sends the
+        outputs back. (An unrouted token's row is zeros, its output zero: the model's sum is unchanged.)"""
+        ep, local = dist.get_world_size(self.group), self.local_experts
+        tokens = rows.shape[0] // self.experts
+        counts = torch.tensor([tokens], device=rows.device)
+        everyone = [torch.zeros_like(counts) for _ in range(ep)]
+        dist.all_gather(everyone, counts, group=self.group)
+        sources = [int(count) for count in everyone]  # tokens of each ep rank (uneven batches allowed)
+        received = exchange(rows, [local * n for n in sources], [local * tokens] * ep, self.group)
+        pieces = received.split([local * n for n in sources])
+        parts = [part.view(local, n, -1) for part, n in zip(pieces, sources, strict=True)]
+        by_expert = torch.cat(parts, dim=1).reshape(-1, rows.shape[-1])  # [local · Σ tokens, hidden]
+        with self._local_experts() as anchor:
+            out = self.own_forward(self.bank, by_expert) + anchor
+        out = out.view(local, sum(sources), -1).split(sources, dim=1)  # back to each source rank, expert-major
+        returned = torch.cat([part.reshape(local * n, -1) for part, n in zip(out, sources, strict=True)])
+        return exchange(returned, [local * tokens] * ep, [local * n for n in sources], self.group)
 
     def _compute(self, tokens: torch.Tensor, local_expert: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         with self._local_experts() as anchor:

@@ -30,6 +30,8 @@ class StandIn(nn.Module):
     def __init__(self, width: int | None = None) -> None:
         super().__init__()
         self.width = width
+        # (a forward may read its embedding's weight.device: Llama 4 does) — empty, and never saved
+        self.register_buffer("weight", torch.empty(0), persistent=False)
 
     def forward(self, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.width is None:
@@ -56,7 +58,8 @@ def make_transformers_stage(
     chunk: nn.Module, structure: ModelStructure, first: bool, last: bool, first_block: int
 ) -> nn.Module:
     """Turn `chunk` (the whole model, other stages' layers already skipped) into this stage, in place."""
-    base = chunk.base_model
+    holder = structure.blocks.rpartition(".")[0]  # the base model: the blocks' parent (Llama 4's base_model_prefix
+    base = chunk.get_submodule(holder) if holder else chunk  # names no module of its causal LM)
     received = _Received()
     if not first:
         for name in structure.first_stage:

@@ -12,8 +12,9 @@ gets one from its module names or `tensor_parallel.plan` (`auto.py`) and its seq
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -137,6 +138,10 @@ def apply_tensor_parallel(
             fused.update(interleave_in_place(model.get_submodule(name), name, tp, fused_parts(name, kind, structure)))
     styles = {name: found for name, kind in kinds.items() if (found := style(kind, cfg.sequence_parallel))}
     parallelize_module(model, tp_mesh, styles)
+    for facts in structure.moe:  # a split shared expert returns a view of the reduced output
+        shared = f"{facts.path}.{facts.shared}" if facts.shared else None
+        if shared and any(name.startswith(f"{shared}.") for name in styles):
+            model.get_submodule(shared).register_forward_hook(_own_output)
     for facts in structure.attention:
         try:
             divide_attributes(model.get_submodule(facts.path), tp)
@@ -152,6 +157,12 @@ def apply_tensor_parallel(
     if cfg.sequence_parallel:
         partial += on_sequence_shards(model, structure)
     return TensorParallelResult(fused, False, partial)
+
+
+def _own_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """A copy of a split shared expert's output: the view torch's row split returns cannot be added to in place,
+    and a MoE block may do so (Llama 4 adds the routed experts' output into it)."""
+    return output.clone()
 
 
 def fused_parts(name: str, kind: str, structure: ModelStructure) -> tuple[int, ...] | int:
