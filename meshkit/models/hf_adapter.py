@@ -123,7 +123,7 @@ def _cannot(config: Any, family: str, unattended: list[tuple[int, str]]) -> dict
             f"{family} attends within chunks of {config.attention_chunk_size} tokens (attention_chunk_size), which "
             "ring attention does not compute"
         )
-    if unattended:  # a linear-attention, state-space or convolution layer sees only its rank's chunk
+    if unattended:  # a linear-attention, state-space or convolution layer sees only its rank's chunk (first)
         index, path = unattended[0]
         kinds = getattr(config, "layer_types", None)
         kind = f" ({kinds[index]})" if isinstance(kinds, (list, tuple)) and index < len(kinds) else ""
@@ -166,8 +166,8 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
             after_blocks = True
         elif isinstance(child, nn.Embedding) and not after_blocks:
             first.append(name)
-        elif after_blocks and next(child.parameters(), None) is not None:
-            last.append(name)
+        elif (after_blocks or "final" in name.rpartition(".")[2]) and next(child.parameters(), None) is not None:
+            last.append(name)  # (OPT registers its final_layer_norm before its layers)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and head is not base and id(head) in names:
         last.append(names[id(head)])

@@ -9,6 +9,9 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, POSITIONS = 64, 32, 4, 2, 4, 64
+# configs of their own shape, outside the FAMILIES every structure test runs: OPT (its final norm registered before
+# its layers, tokens flattened in its MLP), GPT-J (fc_in/fc_out/out_proj), Falcon (attention computed in the model)
+OTHER_FAMILIES = ("opt", "gptj", "falcon")
 WINDOW = 6  # sliding window of the families that have one (gemma2 and gemma3 alternate windowed and full layers)
 WINDOWED = ("mistral", "gemma2", "gemma3")
 FAMILIES = (
@@ -44,6 +47,8 @@ def config(family: str, **overrides: Any) -> Any:
             eos_token_id=2,
         )
         return transformers.GPT2Config(**{**settings, **overrides})
+    if family in OTHER_FAMILIES:
+        return _other(family, overrides)
     classes = {
         "llama": "LlamaConfig",
         "qwen2": "Qwen2Config",
@@ -76,6 +81,24 @@ def config(family: str, **overrides: Any) -> Any:
     if family == "gemma3":
         settings["layer_types"] = ["sliding_attention", "full_attention"] * (LAYERS // 2)
     return getattr(transformers, classes[family])(**{**settings, **overrides})
+
+
+def _other(family: str, overrides: dict[str, Any]) -> Any:
+    """Families whose configs name their sizes otherwise (see OTHER_FAMILIES)."""
+    if family == "opt":
+        settings = dict(vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=2 * HIDDEN, num_hidden_layers=LAYERS,
+                        num_attention_heads=HEADS, max_position_embeddings=POSITIONS, word_embed_proj_dim=HIDDEN,
+                        dropout=0.0, enable_bias=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+        return transformers.OPTConfig(**{**settings, **overrides})
+    if family == "gptj":
+        settings = dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=4,
+                        n_positions=POSITIONS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)  # fmt: skip
+        return transformers.GPTJConfig(**{**settings, **overrides})
+    settings = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    new_decoder_architecture=True, num_kv_heads=KV_HEADS, pad_token_id=0, bos_token_id=1,
+                    eos_token_id=2)  # fmt: skip
+    return transformers.FalconConfig(**{**settings, **overrides})
 
 
 def causal_lm(family: str, seed: int = 0, **overrides: Any) -> Any:

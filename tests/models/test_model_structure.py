@@ -52,7 +52,22 @@ def test_norms_over_a_whole_projection_are_told_from_per_head_norms() -> None:
     assert {facts.projection_norms for facts in qwen3.attention} == {()}
 
 
-def test_chunked_attention_is_the_one_context_parallel_refusal() -> None:
+def test_blocks_that_mix_tokens_without_attention_refuse_context_parallel() -> None:
+    from tests.helpers.moe_models import moe_causal_lm
+
+    note = describe(moe_causal_lm("qwen3_next")).notes["cp"]  # a linear-attention layer beside attention layers
+    assert "mixes tokens without attention in 1 of its blocks, e.g. model.layers.0 (linear_attention)" in note
+    mamba = transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)
+    assert "in 2 of its blocks" in describe(transformers.AutoModelForCausalLM.from_config(mamba)).notes["cp"]
+
+
+def test_a_final_norm_registered_before_the_blocks_is_placed_after_them() -> None:
+    found = describe(causal_lm("opt"))  # OPT registers final_layer_norm before its layers
+    assert found.first_stage == ("model.decoder.embed_tokens", "model.decoder.embed_positions")
+    assert found.last_stage == ("model.decoder.final_layer_norm", "lm_head")
+
+
+def test_chunked_attention_shorter_than_the_context_refuses_context_parallel() -> None:
     settings = dict(vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(

@@ -22,6 +22,7 @@ from meshkit.parallel.context.ring_attention import ring_attention
 
 IMPLEMENTATION = "meshkit_ring"
 GROUP_ATTRIBUTE = "meshkit_cp_group"
+CALLED_ATTRIBUTE = "meshkit_ring_called"
 
 
 class RingAttentionError(MeshkitError):
@@ -48,6 +49,7 @@ def ring_attention_function(
     if repeats > 1:  # grouped-query attention: each key/value head serves `repeats` query heads
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
     group: dist.ProcessGroup = getattr(module, GROUP_ATTRIBUTE)
+    setattr(module, CALLED_ATTRIBUTE, True)
     out = ring_attention(
         query,
         key,
@@ -70,7 +72,33 @@ def use_ring_attention(model: nn.Module, group: dist.ProcessGroup, attention_pat
     AttentionInterface.register(IMPLEMENTATION, ring_attention_function)
     for path in attention_paths:
         try:
-            setattr(model.get_submodule(path), GROUP_ATTRIBUTE, group)
+            module = model.get_submodule(path)
         except AttributeError:  # on another pipeline stage
             continue
+        setattr(module, GROUP_ATTRIBUTE, group)
+        _FirstCallCheck(module, path)
     model.set_attn_implementation(IMPLEMENTATION)
+
+
+class _FirstCallCheck:
+    """After an attention module's first forward, that it went through ring attention: a model that computes
+    attention itself (Falcon and Bloom call SDPA or matmuls directly) would otherwise attend within each rank's
+    chunk only, silently. Every cp rank runs the same modules, so all of them stop at the same place."""
+
+    def __init__(self, module: nn.Module, path: str) -> None:
+        self.path = path
+        self.pre = module.register_forward_pre_hook(self.before)
+        self.post = module.register_forward_hook(self.after)
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        setattr(module, CALLED_ATTRIBUTE, False)
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.pre.remove()
+        self.post.remove()
+        if not getattr(module, CALLED_ATTRIBUTE, False):
+            raise RingAttentionError(
+                f"context parallel: {self.path} ({type(module).__name__}) computes attention itself, not through "
+                "transformers' attention functions where ring attention takes over, so each rank would attend "
+                "within its own chunk only: use cp=1"
+            )

@@ -41,7 +41,7 @@ from meshkit.parallel.tensor.auto import (
 from meshkit.parallel.tensor.latent import sum_shared_rotary_key
 from meshkit.parallel.tensor.lora import split_lora_layers
 from meshkit.parallel.tensor.norms import split_projection_norms
-from meshkit.parallel.tensor.sequence import apply_sequence_parallel, split_regions
+from meshkit.parallel.tensor.sequence import apply_sequence_parallel, require_sequence_shape, split_regions
 
 
 def _valid_sizes(counts: list[int]) -> str:
@@ -150,6 +150,8 @@ def apply_tensor_parallel(
     split_projection_norms(model, structure.attention, tp_mesh)
     if cfg.sequence_parallel:
         apply_sequence_parallel(model, structure, tp_mesh, set(styles))
+        for name in (name for name, kind in kinds.items() if kind == "rowwise" and name in styles):
+            require_sequence_shape(model.get_submodule(name), name)
     latent = sum_shared_rotary_key(model, structure.attention, tp_mesh.get_group())
     in_regions = [name for name in unsplit_in_split_regions(model, structure, set(styles))
                   if not any(name.startswith(f"{path}.") for path in latent)]  # fmt: skip

@@ -1,7 +1,8 @@
 """Tensor parallel for any model: plans from module names, Linear and transposed (`Conv1D`) layers, fused q/k/v.
 
 Plans come from the automatic naming rules (`q_proj`/`k_proj`/`v_proj`, `gate_proj`/`up_proj` column,
-`o_proj`/`down_proj` row, GPT-2's `c_attn` (fused q/k/v), `c_fc` column and `c_proj` row) or from
+`o_proj`/`down_proj` row, GPT-2's `c_attn` (fused q/k/v), `c_fc` column and `c_proj` row, OPT's and GPT-J's
+`fc1`/`fc_in` column, `fc2`/`fc_out`/`out_proj` row) or from
 `tensor_parallel.plan`. GPT-2's `Conv1D` stores its weight [in, out], the transpose of `nn.Linear`: its column
 split is dim 1 of the weight, its row split dim 0.
 """
@@ -36,6 +37,11 @@ AUTO_RULES = {
     "gate_up_proj": "fused_gate_up",  # Phi-3, GLM-4
     "c_fc": "colwise",
     "c_proj": "rowwise",
+    "out_proj": "rowwise",  # OPT, GPT-J: the attention output
+    "fc1": "colwise",  # OPT
+    "fc2": "rowwise",
+    "fc_in": "colwise",  # GPT-J
+    "fc_out": "rowwise",
     "lm_head": "replicate",
     "shared_expert_gate": "replicate",  # Qwen2-MoE: one gate value per token for its shared expert
     # DeepSeek's latent attention: the low-rank projections stay whole, the per-head ones from them are split

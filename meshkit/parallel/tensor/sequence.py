@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 
 from meshkit.models.blocks import block_units, find_blocks, is_placeholder
 from meshkit.models.structure import ModelStructure
+from meshkit.parallel.tensor.auto import TensorParallelError
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -50,10 +51,11 @@ def apply_sequence_parallel(
     _, blocks = find_blocks(model, structure.blocks)
     gather = _relayout_hook(mesh, Shard(1), Replicate())
     units = list(block_units(blocks))
-    for _, block in units:
-        for child in block.children():
+    for index, block in units:
+        for name, child in block.named_children():
             if is_norm(child):
                 parallelize_module(child, mesh, SequenceParallel(use_local_output=True))
+                require_sequence_shape(child, f"{structure.blocks}.{index}.{name}")
     for _, region in split_regions(model, structure, split_modules):
         region.register_forward_pre_hook(gather, with_kwargs=True)
     present = [block for _, block in units if not is_placeholder(block)]
@@ -67,6 +69,25 @@ def apply_sequence_parallel(
         module = _present(model, name)
         if module is not None:
             module.register_forward_pre_hook(gather, with_kwargs=True)
+
+
+class _SequenceShaped:
+    """A forward pre-hook (first of the module's): its input must be [batch, seq, features], split on dim 1."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].dim() < 3:
+            raise TensorParallelError(
+                f"sequence parallel: {self.name} gets tokens flattened to {tuple(args[0].shape)} by the model, so "
+                "they cannot be split on the sequence: set tensor_parallel.sequence_parallel: false"
+            )
+
+
+def require_sequence_shape(module: nn.Module, name: str) -> None:
+    """Refuse, in one line, a sequence-parallel module that the model feeds flattened tokens (OPT's MLP)."""
+    module.register_forward_pre_hook(_SequenceShaped(name), prepend=True)
 
 
 def _gathered_output(mesh: DeviceMesh) -> Any:
