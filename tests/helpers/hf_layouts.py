@@ -249,8 +249,14 @@ GROUPS = {
     # split with its heads under tp; StableLM: partial rotary, LayerNorm, q/k/v biases; Granite: its multipliers)
     "olmo2-stablelm-granite": {"olmo2": list(MATRIX), "stablelm": list(MATRIX), "granite": list(MATRIX)},
     # OPT registers its final norm before its layers and flattens tokens in its MLP (SP refuses); GPT-J's fc_in/
-    # fc_out/out_proj; Falcon computes attention itself (cp refuses at its first forward)
-    "opt-gptj-falcon": {"opt": [*MATRIX, "tp2_sp"], "gptj": list(MATRIX), "falcon": ["cp2"]},
+    # fc_out/out_proj; Falcon computes attention itself (cp refuses at its first forward); Nemotron's LayerNorm1P
+    # runs on sequence shards under SP
+    "opt-gptj-falcon-nemotron": {
+        "opt": [*MATRIX, "tp2_sp"],
+        "gptj": list(MATRIX),
+        "falcon": ["cp2"],
+        "nemotron": ["tp2_sp", "pp2_tp2_sp"],
+    },
 }
 TESTED = {family: layouts for group in GROUPS.values() for family, layouts in group.items()}
 # (family, layout) -> the words of meshkit's one-line refusal; every other cell must match the reference

@@ -62,6 +62,7 @@ def config(family: str, **overrides: Any) -> Any:
         "olmo2": "Olmo2Config",
         "stablelm": "StableLmConfig",
         "granite": "GraniteConfig",
+        "nemotron": "NemotronConfig",  # its LayerNorm1P (weight + 1), a norm by no name meshkit knew
     }
     settings = dict(
         vocab_size=VOCAB,

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshkit.config.schema import TensorParallelConfig
+from meshkit.models.blocks import block_units, find_blocks
 from meshkit.models.gpt import GPT
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.parallel.tensor.auto import (
@@ -157,7 +158,7 @@ def apply_tensor_parallel(
                   if not any(name.startswith(f"{path}.") for path in latent)]  # fmt: skip
     partial = [name for name in in_regions if name not in lora.whole and name not in lora.partial] + lora.partial
     if cfg.sequence_parallel:
-        partial += on_sequence_shards(model, structure)
+        partial += on_sequence_shards(model, structure, set(styles))
     return TensorParallelResult(fused, False, partial)
 
 
@@ -192,14 +193,19 @@ def unsplit_in_split_regions(model: nn.Module, structure: ModelStructure, split_
     ]
 
 
-def on_sequence_shards(model: nn.Module, structure: ModelStructure) -> list[str]:
-    """Under sequence parallel, the parameters of every MoE block: it runs whole on this rank's sequence shard,
-    token by token, so each rank holds part of their gradients."""
+def on_sequence_shards(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[str]:
+    """Under sequence parallel, the whole parameters of the blocks outside the split attentions and MLPs (and
+    not sequence-parallel norms): every MoE block, which runs token by token on this rank's sequence shard, and
+    any other layer a block applies to its hidden states; each rank holds part of their gradients."""
+    if structure.blocks is None:
+        return []
+    _, blocks = find_blocks(model, structure.blocks)
+    names = {id(param): name for name, param in model.named_parameters()}
+    regions = [f"{name}." for name, _ in split_regions(model, structure, split_modules)]
     out = []
-    for facts in structure.moe:
-        try:
-            block = model.get_submodule(facts.path)
-        except AttributeError:  # on another pipeline stage
-            continue
-        out += [f"{facts.path}.{name}" for name, param in block.named_parameters() if not isinstance(param, DTensor)]
+    for _, block in block_units(blocks):
+        for param in block.parameters():
+            name = names[id(param)]
+            if not isinstance(param, DTensor) and not name.startswith(tuple(regions)):
+                out.append(name)
     return out

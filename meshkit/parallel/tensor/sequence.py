@@ -24,7 +24,8 @@ from meshkit.parallel.tensor.auto import TensorParallelError
 
 
 def is_norm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith(("Norm", "LayerNorm", "RMSNorm"))
+    """A normalisation layer: torch's own, or a family's by its class name (Nemotron's `LayerNorm1P` too)."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
 
 
 def _relayout(tensor: torch.Tensor, mesh: DeviceMesh, source: Placement, target: Placement) -> torch.Tensor:
