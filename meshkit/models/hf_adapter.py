@@ -166,8 +166,12 @@ def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
             after_blocks = True
         elif isinstance(child, nn.Embedding) and not after_blocks:
             first.append(name)
-        elif (after_blocks or "final" in name.rpartition(".")[2]) and next(child.parameters(), None) is not None:
+        elif next(child.parameters(), None) is None:
+            continue  # (rotary tables)
+        elif after_blocks or "final" in name.rpartition(".")[2]:
             last.append(name)  # (OPT registers its final_layer_norm before its layers)
+        else:
+            first.append(name)  # before the blocks with weights of its own: Bloom's embedding norm
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and head is not base and id(head) in names:
         last.append(names[id(head)])

@@ -249,20 +249,23 @@ GROUPS = {
     # split with its heads under tp; StableLM: partial rotary, LayerNorm, q/k/v biases; Granite: its multipliers)
     "olmo2-stablelm-granite": {"olmo2": list(MATRIX), "stablelm": list(MATRIX), "granite": list(MATRIX)},
     # OPT registers its final norm before its layers and flattens tokens in its MLP (SP refuses); GPT-J's fc_in/
-    # fc_out/out_proj; Falcon computes attention itself (cp refuses at its first forward); Nemotron's LayerNorm1P
-    # runs on sequence shards under SP
+    # fc_out/out_proj; Falcon computes attention itself (cp refuses at its first forward) and its blocks return
+    # tuples; Nemotron's LayerNorm1P runs on sequence shards under SP
     "opt-gptj-falcon-nemotron": {
         "opt": [*MATRIX, "tp2_sp"],
         "gptj": list(MATRIX),
-        "falcon": ["cp2"],
+        "falcon": ["cp2", "pp2_1f1b"],
         "nemotron": ["tp2_sp", "pp2_tp2_sp"],
     },
+    # blocks that return tuples in a pipeline (Bloom, Falcon); Bloom's embedding norm belongs to the first stage
+    "bloom": {"bloom": ["pp2_1f1b", "cp2"]},
 }
 TESTED = {family: layouts for group in GROUPS.values() for family, layouts in group.items()}
 # (family, layout) -> the words of meshkit's one-line refusal; every other cell must match the reference
 REFUSED: dict[tuple[str, str], str] = {
     ("opt", "tp2_sp"): "by the model, so they cannot be split on the sequence: set tensor_parallel.sequence_parallel",
     ("falcon", "cp2"): "computes attention itself, not through transformers' attention functions",
+    ("bloom", "cp2"): "BloomForCausalLM.forward takes none that meshkit knows",  # (positions by ALiBi)
 }
 COLUMNS = {
     "tp2": "tp 2",

@@ -10,8 +10,9 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, POSITIONS = 64, 32, 4, 2, 4, 64
 # configs of their own shape, outside the FAMILIES every structure test runs: OPT (its final norm registered before
-# its layers, tokens flattened in its MLP), GPT-J (fc_in/fc_out/out_proj), Falcon (attention computed in the model)
-OTHER_FAMILIES = ("opt", "gptj", "falcon")
+# its layers, tokens flattened in its MLP), GPT-J (fc_in/fc_out/out_proj), Falcon (attention computed in the model,
+# blocks that return tuples), Bloom (an embedding norm before its blocks, blocks that return tuples)
+OTHER_FAMILIES = ("opt", "gptj", "falcon", "bloom")
 WINDOW = 6  # sliding window of the families that have one (gemma2 and gemma3 alternate windowed and full layers)
 WINDOWED = ("mistral", "gemma2", "gemma3")
 FAMILIES = (
@@ -96,6 +97,10 @@ def _other(family: str, overrides: dict[str, Any]) -> Any:
                         n_positions=POSITIONS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0,
                         bos_token_id=1, eos_token_id=2)  # fmt: skip
         return transformers.GPTJConfig(**{**settings, **overrides})
+    if family == "bloom":
+        settings = dict(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS, hidden_dropout=0.0,
+                        attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+        return transformers.BloomConfig(**{**settings, **overrides})
     settings = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                     new_decoder_architecture=True, num_kv_heads=KV_HEADS, pad_token_id=0, bos_token_id=1,
                     eos_token_id=2)  # fmt: skip

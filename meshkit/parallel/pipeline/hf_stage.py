@@ -54,10 +54,50 @@ class _Received:
         return args, {**kwargs, "hidden_states": hidden}
 
 
+class _BlockOutputs:
+    """How the model's blocks return their hidden states — a tensor (most families) or a tuple led by it (Bloom,
+    Falcon: the model's loop takes `outputs[0]`) — learnt from this stage's own blocks."""
+
+    def __init__(self) -> None:
+        self.as_tuple: bool | None = None
+
+    def learn(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.as_tuple = isinstance(output, tuple)
+
+
+class _Skipped(nn.Module):
+    """Stands in for another stage's block, returning the hidden states as the model's blocks do. Before this
+    stage's first own forward the form is unknown: a block before this stage's own ones then returns them with a
+    leading axis, which `outputs[0]` removes and which nothing reads otherwise (the first own block is handed the
+    received hidden states)."""
+
+    is_placeholder = True
+
+    def __init__(self, outputs: _BlockOutputs) -> None:
+        super().__init__()
+        self.outputs = outputs
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.outputs.as_tuple is None:
+            return hidden.unsqueeze(0)
+        return (hidden,) if self.outputs.as_tuple else hidden
+
+
+def _learn_block_outputs(blocks: nn.Module) -> None:
+    """Other stages' blocks return what this stage's blocks return."""
+    outputs = _BlockOutputs()
+    for index, block in enumerate(blocks):
+        if getattr(block, "is_placeholder", False):
+            blocks[index] = _Skipped(outputs)
+        else:
+            block.register_forward_hook(outputs.learn)
+
+
 def make_transformers_stage(
     chunk: nn.Module, structure: ModelStructure, first: bool, last: bool, first_block: int
 ) -> nn.Module:
     """Turn `chunk` (the whole model, other stages' layers already skipped) into this stage, in place."""
+    _learn_block_outputs(chunk.get_submodule(structure.blocks))
     holder = structure.blocks.rpartition(".")[0]  # the base model: the blocks' parent (Llama 4's base_model_prefix
     base = chunk.get_submodule(holder) if holder else chunk  # names no module of its causal LM)
     received = _Received()
