@@ -43,6 +43,7 @@ MORE_FAMILY_CELLS = {  # tests/parallel/test_moe_layouts.py
         "hunyuan_moe": ["tp2", "ep2_dp2"],
         "ernie4_5_moe": ["zero1_4", "ep2_zero2"],
         "granitemoe": ["tp2", "ep2_dp2"],
+        "granitemoeshared": ["tp2", "tp2_sp", "ep2_tp2"],
         "qwen3_next": ["cp2", "ep2_dp2", "pp2_1f1b"],
     },
     "llama4": {"llama4": ["tp2", "cp2", "pp2_1f1b", "pp2_tp2", "ep4", "ep2_zero2", "ep2_tp2", "ep2_pp2"]},

@@ -14,9 +14,10 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 # projections), DeepSeek-V2 (latent attention, values narrower than keys), PhiMoE and HunYuan (routers named
 # `router`, and a Linear inside `gate`), ERNIE 4.5 (a frozen correction bias in the router), GraniteMoE,
 # Qwen3-Next (linear-attention layers beside attention) and Llama 4's text model (every token through every
-# expert's rows, its shared expert's output added to in place, a base model not under its base_model_prefix)
+# expert's rows, its shared expert's output added to in place, a base model not under its base_model_prefix),
+# GraniteMoE-Shared (a fused input_linear/output_linear shared MLP beside the MoE block)
 MORE_MOE_FAMILIES = ("olmoe", "deepseek_v2", "phimoe", "hunyuan_moe", "ernie4_5_moe", "granitemoe", "qwen3_next",
-                     "llama4")  # fmt: skip
+                     "llama4", "granitemoeshared")  # fmt: skip
 # see moe_causal_lm
 TEST_VARIANTS = ("mixtral_one_sided", "mixtral_aux", "qwen3_moe_aux", "qwen2_moe_aux", "gpt_oss", "deepseek_v3_q_lora",
                  "mixtral_aux_deep")  # fmt: skip
@@ -34,6 +35,7 @@ EXPECTED = {
     "granitemoe": (LAYERS, None, 0.001),
     "qwen3_next": (LAYERS, "shared_expert", 0.001),
     "llama4": (LAYERS, "shared_expert", 0.001),
+    "granitemoeshared": (LAYERS, None, 0.001),  # (its shared MLP sits beside the MoE block, a dense MLP to tp)
 }
 
 
@@ -98,6 +100,10 @@ def _more_families(common: dict[str, Any]) -> dict[str, tuple[Any, dict[str, Any
             ),
         ),  # fmt: skip
         "granitemoe": (transformers.GraniteMoeConfig, dict(common, num_local_experts=EXPERTS)),
+        "granitemoeshared": (
+            transformers.GraniteMoeSharedConfig,
+            dict(common, num_local_experts=EXPERTS, shared_intermediate_size=HIDDEN),
+        ),  # fmt: skip
         # every token through every expert's rows (routing weights on the inputs), a shared expert added in place
         "llama4": (
             transformers.Llama4TextConfig,

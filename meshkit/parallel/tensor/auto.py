@@ -42,6 +42,8 @@ AUTO_RULES = {
     "fc2": "rowwise",
     "fc_in": "colwise",  # GPT-J
     "fc_out": "rowwise",
+    "input_linear": "fused_gate_up",  # GraniteMoE-Shared's shared MLP (its experts' are 3-D banks, not Linear)
+    "output_linear": "rowwise",
     "lm_head": "replicate",
     "shared_expert_gate": "replicate",  # Qwen2-MoE: one gate value per token for its shared expert
     # DeepSeek's latent attention: the low-rank projections stay whole, the per-head ones from them are split
