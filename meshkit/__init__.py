@@ -9,14 +9,59 @@ from meshkit.core.moved_modules import install_moved_module_finder
 
 if TYPE_CHECKING:
     from meshkit.engine import Engine
-    from meshkit.engine.accelerate.accelerator import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from meshkit.engine.accelerate.accelerator import Accelerator
+    from meshkit.engine.accelerate.handlers import (
+        AutocastKwargs,
+        DataLoaderConfiguration,
+        DDPCommunicationHookType,
+        DeepSpeedPlugin,
+        DistributedDataParallelKwargs,
+        DistributedType,
+        FullyShardedDataParallelPlugin,
+        GradientAccumulationPlugin,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        ParallelismConfig,
+        ProfileKwargs,
+        ProjectConfiguration,
+    )
+    from meshkit.engine.accelerate.memory import find_executable_batch_size
+
+# Accelerate's names, for scripts ported by changing the import (meshkit.engine.accelerate.handlers)
+_ACCELERATE_RECORDS = (
+    "AutocastKwargs",
+    "DataLoaderConfiguration",
+    "DDPCommunicationHookType",
+    "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "FullyShardedDataParallelPlugin",
+    "GradientAccumulationPlugin",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "ParallelismConfig",
+    "ProfileKwargs",
+    "ProjectConfiguration",
+)
 
 __all__ = [
     "Accelerator",
+    "AutocastKwargs",
+    "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
+    "DistributedType",
     "Engine",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
+    "ParallelismConfig",
+    "ProfileKwargs",
+    "ProjectConfiguration",
     "RunConfig",
+    "find_executable_batch_size",
     "set_seed",
 ]
 __version__ = "0.1.0"
@@ -35,8 +80,16 @@ def __getattr__(name: str) -> Any:
         from meshkit.engine import Engine
 
         return Engine
-    if name in ("Accelerator", "DistributedDataParallelKwargs", "InitProcessGroupKwargs"):
-        from meshkit.engine.accelerate import accelerator
+    if name == "Accelerator":
+        from meshkit.engine.accelerate.accelerator import Accelerator
 
-        return getattr(accelerator, name)
+        return Accelerator
+    if name in _ACCELERATE_RECORDS:
+        from meshkit.engine.accelerate import handlers
+
+        return getattr(handlers, name)
+    if name == "find_executable_batch_size":
+        from meshkit.engine.accelerate.memory import find_executable_batch_size
+
+        return find_executable_batch_size
     raise AttributeError(f"module 'meshkit' has no attribute {name!r}")

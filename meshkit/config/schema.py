@@ -88,6 +88,15 @@ class DDPConfig(Section):
     static_graph: bool = Field(False, description="the graph is the same every step (enables more overlap)")
     find_unused_parameters: bool = Field(False, description="allow parameters without gradient in a step")
     broadcast_buffers: bool = Field(True, description="broadcast buffers from rank 0 every forward")
+    comm_hook: Literal["none", "fp16", "bf16", "power_sgd", "batched_power_sgd"] = Field(
+        "none", description="torch's DDP communication hook: compress gradients to fp16/bf16, or PowerSGD"
+    )
+    comm_wrapper: Literal["none", "fp16", "bf16"] = Field(
+        "none", description="compress what a PowerSGD hook sends to fp16/bf16"
+    )
+    comm_state: dict[str, Any] = Field(
+        default_factory=dict, description="PowerSGD's settings (matrix_approximation_rank, start_powerSGD_iter, ...)"
+    )
 
 
 class ZeroConfig(Section):

@@ -289,20 +289,23 @@ class Engine:
         return self._gradients.accumulate()
 
     @watched("backward")
-    def backward(self, loss: torch.Tensor, *, num_items: float | torch.Tensor | None = None) -> None:
+    def backward(
+        self, loss: torch.Tensor, *, num_items: float | torch.Tensor | None = None, **backward_options: Any
+    ) -> None:
         """Backward with accumulation scaling (and fp16 loss scaling).
 
         Without `num_items` each micro-step's loss counts 1/grad_accum_steps. With it, `loss` is the mean over
         `num_items` items (e.g. tokens) and the final gradient is the mean over every item of the window on
         every dp rank — the right average when micro-batches hold different numbers of tokens.
+        `backward_options` (retain_graph, inputs, ...) go to torch's `backward`.
         """
         if (
             num_items is None and self.ctx.objects.uneven is not None
         ):  # per-rank batch sizes: weigh each rank by its samples
             mine, total = self.ctx.objects.uneven
-            self._gradients.backward(loss, mine, global_items=lambda: float(total))
+            self._gradients.backward(loss, mine, global_items=lambda: float(total), **backward_options)
             return
-        self._gradients.backward(loss, num_items)
+        self._gradients.backward(loss, num_items, **backward_options)
 
     def clip_grad_norm_(self, *args: Any, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip every prepared model's gradients (unscaled first under fp16); None on non-syncing micro-steps.
@@ -365,7 +368,7 @@ class Engine:
         """
         if wait_for_peers:
             self.checkpoints.close()
-            self.end_training()  # trackers close; a parameter-server worker tells the servers it is done
+            self.accelerate_verbs.end_training()  # trackers close; a parameter-server worker tells the servers
         self.ctx.preemption.disarm()
         if self.ctx.hang_doctor is not None:
             self.ctx.hang_doctor.stop()

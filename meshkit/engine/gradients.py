@@ -21,6 +21,7 @@ from meshkit.core.errors import MeshkitError
 from meshkit.parallel.zero.optimizer import ZeroOptimizer
 from meshkit.runtime import collectives
 from meshkit.training.accumulation import GradientState, PreparedOptimizer
+from meshkit.training.precision import unscale_once
 
 if TYPE_CHECKING:
     from meshkit.engine.context import EngineContext
@@ -102,9 +103,11 @@ class GradientSync:
         loss: torch.Tensor,
         num_items: float | torch.Tensor | None,
         global_items: Callable[[], float] | None = None,
+        **backward_options: Any,
     ) -> None:
         """`global_items`: gives this micro-step's item count summed over the gradient group, computed by the
-        caller while backward ran (train_step); without it the window's count is all-reduced when it ends."""
+        caller while backward ran (train_step); without it the window's count is all-reduced when it ends.
+        `backward_options` go to torch's `backward` (retain_graph, inputs, ...)."""
         state = self.state
         weighted = num_items is not None
         if state.weighted_window is None:
@@ -124,7 +127,7 @@ class GradientSync:
         for optimizer in zero:  # ZeRO-1/2 reduce in buckets during the backward that ends a window (or each)
             optimizer.before_backward(final=state.sync)
         with self.loss_context():
-            loss.backward()
+            loss.backward(**backward_options)
         for optimizer in zero:
             optimizer.after_backward()
         if weighted:
@@ -169,12 +172,32 @@ class GradientSync:
             reducer.reduce_gradients()
         self.state.end_window()
 
+    def unscale_gradients(self, optimizers: list[PreparedOptimizer] | None = None) -> None:
+        """Under fp16, divide the gradients by the loss scale now (once per step; clipping calls it too)."""
+        if self.scaler is None:
+            return
+        for optimizer in self.optimizers if optimizers is None else optimizers:
+            unscale_once(self.scaler, optimizer.optimizer)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value], after the window's reduction (elementwise,
+        so ZeRO's chunks and FSDP's shards clamp as they are)."""
+        if not self.state.sync:
+            return
+        self.unscale_gradients()
+        zero = self.zero_optimizers
+        if zero:
+            for optimizer in zero:
+                optimizer.clip_grad_value_(clip_value)
+            return
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad.clamp_(-clip_value, clip_value)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor | None:
         if not self.state.sync:
             return None
-        if self.scaler is not None:
-            for optimizer in self.optimizers:
-                self.scaler.unscale_(optimizer.optimizer)
+        self.unscale_gradients()
         zero = self.zero_optimizers
         if zero:  # gradients live in per-rank chunks: the norm needs one all-reduce
             return zero[0].clip_grad_norm_(max_norm, norm_type)

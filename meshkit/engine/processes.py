@@ -67,19 +67,21 @@ class Processes(EngineComponent):
 
     @watched("gather_for_metrics")
     def gather_for_metrics(self, data: Any) -> Any:
-        """`gather`, minus the samples the sampler repeated to even out the last batch: metrics see the dataset
-        exactly. Call it inside the loop over a prepared loader (it trims that loader's current batch)."""
+        """`gather`, minus the samples the sampler repeated to even out the last batch, in the sampler's order:
+        metrics see the dataset exactly, and an unshuffled loader's predictions come back in dataset order. Call it
+        inside the loop over a prepared loader (it trims that loader's current batch)."""
         loader = self.ctx.gradient_state.active_loader
         counts = loader.valid_counts() if loader is not None else None
         if has_tensors(data):
             gathered = self.gather(data)
             if counts is None:
                 return gathered
-            return map_tensors(lambda t: collectives.drop_padding(t, counts), gathered)
+            return map_tensors(lambda t: collectives.in_sampler_order(t, counts), gathered)
         # Other objects (strings, ids): each rank passes a list of per-sample items.
         per_rank = collectives.gather_object(list(data), self.ctx.placement.data_group)
-        counts = counts or [len(items) for items in per_rank]
-        return [item for items, valid in zip(per_rank, counts, strict=True) for item in items[:valid]]
+        if counts is None:
+            return [item for items in per_rank for item in items]
+        return [per_rank[r][j] for j in range(max(counts)) for r in range(len(per_rank)) if j < counts[r]]
 
     @watched("reduce")
     def reduce(self, data: Any, op: str = "mean") -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from meshkit.config.schema import DDPConfig
@@ -24,7 +25,7 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, cfg: DDPConfig, ignored: lis
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     # torch >= 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning for True/False here).
     buffers_arg = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMETERS else "broadcast_buffers"
-    return DistributedDataParallel(
+    wrapped = DistributedDataParallel(
         model,
         device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None,
         process_group=mesh.grad_group,
@@ -36,3 +37,26 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, cfg: DDPConfig, ignored: lis
         find_unused_parameters=cfg.find_unused_parameters,
         **{buffers_arg: cfg.broadcast_buffers},
     )
+    register_comm_hook(wrapped, cfg)
+    return wrapped
+
+
+def register_comm_hook(model: DistributedDataParallel, cfg: DDPConfig) -> None:
+    """torch's communication hook named by `ddp.comm_hook` (compressed or low-rank gradients), optionally wrapped
+    to send fp16/bf16. PowerSGD keeps an error-feedback state per model, built from `ddp.comm_state`."""
+    if cfg.comm_hook == "none":
+        return
+    hooks = {
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+        "power_sgd": powerSGD_hook.powerSGD_hook,
+        "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook,
+    }
+    hook = hooks[cfg.comm_hook]
+    if cfg.comm_wrapper != "none":
+        wrappers = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
+        hook = wrappers[cfg.comm_wrapper](hook)
+    low_rank = cfg.comm_hook in ("power_sgd", "batched_power_sgd")
+    # (the compressing hooks take the process group as their state: None means DDP's own group)
+    state = powerSGD_hook.PowerSGDState(model.process_group, **cfg.comm_state) if low_rank else model.process_group
+    model.register_comm_hook(state, hook)

@@ -50,6 +50,18 @@ def drop_padding(gathered: torch.Tensor, valid_per_rank: list[int]) -> torch.Ten
     return torch.cat(keep)
 
 
+def in_sampler_order(gathered: torch.Tensor, valid_per_rank: list[int]) -> torch.Tensor:
+    """Rows of a gathered batch in the sampler's order, padding dropped. A DistributedSampler deals sample
+    positions round-robin (rank r's j-th row is position j·world + r), so interleaving the ranks' blocks restores
+    the order of the data: an unshuffled evaluation set comes back in dataset order, as Accelerate returns it."""
+    world = len(valid_per_rank)
+    block = gathered.shape[0] // world
+    if block * world != gathered.shape[0] or block < max(valid_per_rank):
+        return drop_padding(gathered, valid_per_rank)  # (rows are not this batch's samples)
+    order = [r * block + j for j in range(block) for r in range(world) if j < valid_per_rank[r]]
+    return gathered[torch.tensor(order, device=gathered.device)]
+
+
 def reduce(data: Any, group: dist.ProcessGroup | None, op: str = "mean") -> Any:
     """All-reduce every tensor of a nested structure with `op` ('mean' or 'sum'); returns new tensors."""
     if op not in ("mean", "sum"):

@@ -29,9 +29,14 @@ class GradientState:
     active_loader: Any = None  # the prepared loader iterated last (gather_for_metrics trims its padding)
     last_window_items: float = 0.0  # items the last finished window weighted its loss by (0: unweighted)
 
+    sync_with_dataloader: bool = True  # the last batch of the data ends a window (False: windows span epochs)
+
     def begin_micro_step(self) -> None:
         self.micro_step += 1
-        self.sync = self.micro_step % self.accum_steps == 0 or self.end_of_dataloader
+        at_end = self.end_of_dataloader and self.sync_with_dataloader
+        self.sync = self.micro_step % self.accum_steps == 0 or at_end
+        if at_end:  # the next window starts with the next epoch
+            self.micro_step = 0
 
     def end_window(self) -> None:
         self.last_window_items = self.window_items
@@ -106,24 +111,55 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
+    def train(self) -> None:
+        """Pass `train()` on, for optimizers that have one (schedule-free optimizers switch their weights)."""
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        """Pass `eval()` on, for optimizers that have one (schedule-free: evaluate at the averaged weights)."""
+        if callable(getattr(self.optimizer, "eval", None)):
+            self.optimizer.eval()
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else the user's optimizer has (its own methods and attributes) is reached through the view.
+        if name == "optimizer":  # (not set yet: during unpickling or construction)
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
     def __repr__(self) -> str:
         return f"PreparedOptimizer({self.optimizer!r})"
 
 
 class PreparedScheduler:
-    """Steps the wrapped LR scheduler once per real optimizer step."""
+    """Steps the wrapped LR scheduler once per real optimizer step.
 
-    def __init__(self, scheduler: Any, state: GradientState) -> None:
+    `steps_per_step`: scheduler steps per optimizer step (Accelerate's convention without split batches: one per
+    process, since the scheduler was written for one process's batches); `with_optimizer=False` steps it at every
+    call, as the user wrote it.
+    """
+
+    def __init__(
+        self, scheduler: Any, state: GradientState, steps_per_step: int = 1, with_optimizer: bool = True
+    ) -> None:
         self.scheduler = scheduler
         self.gradient_state = state
+        self.steps_per_step = steps_per_step
+        self.with_optimizer = with_optimizer
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
         if self.gradient_state.sync and self.gradient_state.optimizer_stepped:
             # The optimizer did step, perhaps through a rebuilt copy (ZeRO-1/2) torch's check cannot see.
             optimizer = getattr(self.scheduler, "optimizer", None)
             if optimizer is not None:
                 optimizer._opt_called = True
-            self.scheduler.step(*args, **kwargs)
+            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR fails past its last step
+            for _ in range(self.steps_per_step):
+                if total is None or self.scheduler._step_count <= total:
+                    self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return self.scheduler.get_last_lr()

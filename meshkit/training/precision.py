@@ -43,9 +43,10 @@ def autocast_forward(module: nn.Module, precision: str, device_type: str) -> Non
 
 
 def make_grad_scaler(
-    precision: str, device: torch.device, sharded_over: dist.ProcessGroup | None = None
+    precision: str, device: torch.device, sharded_over: dist.ProcessGroup | None = None, **settings: Any
 ) -> torch.amp.GradScaler | None:
-    """fp16 needs loss scaling (its range is narrow); bf16 and fp32 do not.
+    """fp16 needs loss scaling (its range is narrow); bf16 and fp32 do not. `settings`: GradScaler's own
+    (init_scale, growth_factor, backoff_factor, growth_interval, enabled).
 
     With sharded gradients each rank sees only its shard, so the inf/nan check must be agreed over the group
     (`ShardedGradScaler`), or ranks would disagree on skipping the step.
@@ -55,5 +56,15 @@ def make_grad_scaler(
     if sharded_over is not None:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler(device.type, process_group=sharded_over)
-    return torch.amp.GradScaler(device.type)
+        return ShardedGradScaler(device.type, process_group=sharded_over, **settings)
+    return torch.amp.GradScaler(device.type, **settings)
+
+
+def unscale_once(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """Unscale `optimizer`'s gradients unless done already in this step (torch refuses a second unscale_ before
+    update(): a loop may call unscale_gradients and then clip, as with Accelerate)."""
+    from torch.amp.grad_scaler import OptState
+
+    stage = scaler._per_optimizer_states[id(optimizer)]["stage"]
+    if stage is OptState.READY:
+        scaler.unscale_(optimizer)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from meshkit.engine.accelerate.accelerator import AcceleratorError, accelerate_arguments
 from tests.helpers.distributed import run_world
 
 
@@ -69,22 +67,3 @@ def test_the_seed_accelerate_loop_at_world_2_equals_one_process(tmp_path) -> Non
     saved = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
     assert torch.equal(saved["net.0.weight"], two[0]["net.0.weight"])
     assert (tmp_path / "two" / "metrics.jsonl").is_file()
-
-
-def test_accelerate_arguments_map_to_meshkit_settings() -> None:
-    class Plugin:  # Accelerate's TorchDynamoPlugin, read by its fields
-        backend, mode, fullgraph, dynamic = "INDUCTOR", "max-autotune", False, None
-
-    got = accelerate_arguments(
-        mixed_precision="BF16", log_with=["tensorboard", "wandb"], dynamo_plugin=Plugin(), cpu=True
-    )
-    assert got == {
-        "precision": "bf16",
-        "logging": {"trackers": ["jsonl", "tensorboard", "wandb"]},
-        "compile": {"enabled": True, "backend": "inductor", "mode": "max-autotune", "fullgraph": False},
-        "device": "cpu",
-    }
-    with pytest.raises(AcceleratorError, match="log_with='comet_ml'"):
-        accelerate_arguments(log_with="comet_ml")
-    with pytest.raises(AcceleratorError, match="kwargs_handlers: object is not taken"):
-        accelerate_arguments(kwargs_handlers=[object()])

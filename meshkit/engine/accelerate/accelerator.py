@@ -1,112 +1,406 @@
-"""`meshkit.Accelerator`: the Engine under Accelerate's name and constructor, so a loop written against
+"""`meshkit.Accelerator`: the Engine under Accelerate's name, constructor and semantics, so a script written against
 `accelerate.Accelerator` runs by changing only the import:
 
-    from meshkit import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from meshkit import Accelerator, DataLoaderConfiguration, DistributedType, ProjectConfiguration
 
-Accelerate's arguments become code arguments (the highest precedence, as in Accelerate): gradient_accumulation_steps
-→ grad_accum_steps, mixed_precision → precision, log_with → logging.trackers, project_dir → logging.dir,
-dynamo_backend / dynamo_plugin → compile, cpu → device, kwargs_handlers: InitProcessGroupKwargs(timeout) →
-collective_timeout_s, DistributedDataParallelKwargs → ddp.*. Handlers are read by their fields, so Accelerate's
-own handler objects work too.
+Every public member of `accelerate.Accelerator` is here with Accelerate's argument order and behaviour (a test
+enumerates the installed Accelerate's), or refuses at the call in one line naming what to do instead. Where the two
+libraries name the same verb differently, this class carries Accelerate's meaning (`save_model(model, dir)`,
+`reduce(tensor, reduction="sum")`, a scheduler stepped once per process); the Engine keeps its own.
+Arguments are read as `accelerate_arguments` says (arguments.py); the run facts come from the mesh (state.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import timedelta
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from meshkit.core.errors import MeshkitError
-from meshkit.engine.engine import Engine
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
 
-
-class AcceleratorError(MeshkitError):
-    """An Accelerator argument meshkit does not take; the message says what to use."""
-
-
-@dataclass
-class InitProcessGroupKwargs:
-    timeout: timedelta | None = None
-    backend: str | None = None
-
-
-@dataclass
-class DistributedDataParallelKwargs:
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-    broadcast_buffers: bool = True
-
-
-_DDP_FIELDS = (
-    "bucket_cap_mb",
-    "find_unused_parameters",
-    "gradient_as_bucket_view",
-    "static_graph",
-    "broadcast_buffers",
+from meshkit.core.tree import map_tensors
+from meshkit.engine.accelerate import saving, state
+from meshkit.engine.accelerate.arguments import AcceleratorError, accelerate_arguments
+from meshkit.engine.accelerate.handlers import (  # noqa: F401 - re-exported (meshkit.Accelerator's companions)
+    DistributedDataParallelKwargs,
+    DistributedType,
+    InitProcessGroupKwargs,
 )
-_TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "all": None}
+from meshkit.engine.accelerate.profiling import profiled
+from meshkit.engine.accelerate.sync import SyncControl
+from meshkit.engine.engine import Engine
+from meshkit.training.accumulation import PreparedScheduler
+from meshkit.training.precision import make_grad_scaler
 
-
-def accelerate_arguments(
-    *,
-    gradient_accumulation_steps: int | None = None,
-    mixed_precision: str | None = None,
-    log_with: str | list[str] | None = None,
-    project_dir: str | None = None,
-    dynamo_backend: str | None = None,
-    dynamo_plugin: Any = None,
-    kwargs_handlers: list[Any] | None = None,
-    cpu: bool = False,
-) -> dict[str, Any]:
-    """Accelerate's constructor arguments as meshkit code arguments."""
-    out: dict[str, Any] = {}
-    if gradient_accumulation_steps is not None:
-        out["grad_accum_steps"] = gradient_accumulation_steps
-    if mixed_precision is not None:
-        out["precision"] = str(mixed_precision).lower()
-    trackers = [log_with] if isinstance(log_with, str) else list(log_with or [])
-    if trackers:
-        names = ["jsonl"]
-        for tracker in trackers:
-            name = str(getattr(tracker, "value", tracker)).lower()
-            if name not in _TRACKERS:
-                raise AcceleratorError(f"log_with={name!r}: meshkit's trackers are jsonl, tensorboard and wandb")
-            names += ["tensorboard", "wandb"] if name == "all" else [name]
-        out["logging"] = {"trackers": list(dict.fromkeys(names))}
-    if project_dir is not None:
-        out.setdefault("logging", {})["dir"] = str(project_dir)
-    backend = dynamo_backend or getattr(dynamo_plugin, "backend", None)
-    backend_name = str(getattr(backend, "value", backend) or "no").lower()
-    if backend_name != "no":
-        compile_settings: dict[str, Any] = {"enabled": True, "backend": backend_name}
-        for field in ("mode", "fullgraph", "dynamic"):
-            value = getattr(dynamo_plugin, field, None)
-            if value is not None:
-                compile_settings[field] = value
-        out["compile"] = compile_settings
-    if cpu:
-        out["device"] = "cpu"
-    for handler in kwargs_handlers or []:
-        if hasattr(handler, "static_graph") and hasattr(handler, "find_unused_parameters"):
-            out["ddp"] = {field: getattr(handler, field) for field in _DDP_FIELDS if hasattr(handler, field)}
-        elif hasattr(handler, "timeout"):
-            if handler.timeout is not None:
-                out["collective_timeout_s"] = handler.timeout.total_seconds()
-        else:
-            raise AcceleratorError(
-                f"kwargs_handlers: {type(handler).__name__} is not taken (meshkit takes InitProcessGroupKwargs and "
-                "DistributedDataParallelKwargs)"
-            )
-    return out
+_ACCELERATE_NAMES = frozenset((accelerate_arguments.__kwdefaults__ or {}).keys())
 
 
 class Accelerator(Engine):
-    """`Engine` built from Accelerate's constructor arguments (see the module docstring); every Engine verb works."""
+    """`Engine` built from Accelerate's constructor arguments, answering with Accelerate's semantics."""
 
     def __init__(self, config: Any = None, **kwargs: Any) -> None:
-        accelerate_names = set(accelerate_arguments.__kwdefaults__ or {})
-        translated = accelerate_arguments(**{k: v for k, v in kwargs.items() if k in accelerate_names})
-        rest = {k: v for k, v in kwargs.items() if k not in accelerate_names}
-        super().__init__(config, **translated, **rest)
+        code, self._settings = accelerate_arguments(**{k: v for k, v in kwargs.items() if k in _ACCELERATE_NAMES})
+        super().__init__(config, **code, **{k: v for k, v in kwargs.items() if k not in _ACCELERATE_NAMES})
+        plugin = self._settings.gradient_accumulation_plugin
+        self.ctx.gradient_state.sync_with_dataloader = getattr(plugin, "sync_with_dataloader", True)
+        scaler = self._settings.scaler_handler
+        if scaler is not None and self.ctx.scaler is not None:
+            fields = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
+            sharded = self.mesh.grad_group if self.zero_stage else None
+            settings = {name: getattr(scaler, name) for name in fields}
+            self.ctx.scaler = make_grad_scaler(self.config.precision, self.device, sharded, **settings)
+        self._hooks = saving.StateHooks()
+        self._sync = SyncControl(self.ctx)
+        self._said: set[str] = set()
+        for line in self._settings.notices:
+            self._notice(line)
+
+    def _notice(self, line: str) -> None:
+        """One line on the main process, once per run: a setting that changes nothing here."""
+        if line not in self._said:
+            self._said.add(line)
+            self._say_once(f"meshkit: {line}")
+
+    # ------------------------------------------------------------------ what kind of run
+    @property
+    def distributed_type(self) -> DistributedType:
+        return state.distributed_type(self.num_processes, self.device, self.zero_stage)
+
+    @property
+    def state(self) -> state.AcceleratorState:
+        return state.AcceleratorState(self)
+
+    @property
+    def multi_device(self) -> bool:
+        return self.use_distributed and self.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.NO)
+
+    @property
+    def native_amp(self) -> bool:
+        return self.mixed_precision in ("fp16", "bf16")
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.zero_stage == 3
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return self.is_fsdp2
+
+    @property
+    def parallelism_config(self) -> Any:
+        return state.parallelism_config(self)
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        return self.mesh.device_mesh
+
+    @property
+    def should_save_model(self) -> bool:
+        return True  # every rank takes part in save_model; the main process writes
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self.mesh.coordinate("tp")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        return self.mesh.coordinate("pp")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        return self.mesh.coordinate("cp")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.mesh.coordinate("dp_replicate")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        return self.mesh.coordinate("dp_shard")
+
+    # ------------------------------------------------------------------ what it was built with
+    dataloader_config = property(lambda self: self._settings.dataloader_config)
+    project_configuration = property(lambda self: self._settings.project_configuration)
+    init_handler = property(lambda self: self._settings.init_handler)
+    ddp_handler = property(lambda self: self._settings.ddp_handler)
+    profile_handler = property(lambda self: self._settings.profile_handler)
+    autocast_handler = property(lambda self: self._settings.autocast_handler)
+    scaler_handler = property(lambda self: self._settings.scaler_handler)
+    deepspeed_plugin = property(lambda self: None)  # (a DeepSpeedPlugin's settings are meshkit's ZeRO now)
+    fsdp_plugin = property(lambda self: self._settings.fsdp_plugin)
+    step_scheduler_with_optimizer = property(lambda self: self._settings.step_scheduler_with_optimizer)
+    device_placement = property(lambda self: self._settings.device_placement)
+    rng_types = property(lambda self: self._settings.rng_types)
+    log_with = property(lambda self: self._settings.log_with)
+    split_batches = property(lambda self: self.dataloader_config.split_batches)
+    dispatch_batches = property(lambda self: self.dataloader_config.dispatch_batches)
+    use_seedable_sampler = property(lambda self: self.dataloader_config.use_seedable_sampler)
+    non_blocking = property(lambda self: self.dataloader_config.non_blocking)
+    use_stateful_dataloader = property(lambda self: self.dataloader_config.use_stateful_dataloader)
+    project_dir = property(lambda self: self.project_configuration.project_dir)
+    logging_dir = property(lambda self: self.project_configuration.logging_dir)
+    save_iteration = property(lambda self: self.project_configuration.iteration)
+    # fp8 is refused at construction: none of these is ever set
+    fp8_recipe_handler = te_recipe_handler = ao_recipe_handler = msamp_recipe_handler = property(lambda self: None)
+    has_fp8_handler = fp8_enabled = delayed_fp8_autocast = has_lomo_optimizer = property(lambda self: False)
+    fp8_backend = property(lambda self: "NO")
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config.even_batches = value
+        if not value:
+            self._notice(_EVEN)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:  # type: ignore[override]
+        return self.ctx.gradient_state.accum_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        """Set for the next micro-steps, as Accelerate allows (e.g. after find_executable_batch_size shrank the
+        batch)."""
+        if int(steps) < 1:
+            raise AcceleratorError(f"gradient_accumulation_steps = {steps}: give 1 or more")
+        self.ctx.gradient_state.accum_steps = int(steps)
+
+    @property
+    def trackers(self) -> list[Any]:
+        return self.ctx.trackers.running
+
+    @property
+    def step(self) -> int:  # type: ignore[override]
+        """Accelerate's counter: micro-steps taken by `accumulate` in this window sequence (0 at each epoch end)."""
+        return self.ctx.gradient_state.micro_step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.ctx.gradient_state.micro_step = value
+
+    @property
+    def flag_tensor(self) -> torch.Tensor | None:
+        raised = self.accelerate_loop_verbs._trigger_raised
+        return torch.tensor(1, device=self.device) if raised else None
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(optimizer.step_was_skipped for optimizer in self.ctx.objects.optimizers)
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None, loss_fn: Any = None) -> Any:
+        """As Accelerate's: with `split_batches` a loader's batch is the global one (divided over the processes);
+        a scheduler steps once per process at each optimizer step (unless split_batches), as Accelerate's does."""
+        objects = tuple(self._split(obj) if isinstance(obj, DataLoader) else obj for obj in args)
+        prepared = super().prepare(*objects, loss_fn=loss_fn)
+        steps = 1 if self.split_batches else self.dp_size
+        for scheduler in self.ctx.objects.schedulers:
+            if isinstance(scheduler, PreparedScheduler):
+                scheduler.steps_per_step = steps
+                scheduler.with_optimizer = self.step_scheduler_with_optimizer
+        return prepared
+
+    def _split(self, loader: DataLoader) -> DataLoader:
+        if not self.split_batches or loader.batch_size is None:
+            return loader
+        if loader.batch_size % self.dp_size:
+            raise AcceleratorError(
+                f"split_batches: batch_size {loader.batch_size} does not divide over {self.dp_size} processes; "
+                f"use a multiple of {self.dp_size}"
+            )
+        shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler)
+        return DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size // self.dp_size,
+            shuffle=shuffle,
+            collate_fn=loader.collate_fn,
+            drop_last=loader.drop_last,
+            num_workers=loader.num_workers,
+            pin_memory=loader.pin_memory,
+        )
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):  # type: ignore[override]
+        return self.prepare(model)
+
+    def prepare_optimizer(self, optimizer: Any, device_placement: bool | None = None) -> Any:  # type: ignore[override]
+        return self.prepare(optimizer)
+
+    def prepare_data_loader(
+        self, data_loader: Any, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
+    ):  # type: ignore[override]
+        return self.prepare(data_loader)
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:  # type: ignore[override]
+        return self.prepare(scheduler)
+
+    # ------------------------------------------------------------------ the step
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:  # type: ignore[override]
+        super().backward(loss, **kwargs)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Backward inside the block accumulates gradients locally, without reducing them."""
+        return self._sync.hold(model, sync=False)
+
+    def trigger_sync_in_backward(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Backward inside the block reduces gradients, also inside `no_sync` or a non-syncing micro-step."""
+        return self._sync.hold(model, sync=True)
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: Any, even_batches: bool | None = None) -> Iterator[Any]:
+        """Prepared loaders give every rank the same number of batches, so no rank runs out early."""
+        if even_batches is False or not self.even_batches:
+            self._notice(_EVEN)
+        yield joinables
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Under fp16, divide the gradients by the loss scale now (clip_grad_* and step do not do it twice)."""
+        chosen = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else None
+        self._gradients.unscale_gradients(None if chosen is None else list(chosen))
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp every prepared model's gradients to ±clip_value (any layout: the clamp is elementwise)."""
+        self._gradients.clip_grad_value_(float(clip_value))
+
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        raise AcceleratorError(
+            "lomo_backward: LOMO optimizers are not supported; use a torch optimizer (and zero_stage) instead"
+        )
+
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any) -> Any:
+        raise AcceleratorError("deepspeed_ulysses_dl_adapter: split sequences with cp_size (ring attention) instead")
+
+    def free_memory(self, *objects: Any) -> list[None]:  # type: ignore[override]
+        self.step = 0
+        return super().free_memory(*objects)
+
+    def clear(self, *objects: Any) -> list[None]:  # type: ignore[override]
+        return self.free_memory(*objects)
+
+    def end_training(self) -> None:  # type: ignore[override]
+        """Trackers close and the process group ends, as with Accelerate (the last call of a script)."""
+        self.end()
+
+    # ------------------------------------------------------------------ metrics and logs
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:  # type: ignore[override]
+        """All-reduce over the processes that hold different data: 'sum' (Accelerate's default), 'mean', 'max'
+        or 'none' (a sum, as Accelerate's). `scale` applies on XLA only in Accelerate: ignored, as there."""
+        if reduction not in ("sum", "mean", "max", "none"):
+            raise AcceleratorError(f"reduce(reduction={reduction!r}): choose 'sum', 'mean', 'max' or 'none'")
+        group = self.ctx.placement.metric_group
+        size = dist.get_world_size(group) if dist.is_initialized() else 1
+        op = dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM
+
+        def one(value: torch.Tensor) -> torch.Tensor:
+            out = value.clone()
+            if size > 1:
+                dist.all_reduce(out, op=op, group=group)
+            return out / size if reduction == "mean" else out
+
+        return map_tensors(one, tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:  # type: ignore[override]
+        return super().gather_for_metrics(input_data)
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:  # type: ignore[override]
+        if log_kwargs:
+            self._notice("log(log_kwargs=...): meshkit's trackers take the values and the step only")
+        super().log(values, self.ctx.objects.step if step is None else step)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:  # type: ignore[override]
+        tracker = super().get_tracker(name)
+        if not unwrap or tracker is None:
+            return tracker
+        return getattr(tracker, "run", None) or getattr(tracker, "writer", None) or tracker
+
+    # ------------------------------------------------------------------ contexts
+    def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager[Any]:  # type: ignore[override]
+        handler = autocast_handler or self.autocast_handler
+        if handler is not None and not getattr(handler, "enabled", True):
+            return torch.autocast(self.device.type, enabled=False)
+        return super().autocast()
+
+    def profile(self, profile_handler: Any = None) -> contextlib.AbstractContextManager[Any]:
+        """torch.profiler around the block, set by ProfileKwargs; with output_trace_dir each process writes
+        `profile_<process index>.json` there (a Chrome trace)."""
+        return profiled(profile_handler or self.profile_handler, self.process_index, self.wait_for_everyone)
+
+    def maybe_context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: Any = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """Under cp, each buffer holds this rank's sequence chunks inside the block (restored after, unless in
+        `no_restore_buffers`); without cp it changes nothing."""
+        if self.mesh.size("cp") == 1:
+            self._notice("maybe_context_parallel: cp is 1, the buffers stay whole")
+            return contextlib.nullcontext()
+        return self._sync.sequence_chunks(buffers or [], buffer_seq_dims or [], no_restore_buffers or set())
+
+    def verify_device_map(self, model: nn.Module) -> bool:
+        """True when the model was spread over devices by a `device_map` (it cannot then be prepared)."""
+        return any(len(getattr(module, "hf_device_map", {}) or {}) > 1 for module in model.modules())
+
+    # ------------------------------------------------------------------ weights and states
+    def unwrap_model(
+        self, model: nn.Module | None = None, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ):  # type: ignore[override]
+        return super().unwrap_model(model)
+
+    def get_state_dict(self, model: nn.Module | None = None, unwrap: bool = True) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """Full weights under the user's names (collective under sharding: every rank calls it)."""
+        return self.full_state_dict(model if model in self.ctx.objects.models else None)
+
+    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
+        """Write `obj` on the main process (each node's with ProjectConfiguration(save_on_each_node=True)):
+        safetensors with `safe_serialization`, else torch.save. The file appears complete or not at all."""
+        per_node = self.project_configuration.save_on_each_node
+        if self.is_local_main_process if per_node else self.is_main_process:
+            saving.save_object(obj, f, safe_serialization)
+
+    def save_model(  # type: ignore[override]
+        self,
+        model: nn.Module,
+        save_directory: str | Any,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Accelerate's order: safetensors shards (+ index when sharded) that `from_pretrained` loads."""
+        if Path(save_directory).is_file():
+            raise AcceleratorError(f"save_model: {save_directory} is a file; pass a directory")
+        if not safe_serialization:
+            self._notice("save_model(safe_serialization=False): weights are written as safetensors")
+        model = model if model in self.ctx.objects.models else None
+        super().save_model(save_directory, model=model, max_shard_size=max_shard_size)
+
+    def register_save_state_pre_hook(self, hook: Any) -> Any:
+        """`hook(models, weights, output_dir)` runs at each save_state; files it writes into output_dir are kept
+        there (the weights are in the checkpoint whatever it removes from `weights`)."""
+        return self._hooks.register(self._hooks.save, hook)
+
+    def register_load_state_pre_hook(self, hook: Any) -> Any:
+        """`hook(models, input_dir)` runs at each load_state, before the state is read."""
+        return self._hooks.register(self._hooks.load, hook)
+
+    def save_state(self, output_dir: Any = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> str:  # type: ignore[override]
+        """Accelerate's save_state: into `output_dir`, or (automatic naming) `project_dir/checkpoints/checkpoint_<n>`;
+        a directory holding an earlier state is written over, as with Accelerate (atomically here)."""
+        return saving.save_state(self, super().save_state, output_dir, self._hooks)
+
+    def load_state(
+        self, input_dir: Any = None, load_kwargs: Any = None, **load_model_func_kwargs: Any
+    ) -> dict[str, Any]:  # type: ignore[override]
+        """Accelerate's load_state: from `input_dir`, or (automatic naming) the newest checkpoint_<n>."""
+        return saving.load_state(self, super().load_state, input_dir, self._hooks)
+
+
+_EVEN = (
+    "even_batches=False: prepared loaders give every rank the same number of batches (the last padded); "
+    "gather_for_metrics drops the repeats, so metrics see each sample once"
+)

@@ -330,6 +330,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             grad.mul_(coefficient.to(grad.dtype))
         return total
 
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp this rank's gradient chunks elementwise (the reduced gradients: the same as clamping whole)."""
+        for shard in self.shards:
+            if shard.shard.grad is not None:
+                shard.shard.grad.clamp_(-clip_value, clip_value)
+
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if not self._reduced and any(p.grad is not None for s in self.shards for p in s.params):
             raise ZeroError(
