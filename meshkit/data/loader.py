@@ -173,7 +173,7 @@ def shard_dataloader(
     shuffle = isinstance(loader.sampler, RandomSampler)
     if sizes is not None:
         batches = UnevenBatchSampler(len(loader.dataset), sizes, dp_rank, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
-        return ShardedLoader(_rebuilt(loader, batch_sampler=batches), device, state)
+        return ShardedLoader(rebuilt(loader, batch_sampler=batches), device, state)
     sampler = ResumableSampler(
         loader.dataset,
         num_replicas=dp_size,
@@ -182,11 +182,11 @@ def shard_dataloader(
         seed=seed,
         drop_last=loader.drop_last,
     )
-    sharded = _rebuilt(loader, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
+    sharded = rebuilt(loader, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
     return ShardedLoader(sharded, device, state)
 
 
-def _rebuilt(loader: DataLoader, **sampling: Any) -> DataLoader:
+def rebuilt(loader: DataLoader, **sampling: Any) -> DataLoader:
     """`loader` with other sampling arguments and all its other settings."""
     return DataLoader(
         loader.dataset,

@@ -63,15 +63,16 @@ def in_sampler_order(gathered: torch.Tensor, valid_per_rank: list[int]) -> torch
 
 
 def reduce(data: Any, group: dist.ProcessGroup | None, op: str = "mean") -> Any:
-    """All-reduce every tensor of a nested structure with `op` ('mean' or 'sum'); returns new tensors."""
-    if op not in ("mean", "sum"):
-        raise ValueError(f"reduce op must be 'mean' or 'sum', got {op!r}")
+    """All-reduce every tensor of a nested structure with `op` ('mean', 'sum' or 'max'); returns new tensors."""
+    if op not in ("mean", "sum", "max"):
+        raise ValueError(f"reduce op must be 'mean', 'sum' or 'max', got {op!r}")
     size = group_size(group)
+    torch_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
 
     def reduce_one(tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone()
         if size > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(out, op=torch_op, group=group)
         return out / size if op == "mean" else out
 
     return map_tensors(reduce_one, data)

@@ -59,7 +59,7 @@ def read_accelerate(
     if kind == "FSDP":
         read_fsdp_config(data.get("fsdp_config") or {}, out, machines)
     elif kind == "DEEPSPEED":
-        _deepspeed(data.get("deepspeed_config") or {}, out, read_deepspeed_file, processes)
+        read_deepspeed_block(data.get("deepspeed_config") or {}, out, read_deepspeed_file, processes)
     elif kind not in ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU"):
         out.skip("distributed_type", f"{kind} is not supported: meshkit runs DDP, ZeRO/FSDP, tp, pp, cp")
     for key, why in _NOT_NEEDED.items():
@@ -141,7 +141,10 @@ def read_fsdp_config(block: dict[str, Any], out: Imported, machines: int) -> Non
             out.skip(f"fsdp_config.{key}", "not an FSDP setting meshkit knows")
 
 
-def _deepspeed(block: dict[str, Any], out: Imported, read_file: Callable[[str, int | None], None], world: int) -> None:
+def read_deepspeed_block(
+    block: dict[str, Any], out: Imported, read_file: Callable[[str, int | None], None], world: int
+) -> None:
+    """Accelerate's `deepspeed_config` block (the fields of its DeepSpeedPlugin) into `out`."""
     if block.get("deepspeed_config_file"):
         read_file(block["deepspeed_config_file"], world)
         return

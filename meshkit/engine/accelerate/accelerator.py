@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
-from meshkit.core.tree import map_tensors
+from meshkit.data.loader import rebuilt
 from meshkit.engine.accelerate import saving, state
 from meshkit.engine.accelerate.arguments import AcceleratorError, accelerate_arguments
 from meshkit.engine.accelerate.handlers import (  # noqa: F401 - re-exported (meshkit.Accelerator's companions)
@@ -33,6 +32,7 @@ from meshkit.engine.accelerate.handlers import (  # noqa: F401 - re-exported (me
 from meshkit.engine.accelerate.profiling import profiled
 from meshkit.engine.accelerate.sync import SyncControl
 from meshkit.engine.engine import Engine
+from meshkit.runtime import collectives
 from meshkit.training.accumulation import PreparedScheduler
 from meshkit.training.precision import make_grad_scaler
 
@@ -214,16 +214,8 @@ class Accelerator(Engine):
                 f"split_batches: batch_size {loader.batch_size} does not divide over {self.dp_size} processes; "
                 f"use a multiple of {self.dp_size}"
             )
-        shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler)
-        return DataLoader(
-            loader.dataset,
-            batch_size=loader.batch_size // self.dp_size,
-            shuffle=shuffle,
-            collate_fn=loader.collate_fn,
-            drop_last=loader.drop_last,
-            num_workers=loader.num_workers,
-            pin_memory=loader.pin_memory,
-        )
+        sampler = {"shuffle": True} if isinstance(loader.sampler, RandomSampler) else {}
+        return rebuilt(loader, batch_size=loader.batch_size // self.dp_size, drop_last=loader.drop_last, **sampler)
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):  # type: ignore[override]
         return self.prepare(model)
@@ -292,17 +284,8 @@ class Accelerator(Engine):
         or 'none' (a sum, as Accelerate's). `scale` applies on XLA only in Accelerate: ignored, as there."""
         if reduction not in ("sum", "mean", "max", "none"):
             raise AcceleratorError(f"reduce(reduction={reduction!r}): choose 'sum', 'mean', 'max' or 'none'")
-        group = self.ctx.placement.metric_group
-        size = dist.get_world_size(group) if dist.is_initialized() else 1
-        op = dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM
-
-        def one(value: torch.Tensor) -> torch.Tensor:
-            out = value.clone()
-            if size > 1:
-                dist.all_reduce(out, op=op, group=group)
-            return out / size if reduction == "mean" else out
-
-        return map_tensors(one, tensor)
+        op = "sum" if reduction == "none" else reduction
+        return collectives.reduce(tensor, self.ctx.placement.metric_group, op=op)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:  # type: ignore[override]
         return super().gather_for_metrics(input_data)

@@ -9,12 +9,13 @@ one line naming what to do instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshkit.config.importing.accelerate import read_fsdp_config
+from meshkit.config.importing.accelerate import read_deepspeed_block, read_fsdp_config
 from meshkit.config.importing.deepspeed import read_deepspeed
 from meshkit.config.importing.result import Imported
 from meshkit.config.yaml_text import load_yaml
@@ -39,6 +40,7 @@ _DDP_FIELDS = (
     "static_graph",
     "broadcast_buffers",
 )
+_DEEPSPEED_DEFAULTS = {"hf_ds_config", "is_train_batch_min"}  # (no meshkit setting: the batch is the script's)
 _FP8 = ("FP8RecipeKwargs", "TERecipeKwargs", "AORecipeKwargs", "MSAMPRecipeKwargs")
 
 
@@ -214,6 +216,8 @@ def _handler(handler: Any, out: dict[str, Any], kept: AcceleratorSettings) -> No
 
 
 def _deepspeed(plugin: Any, imported: Imported) -> None:
+    """Its `hf_ds_config` as `meshkit config import` reads a ds_config.json; else its fields, as the
+    `deepspeed_config` block of an Accelerate config (the same reader)."""
     config = getattr(plugin, "hf_ds_config", None)
     config = getattr(config, "config", config)  # Accelerate wraps it in an HfDeepSpeedConfig
     if isinstance(config, (str, Path)):
@@ -222,22 +226,12 @@ def _deepspeed(plugin: Any, imported: Imported) -> None:
     if config:
         read_deepspeed(dict(config), imported, prefix="deepspeed_plugin.hf_ds_config: ")
         return
-    fields = {
-        "zero_stage": "sharding.zero_stage",
-        "gradient_accumulation_steps": "grad_accum_steps",
-        "gradient_clipping": "max_grad_norm",
+    block = {
+        name: enum_value(value) if name.endswith("_device") else value
+        for name, value in ((f.name, getattr(plugin, f.name)) for f in dataclasses.fields(plugin))
+        if value is not None and name not in _DEEPSPEED_DEFAULTS
     }
-    for name, target in fields.items():
-        value = getattr(plugin, name, None)
-        if value not in (None, "auto"):
-            imported.set(target, value, f"deepspeed_plugin.{name}")
-    offload = {enum_value(getattr(plugin, f"offload_{part}_device", None) or "none") for part in ("optimizer", "param")}
-    if "nvme" in offload:
-        imported.set("sharding.offload", "nvme", "deepspeed_plugin.offload_optimizer_device")
-        if getattr(plugin, "offload_optimizer_nvme_path", None):
-            imported.set("sharding.offload_dir", plugin.offload_optimizer_nvme_path, "offload_optimizer_nvme_path")
-    elif "cpu" in offload:
-        imported.set("sharding.offload", "cpu", "deepspeed_plugin.offload_*_device")
+    read_deepspeed_block(block, imported, lambda name, world: None, world=1)
 
 
 def _fsdp(plugin: Any, imported: Imported) -> None:
