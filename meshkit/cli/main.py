@@ -23,7 +23,14 @@ from meshkit.config.schema import LaunchSettings
 from meshkit.core.errors import MeshkitError, one_line
 from meshkit.launching.cluster import cluster_settings
 from meshkit.launching.launch import LaunchPlan, LaunchTarget, launch
-from meshkit.launching.preflight import check_job, check_layout, check_recipe, check_resume_path
+from meshkit.launching.preflight import (
+    check_job,
+    check_layout,
+    check_model,
+    check_recipe,
+    check_resume_path,
+    splits_the_model,
+)
 from meshkit.planning.commbench import OPS, parse_ops, parse_sizes
 from meshkit.runtime.mesh import ProcessInfo
 
@@ -215,6 +222,10 @@ def finetune(
         run_recipe(job)
         return
     check_layout(job.resolved.config)
+    if splits_the_model(job.resolved.config):  # the base model's heads, blocks and experts, before any worker
+        from meshkit.recipes.hf_base import build_meta_model
+
+        check_model(build_meta_model(job.settings), job.resolved.config)
     check_resume_path(job.resolved.config)
     tell_idle_settings(job.resolved)
     target = LaunchTarget("meshkit.recipes.finetune", (str(config), *assignments), module=True)

@@ -4,6 +4,7 @@ the launcher (exit code 2), not a traceback from every rank."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from meshkit.config.idle import UNCHOSEN as _NOT_SET
 from meshkit.config.layout import Layout
@@ -51,17 +52,32 @@ def check_job(config: RunConfig, sources: dict[str, str]) -> None:
     check_resume_path(config)
 
 
+def splits_the_model(config: RunConfig) -> bool:
+    """Does any layout the job may have split the model itself (tp, pp or ep), so that it must fit the model?"""
+    return any(dims.tp > 1 or dims.pp > 1 or dims.ep > 1 for dims in check_layout(config))
+
+
+def check_model(model: Any, config: RunConfig) -> None:
+    """Every layout the job may have against the model (built on the meta device: no memory, no weights): head
+    counts, blocks and experts, through the same checks `parallelize` makes, sizes offered fitting the world."""
+    from meshkit.models.structure import describe
+    from meshkit.parallel.fits import check_layout_fits
+
+    structure = describe(model, config.blocks, config.structure)
+    for dims, (_, how) in zip(check_layout(config), worlds(config), strict=True):
+        try:
+            check_layout_fits(model, structure, dims, config)
+        except MeshkitError as err:
+            raise PreflightError(f"{err} ({how})") from None
+
+
 def check_recipe(config: RunConfig) -> None:
-    """For `meshkit train`: the whole job is known, the model's head counts included."""
+    """For `meshkit train`: the whole job is known, the model included."""
     import torch
 
     from meshkit.models.gpt import GPT
-    from meshkit.parallel.tensor.apply import check_heads
 
-    layouts = check_layout(config)
-    tp = max(dims.tp for dims in layouts)
-    if tp > 1:
+    if splits_the_model(config):
         with torch.device("meta"):
-            model = GPT(config.model)
-        check_heads(model, tp)
+            check_model(GPT(config.model), config)
     check_resume_path(config)

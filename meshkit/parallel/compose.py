@@ -19,7 +19,8 @@ from meshkit.parallel.compile import apply_compile
 from meshkit.parallel.context.apply import apply_context_parallel
 from meshkit.parallel.dataparallel import apply_dataparallel
 from meshkit.parallel.ddp import apply_ddp
-from meshkit.parallel.expert.apply import apply_expert_parallel, check_expert_parallel
+from meshkit.parallel.expert.apply import apply_expert_parallel
+from meshkit.parallel.fits import check_layout_fits
 from meshkit.parallel.fsdp import apply_fsdp
 from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
 from meshkit.parallel.pipeline.stages import PipelineModel, chunks_per_rank, split_model, stage_ids
@@ -53,10 +54,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
     structure = describe(model, config.blocks, config.structure)
     pp = mesh.size("pp")
     notice = None
-    if mesh.dims.ep > 1:
-        check_expert_parallel(structure.moe, mesh.dims.ep, mesh.grad_size, config.strategy)
-        if not structure.moe:
-            notice = f"meshkit: parallel.ep={mesh.dims.ep} changes nothing: the model has no mixture-of-experts blocks"
+    check_layout_fits(model, structure, mesh.dims, config)
+    if mesh.dims.ep > 1 and not structure.moe:
+        notice = f"meshkit: parallel.ep={mesh.dims.ep} changes nothing: the model has no mixture-of-experts blocks"
     if config.strategy == "dataparallel":  # one process: the wrapper replicates the model on every forward
         result = _parallelize_one(model, mesh, config, zero_stage, structure, autocast=False)
         result.model, result.notice = apply_dataparallel(result.model, mesh.device)

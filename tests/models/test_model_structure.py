@@ -130,7 +130,7 @@ def test_tp_is_checked_against_the_head_counts_in_the_config_before_anything_is_
     model = causal_lm("llama")  # 4 query heads, 2 key/value heads (counts live in model.config)
     with pytest.raises(
         TensorParallelError,
-        match=r"tp=4 does not divide the attention's head counts \(heads=4, kv_heads=2\): choose tp from 1, 2$",
+        match=r"tp=4 does not divide the attention's head counts \(heads=4, kv_heads=2\): choose tp 1 or 2$",
     ):
         check_heads(model, 4)
     check_heads(model, 2)

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshkit.config.layout import choices_text
 from meshkit.config.schema import TensorParallelConfig
 from meshkit.models.blocks import block_units, find_blocks
 from meshkit.models.gpt import GPT
@@ -45,12 +46,9 @@ from meshkit.parallel.tensor.norms import split_projection_norms
 from meshkit.parallel.tensor.sequence import apply_sequence_parallel, require_sequence_shape, split_regions
 
 
-def _valid_sizes(counts: list[int]) -> str:
-    return ", ".join(str(d) for d in range(1, min(counts) + 1) if all(count % d == 0 for count in counts))
-
-
-def check_heads(model: nn.Module | ModelStructure, tp: int) -> None:
-    """tp must divide every head count (query and key/value heads); refuses before anything is split."""
+def check_heads(model: nn.Module | ModelStructure, tp: int, ranks: int | None = None) -> None:
+    """tp must divide every head count (query and key/value heads); refuses before anything is split, offering the
+    sizes that divide the head counts and, when known, the `ranks` tp may span (the world over pp × cp)."""
     structure = model if isinstance(model, ModelStructure) else describe(model)
     if "tp" in structure.notes:
         raise TensorParallelError(f"tensor parallel cannot split this model: {structure.notes['tp']}")
@@ -58,9 +56,13 @@ def check_heads(model: nn.Module | ModelStructure, tp: int) -> None:
     wrong = {name: count for name, count in counts.items() if count % tp}
     if wrong:
         shown = ", ".join(f"{name}={count}" for name, count in counts.items())
+        fits = [
+            d
+            for d in range(1, min(counts.values()) + 1)
+            if all(count % d == 0 for count in counts.values()) and (ranks is None or ranks % d == 0)
+        ]
         raise TensorParallelError(
-            f"tp={tp} does not divide the attention's head counts ({shown}): "
-            f"choose tp from {_valid_sizes(list(counts.values()))}"
+            f"tp={tp} does not divide the attention's head counts ({shown}): choose tp {choices_text(fits)}"
         )
 
 
