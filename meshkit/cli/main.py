@@ -211,8 +211,10 @@ def finetune(
     ] = None,
 ) -> None:
     """Fine-tune a transformers causal LM on JSONL, full or LoRA: `meshkit finetune examples/finetune/lora.yaml`."""
+    from meshkit.recipes.finetune import check_layout as check_recipe_layout
     from meshkit.recipes.finetune import finetune as run_recipe
     from meshkit.recipes.finetune_config import resolve_finetune
+    from meshkit.recipes.hf_base import tokenizer_directory
 
     assignments = overrides or []
     launched = ProcessInfo.from_env().launched
@@ -221,7 +223,9 @@ def finetune(
     if launched or (settings.backend == "elastic" and settings.world_size == 1):
         run_recipe(job)
         return
-    check_layout(job.resolved.config)
+    for dims in check_layout(job.resolved.config):  # what the recipe cannot do in each layout the job may have
+        check_recipe_layout(job.resolved.config, dims, job)
+    tokenizer_directory(job.settings)
     if splits_the_model(job.resolved.config):  # the base model's heads, blocks and experts, before any worker
         from meshkit.recipes.hf_base import build_meta_model
 

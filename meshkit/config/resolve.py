@@ -230,10 +230,14 @@ def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 def _validation_message(err: ValidationError, sources: Mapping[str, str], merged: Mapping[str, Any]) -> str:
     first = err.errors()[0]
-    key = ".".join(str(part) for part in first["loc"] if not isinstance(part, int))
+    parts = [str(part) for part in first["loc"] if not isinstance(part, int)]
     reason = first["msg"].removeprefix("Value error, ")
-    if key in merged:
-        return f"invalid value {brief(merged[key])} for '{key}' ({sources.get(key, 'default')}): {reason}"
+    # pydantic appends the type it tried for a union field ('train.micro_batch_size.int'): name the key as set
+    for end in range(len(parts), 0, -1):
+        key = ".".join(parts[:end])
+        if key in merged:
+            return f"invalid value {brief(merged[key])} for '{key}' ({sources.get(key, 'default')}): {reason}"
+    key = ".".join(parts)
     involved = sorted({sources[k] for k in merged if k.startswith(key + ".") and sources[k] != "default"})
     where = f" (set by {', '.join(involved)})" if involved else ""
     return f"invalid '{key or 'config'}'{where}: {reason}"

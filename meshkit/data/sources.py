@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,11 +138,36 @@ def _hub_snapshot(entry: DatasetEntry) -> Path | None:
         return None
 
 
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Can this machine open a connection to the hub's endpoint? (An offline machine fails the name lookup at
+    once, where the hub client would retry for half a minute.)"""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _in_datasets_cache(path: str) -> bool:
+    from datasets import config as datasets_config
+
+    return (Path(datasets_config.HF_DATASETS_CACHE) / path.replace("/", "___")).is_dir()
+
+
 def _from_datasets_cache(entry: DatasetEntry, keep_in_memory: bool) -> RecordSource:
     from datasets import config as datasets_config
     from datasets import load_dataset
 
     try:
+        if not _in_datasets_cache(entry.path) and not hub_reachable():
+            raise ConnectionError(f"the hub ({_endpoint()}) is out of reach from this machine")
         dataset = load_dataset(
             entry.path,
             name=entry.name,
@@ -224,3 +250,9 @@ def cpu_share(local_world: int) -> int:
     except AttributeError:  # not every platform has affinity
         cpus = os.cpu_count() or 1
     return max(1, cpus // max(1, local_world))
+
+
+def _endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT

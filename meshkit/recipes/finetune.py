@@ -20,6 +20,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from meshkit.config.layout import Layout
+from meshkit.config.schema import RunConfig
 from meshkit.core.errors import MeshkitError
 from meshkit.data.loader import endless
 from meshkit.engine.engine import Engine
@@ -56,10 +58,10 @@ class FinetuneError(MeshkitError):
     """Fine-tuning settings that cannot train; the message says what to change."""
 
 
-def check_layout(engine: Engine, job: FinetuneJob) -> None:
-    """What this recipe's data cannot do in the chosen layout, said before any work."""
-    cfg, packing = engine.config, job.settings.sample_packing
-    cp, pp = engine.mesh.size("cp"), engine.mesh.size("pp")
+def check_layout(cfg: RunConfig, dims: Layout, job: FinetuneJob) -> None:
+    """What this recipe's data cannot do in the layout `dims`, said before any work (the launcher asks too, for
+    every layout the job may have, before any worker starts)."""
+    packing, cp, pp, tp = job.settings.sample_packing, dims.cp, dims.pp, dims.tp
     if cfg.strategy != "auto":  # its evaluation, exports and generations meet every rank in collectives
         raise FinetuneError(
             f"meshkit finetune runs the layouts of strategy=auto (DDP, ZeRO, tp, pp, cp), not strategy={cfg.strategy}: "
@@ -71,12 +73,12 @@ def check_layout(engine: Engine, job: FinetuneJob) -> None:
     )
     if evaluates and refusal is not None:
         raise FinetuneError(refusal)
-    if job.settings.lora_modules_to_save and (engine.mesh.size("tp") > 1 or pp > 1):
+    if job.settings.lora_modules_to_save and (tp > 1 or pp > 1):
         raise FinetuneError(
             "lora_modules_to_save wraps whole modules, which tensor and pipeline parallel do not split yet: set "
             "tp=1 and pp=1, or drop lora_modules_to_save"
         )
-    if job.settings.peft_use_dora and engine.mesh.size("tp") > 1:
+    if job.settings.peft_use_dora and tp > 1:
         raise FinetuneError(
             "DoRA rescales whole output rows, which tensor parallel splits: set tp=1 or peft_use_dora: false"
         )
@@ -138,7 +140,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     cfg, s = engine.config, job.settings
     for note in job.notes:
         engine.print(f"meshkit: {note}")
-    check_layout(engine, job)
+    check_layout(engine.config, engine.mesh.dims, job)
     if s.tf32:
         if engine.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True

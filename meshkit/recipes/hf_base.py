@@ -38,10 +38,28 @@ def weights_file(directory: Path) -> Path:
     raise BaseModelError(f"base_model '{directory}' has no model.safetensors or model.safetensors.index.json")
 
 
+# What a tokenizer is saved as: one of these (or pair) makes a directory loadable by AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json + merges.txt", "vocab.txt")
+
+
+def tokenizer_directory(settings: Any) -> Path:
+    """Where the tokenizer is read from (`tokenizer_config`, else `base_model`), refused in one line when it holds
+    no tokenizer files — checked by the launcher too, before any worker starts."""
+    directory = Path(settings.tokenizer_config or settings.base_model)
+    found = any(all((directory / part).is_file() for part in name.split(" + ")) for name in TOKENIZER_FILES)
+    if directory.is_dir() and not found:
+        key = "tokenizer_config" if settings.tokenizer_config else "base_model"
+        raise BaseModelError(
+            f"{key} '{directory}' has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}): save the "
+            "tokenizer there (tokenizer.save_pretrained), or set tokenizer_config to a directory that has them"
+        )
+    return directory
+
+
 def load_tokenizer(settings: Any) -> Any:
     from transformers import AutoTokenizer
 
-    directory = Path(settings.tokenizer_config or settings.base_model)
+    directory = tokenizer_directory(settings)
     kind = settings.tokenizer_type
     options = {"local_files_only": True, "use_fast": settings.tokenizer_use_fast}
     try:
@@ -57,7 +75,8 @@ def load_tokenizer(settings: Any) -> Any:
     except (OSError, ValueError) as err:
         if isinstance(err, MeshkitError):
             raise
-        raise BaseModelError(f"cannot load the tokenizer from '{directory}': {str(err).splitlines()[0]}") from None
+        reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip())  # (one line, not cut)
+        raise BaseModelError(f"cannot load the tokenizer from '{directory}': {reason[:400]}") from None
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise BaseModelError(f"the tokenizer in '{directory}' has neither a pad nor an eos token: add one")

@@ -45,3 +45,39 @@ def test_a_layout_the_base_model_cannot_take_stops_before_the_workers(
     config = write_config(tmp_path / "run.yaml", three_heads, **keys)
     line = _one_line_error(in_process("finetune", str(config)), *needles)
     assert "meshkit launch" not in line  # (a worker's failure is reported by the launcher, naming its rank)
+
+
+def test_a_bad_value_names_the_key_as_written_and_its_file(tmp_path: Path, three_heads: dict[str, Path]) -> None:
+    config = write_config(tmp_path / "run.yaml", three_heads, micro_batch_size="two")
+    line = _one_line_error(in_process("finetune", str(config)), "invalid value 'two' for 'train.micro_batch_size'")
+    assert "run.yaml (micro_batch_size))" in line and ".int" not in line  # (pydantic's union tag)
+    env = {"MESHKIT_TRAIN__MICRO_BATCH_SIZE": "x"}
+    line = _one_line_error(in_process("config", "show", env=env), "(env MESHKIT_TRAIN__MICRO_BATCH_SIZE)")
+    assert "'train.micro_batch_size'" in line
+
+
+def test_a_base_model_without_tokenizer_files_names_what_was_looked_for(
+    tmp_path: Path, three_heads: dict[str, Path]
+) -> None:
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(three_heads["base"] / name, bare / name)
+    config = write_config(tmp_path / "run.yaml", {**three_heads, "base": bare})
+    line = _one_line_error(in_process("finetune", str(config)), f"base_model '{bare}' has no tokenizer files")
+    assert "tokenizer.json" in line and "set tokenizer_config" in line
+
+
+def test_a_hub_dataset_out_of_reach_is_one_line_without_retries(
+    tmp_path: Path, three_heads: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # (nothing listens there: refused at once)
+    config = write_config(
+        tmp_path / "run.yaml", three_heads, datasets=[{"path": "meshkit-tests/absent", "type": "alpaca"}]
+    )
+    line = _one_line_error(in_process("finetune", str(config)), "dataset 'meshkit-tests/absent' is not a local path")
+    assert "the hub (http://127.0.0.1:9) is out of reach" in line and "huggingface-cli download" in line
