@@ -31,6 +31,7 @@ from meshkit.launching.preflight import (
     check_resume_path,
     splits_the_model,
 )
+from meshkit.launching.stderr_filter import quiet_third_party_loggers
 from meshkit.planning.commbench import OPS, parse_ops, parse_sizes
 from meshkit.runtime.mesh import ProcessInfo
 
@@ -211,6 +212,7 @@ def finetune(
     ] = None,
 ) -> None:
     """Fine-tune a transformers causal LM on JSONL, full or LoRA: `meshkit finetune examples/finetune/lora.yaml`."""
+    quiet_third_party_loggers()  # before transformers imports them (launched workers: the launcher's filter)
     from meshkit.recipes.finetune import check_layout as check_recipe_layout
     from meshkit.recipes.finetune import finetune as run_recipe
     from meshkit.recipes.finetune_config import resolve_finetune

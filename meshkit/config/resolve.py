@@ -304,7 +304,8 @@ def resolve(
         apply(flatten(file_values, f"file {path}"), lambda k: labels.get(k, f"file {path}"))
     elif path is not None and (foreign := foreign_config(path)) is not None:  # an Accelerate or DeepSpeed file
         apply(foreign.values, lambda k: f"file {path} ({foreign.origins[k]})")
-        if foreign.skipped:
+        # (said once: by meshkit's launcher, whose workers carry its flags, else by rank 0)
+        if foreign.skipped and ENV_LAUNCH_FLAGS not in env and env.get("RANK", "0") == "0":
             names = ", ".join(origin for origin, _ in foreign.skipped)
             warnings.warn(
                 f"config file {path}: not imported: {names} (`meshkit config import {path}` says why)", stacklevel=2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import sys
@@ -21,11 +22,15 @@ from typing import BinaryIO
 
 _CPP_LOG = re.compile(rb"^\[[WEIF]\d{4} [\d:.]+ [\w.]+:\d+\] ")  # glog-style: [W1123 20:18:15.916 socket.cpp:1028]
 _NATIVE_STACK = (b"Exception raised from ", b"frame #", b"<omitting python frames>")
+# Third-party lines that tell the user nothing, by the logger that writes them and how they start: bitsandbytes
+# looks for an optional CPU kernel at import (every rank, every fine-tune) and works without it.
+THIRD_PARTY_NOISE = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community"}
+_THIRD_PARTY = tuple(start.encode() for start in THIRD_PARTY_NOISE.values())
 
 
 def is_noise(line: bytes, in_stack: bool) -> tuple[bool, bool]:
     """(drop this line, a native stack continues after it)."""
-    if _CPP_LOG.match(line) and b"[c10d]" in line:
+    if (_CPP_LOG.match(line) and b"[c10d]" in line) or line.startswith(_THIRD_PARTY):
         return True, False
     if line.startswith(_NATIVE_STACK):
         return True, True
@@ -78,7 +83,7 @@ def _channel(terminal: int) -> tuple[int, int]:
         return os.pipe()
 
 
-_MAYBE_NOISE = (b"[", b"Exception raised", b"frame #", b"<omitting")
+_MAYBE_NOISE = (b"[", b"Exception raised", b"frame #", b"<omitting", *_THIRD_PARTY)
 
 
 def _pump(read_end: int, terminal: int, log: _LazyLog) -> None:
@@ -144,3 +149,21 @@ def _write_all(fd: int, data: bytes) -> None:
     with contextlib.suppress(OSError):
         while data:
             data = data[os.write(fd, data) :]
+
+
+class _ThirdPartyNoise(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+def quiet_third_party_loggers() -> None:
+    """In a process that trains without the launcher (a world of one), drop the same third-party lines at their
+    loggers. Idempotent; for the command line's own process, never called by the library."""
+    for name, start in THIRD_PARTY_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ThirdPartyNoise) for f in logger.filters):
+            logger.addFilter(_ThirdPartyNoise(start))

@@ -185,6 +185,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         min_lr_ratio=s.cosine_min_lr_ratio,
     )
     continued = continued_weights(s.lora_model_dir, model) if s.lora_model_dir and peft_model is not None else None
+    model_class = type(base).__name__  # (before prepare: FSDP2 renames a sharded module's class FSDP<name>)
     model, optimizer, loader, scheduler = engine.prepare(model, optimizer, data.loader, scheduler)
     if continued is not None:  # into this rank's shards; a resumed checkpoint (below) still comes last
         engine.load_full_state_dict(continued)
@@ -192,7 +193,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     _start_wandb(engine, s)
     tokens_per_step = data.per_item_tokens * per_window * cfg.grad_accum_steps
     engine.print(
-        f"meshkit: fine-tuning {type(base).__name__} ({n_params / 1e6:.2f}M params, {n_trainable / 1e6:.3f}M "
+        f"meshkit: fine-tuning {model_class} ({n_params / 1e6:.2f}M params, {n_trainable / 1e6:.3f}M "
         f"trainable{_adapter_words(s)}) on {engine.num_processes} rank(s), layout "
         f"{engine.mesh.dims.describe()}; {len(data.train)} train / {len(data.validation)} validation samples"
         f"{f' packed into {len(data.dataset)} rows' if s.sample_packing else ''}, {total_steps} steps"

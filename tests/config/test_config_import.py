@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import yaml
 
 from meshkit.config.importing import ImportingError, import_config, to_yaml
-from meshkit.config.resolve import resolve
+from meshkit.config.resolve import ENV_LAUNCH_FLAGS, launch_flags_to_env, resolve
 from tests.helpers.cli import meshkit
 
 # seeds/000 §2.2: ZeRO-3, CPU offload of optimizer and parameters, bf16
@@ -161,6 +162,10 @@ def test_a_config_file_of_either_kind_is_converted_on_the_fly(tmp_path) -> None:
         resolved = resolve(file=source, env={})
     assert resolved.config.launch.nproc_per_node == 2 and resolved.config.precision == "bf16"
     assert resolved.sources["launch.nproc_per_node"] == f"file {source} (num_processes / num_machines)"
+    with warnings.catch_warnings():  # said once: the launcher said it, its workers (and ranks other than 0) do not
+        warnings.simplefilter("error")
+        resolve(file=source, env={ENV_LAUNCH_FLAGS: launch_flags_to_env({}, {})})
+        resolve(file=source, env={"RANK": "1"})
     ds = _write(tmp_path, "ds_config.json", {"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0})
     resolved = resolve(file=ds, env={})
     assert resolved.config.sharding.zero_stage == 2 and resolved.config.max_grad_norm == 1.0

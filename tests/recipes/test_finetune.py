@@ -173,7 +173,7 @@ def test_meshkit_finetune_launches_itself_on_two_ranks(tmp_path, material) -> No
     path = write_config(tmp_path / "ft.yaml", material, val_set_size=4, generation_samples=1, max_steps=2)
     out = tmp_path / "launched"
     proc = meshkit("finetune", str(path), "nproc_per_node=2", f"output_dir={out}", "adapter=lora", "lora_r=2",
-                   "lora_target_modules=[q_proj]", timeout=240)  # fmt: skip
+                   "lora_target_modules=[q_proj]", "zero_stage=3", timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2 and len(summary["generations"]) == 1
@@ -181,7 +181,8 @@ def test_meshkit_finetune_launches_itself_on_two_ranks(tmp_path, material) -> No
     outputs = {json.loads(line)["output"] for line in material["alpaca"].read_text().splitlines()}
     assert answer["expected"] in outputs and answer["right"] == (answer["answer"].strip() == answer["expected"])
     assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "config.json").is_file()
-    assert "fine-tuning LlamaForCausalLM" in proc.stdout + proc.stderr
+    assert "fine-tuning LlamaForCausalLM" in proc.stdout + proc.stderr  # the user's class (FSDP renames it)
+    assert "gemm_4bit_forward" not in proc.stderr  # bitsandbytes' line for a kernel it does without: the log's
 
 
 def test_lora_layers_are_split_piece_by_piece_also_under_sequence_parallel(material) -> None:
