@@ -14,7 +14,21 @@ from rich.table import Table
 from meshkit.cli.estimate import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
 from meshkit.planning.estimate_ps import advice
 from meshkit.planning.hardware import PRESETS, load_profile, preset
-from meshkit.planning.plan import INTER_LINKS, INTRA_LINKS, Cluster, PlanError, PlannedLayout, plan, to_config
+from meshkit.planning.plan import (
+    HEADROOM,
+    INTER_LINKS,
+    INTRA_LINKS,
+    Cluster,
+    LayoutFilter,
+    Plan,
+    PlanError,
+    PlannedLayout,
+    plan,
+    to_config,
+)
+
+# CUDA context, NCCL's buffers and the allocator's workspaces on a GPU: an allowance (1-3 GB is usual), stated
+RUNTIME_ALLOWANCE_GB = 2.0
 
 
 def plan_command(
@@ -58,6 +72,27 @@ def plan_command(
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    strategy: Annotated[
+        Optional[str],
+        typer.Option("--strategy", help="only this data-parallel kind: ddp, zero1, zero2, zero3 (= fsdp)"),
+    ] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", help="only this tensor-parallel size")] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="only this pipeline size")] = None,
+    cp: Annotated[Optional[int], typer.Option("--cp", help="only this context-parallel size")] = None,
+    recompute: Annotated[
+        Optional[str], typer.Option("--recompute", help="only this activation checkpointing: none, selective, full")
+    ] = None,
+    offload: Annotated[Optional[str], typer.Option("--offload", help="only this offload: none or cpu")] = None,
+    runtime_gb: Annotated[
+        float,
+        typer.Option("--runtime-gb", help="counted on every GPU for the CUDA context and communication buffers"),
+    ] = RUNTIME_ALLOWANCE_GB,
+    host_mem_gb: Annotated[
+        Optional[float], typer.Option("--host-mem-gb", help="host memory per node offloaded states may use")
+    ] = None,
+    explain: Annotated[
+        bool, typer.Option("--explain", help="each memory term of the first layout (or of the smallest, if none fits)")
+    ] = False,
 ) -> None:
     """The layouts that fit, fastest first: predicted step time, tokens/s, MFU, memory, communication, bubble."""
     if probe:
@@ -70,7 +105,17 @@ def plan_command(
     cluster = Cluster(gpus_per_node, memory, nodes, intra_node, inter_node, device)
     if optimizer not in ("adam", "adam8bit", "sgd"):
         raise PlanError(f"--optimizer {optimizer!r} is not one the planner knows: adam, adam8bit or sgd")
-    result = plan(shape, cluster, seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer)
+    only = LayoutFilter.of(strategy, tp=tp, pp=pp, cp=cp, activation_checkpointing=recompute, offload=offload)
+    result = plan(
+        shape, cluster, seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer,
+        only=only, runtime_gb=runtime_gb, host_mem_gb=host_mem_gb,
+    )  # fmt: skip
+    if explain:
+        chosen = result.fitting[0] if result.fitting else result.smallest
+        explain_layout(chosen, result, memory, runtime_gb)
+        if not result.fitting:
+            raise PlanError(result.suggestion)
+        return
     if not result.fitting:
         raise PlanError(result.suggestion)
     shown = result.fitting[:top]
@@ -78,23 +123,14 @@ def plan_command(
         print(json.dumps([layout.as_json() for layout in shown], indent=2))
     else:
         title = f"layouts that fit {gpus_per_node}×{nodes} {device.name} of {memory:g} GB, fastest first"
-        table = Table(title=title)
-        for column in ("#", "layout", "step s", "tokens/s", "MFU", "memory GB", "comm GB/step", "bubble", "why"):
-            table.add_column(column)
+        Console().print(layout_table(shown, title))
         for rank, layout in enumerate(shown, 1):
-            time = layout.time
-            table.add_row(
-                str(rank),
-                layout.describe(),
-                f"{layout.step_s:.3g}",
-                f"{time.tokens_per_s:,.0f}" if time else "",
-                f"{time.mfu:.0%}" if time else "",
-                f"{layout.memory_gb:.1f}",
-                f"{layout.comm_gb:.2f}",
-                f"{layout.bubble:.2f}",
-                layout.reason,
-            )
-        Console().print(table)
+            Console().print(f"{rank}. {layout.reason}", highlight=False)
+        Console().print(
+            f"memory: per GPU within {result.budget_gb:.1f} GB ({memory:g} GB × {HEADROOM:.0%}), {runtime_gb:g} GB "
+            f"of it for the runtime (--runtime-gb); {len(result.dropped)} layout(s) over a limit (--explain)",
+            highlight=False,
+        )
         Console().print(advice(shape, cluster, stragglers))
     if emit_config is not None:
         _emit(result.fitting, cluster, seq_len, global_batch, precision, model, emit_config)
@@ -131,3 +167,65 @@ def _emit(
         f"# meshkit plan: {chosen.describe()} - {chosen.reason}\n" + yaml.safe_dump(config, sort_keys=False)
     )
     Console().print(f"wrote {path}: {chosen.describe()}")
+
+
+def short_layout(planned: PlannedLayout) -> str:
+    """'dp4 tp2 pp2 ZeRO-3 m8 v2 AC-sel off': sizes of 1 left out, for a table that fits 80 columns."""
+    layout = planned.layout
+    parts = [f"{name}{size}" for name, size in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp),
+                                                ("cp", layout.cp), ("ep", layout.ep)) if size > 1]  # fmt: skip
+    parts.append(f"ZeRO-{layout.zero_stage}")
+    if layout.pp > 1 or layout.microbatches > 1:
+        parts.append(f"{'m' if layout.pp > 1 else 'acc'}{layout.microbatches}")
+    if layout.stages_per_rank > 1:
+        parts.append(f"v{layout.stages_per_rank}")
+    if layout.activation_checkpointing != "none":
+        parts.append({"selective": "AC-sel", "full": "AC-full"}[layout.activation_checkpointing])
+    if layout.offload != "none":
+        parts.append(f"off-{layout.offload}")
+    return " ".join(parts)
+
+
+def layout_table(shown: list[PlannedLayout], title: str) -> Table:
+    """One row per layout in under 80 columns; the reasons follow the table as numbered lines."""
+    host = any(layout.host_gb_per_node for layout in shown)
+    table = Table(title=title, title_justify="left")
+    for column in ("#", "layout", "step s", "tokens/s", "MFU", "GPU GB", *(["host/node"] if host else []), "comm GB"):
+        table.add_column(column, no_wrap=column != "layout")
+    for rank, layout in enumerate(shown, 1):
+        time = layout.time
+        table.add_row(
+            str(rank),
+            short_layout(layout),
+            f"{layout.step_s:.3g}",
+            f"{time.tokens_per_s:,.0f}" if time else "",
+            f"{time.mfu:.0%}" if time else "",
+            f"{layout.memory_gb:.1f}",
+            *([f"{layout.host_gb_per_node:.0f}"] if host else []),
+            f"{layout.comm_gb:.1f}",
+        )
+    return table
+
+
+def explain_layout(chosen: PlannedLayout | None, result: Plan, memory_gb: float, runtime_gb: float) -> None:
+    """Each memory term of `chosen`, the per-GPU limit and where it stands; the layouts dropped nearest the limit."""
+    console = Console()
+    if chosen is None or chosen.estimate is None:
+        console.print("no layout could be costed")
+        return
+    console.print(f"{short_layout(chosen)}  ({chosen.describe()})", highlight=False)
+    for line in chosen.estimate.lines:
+        console.print(f"  {line.name:<12}{line.gb:>9.2f} GB  {line.formula}", highlight=False)
+    console.print(f"  {'total':<12}{chosen.memory_gb:>9.2f} GB  {chosen.estimate.total_formula}", highlight=False)
+    if chosen.host_gb_per_node:
+        console.print(f"  {'host memory':<12}{chosen.host_gb_per_node:>9.1f} GB per node (offloaded optimizer states)")
+    verdict = "fits" if chosen.memory_gb <= result.budget_gb else "does not fit"
+    console.print(
+        f"  {'limit':<12}{result.budget_gb:>9.2f} GB  = {memory_gb:g} GB × {HEADROOM:.0%} headroom "
+        f"(runtime {runtime_gb:g} GB counted above): {verdict}",
+        highlight=False,
+    )
+    for near in result.dropped[:3]:
+        from meshkit.planning.plan import over_limit
+
+        console.print(f"  dropped: {short_layout(near)}: {over_limit(near, result.budget_gb, None)}", highlight=False)

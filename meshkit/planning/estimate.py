@@ -178,6 +178,7 @@ class Estimate:
 
     lines: list[Line] = field(default_factory=list)
     grads_meet_activations: bool = True
+    host_gb: float = 0.0  # per rank, in host memory (offloaded optimizer states); not in the device total
 
     def gb(self, name: str) -> float:
         return sum(line.gb for line in self.lines if line.name == name)
@@ -288,7 +289,8 @@ def estimate_memory(
     lines.append(_buffers(model, zero_stage, dp, cp, tp, weight_b, bucket, ep))
     lines.append(Line("runtime", runtime_gb, "given" if runtime_gb else "not counted (runtime_gb / --runtime-gb)"))
     kept = pp == 1 and shards > 1 and (zero_stage == 1 or zero_stage == 0 and gradient_as_bucket_view)
-    return Estimate(lines, grads_meet_activations=kept)
+    host = optim / GB if offload == "cpu" else 0.0
+    return Estimate(lines, grads_meet_activations=kept, host_gb=host)
 
 
 def _activations(

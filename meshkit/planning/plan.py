@@ -12,12 +12,12 @@ and its links come from a preset (`--gpu`), a measured profile (`--profile`) or 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshkit.config.layout import Layout
 from meshkit.core.errors import MeshkitError
-from meshkit.planning.estimate import EstimateError, ModelShape, estimate_memory
+from meshkit.planning.estimate import Estimate, EstimateError, ModelShape, estimate_memory
 from meshkit.planning.hardware import PRESETS, Hardware
 from meshkit.planning.perf_model import StepTime, Topology, all_to_all_bytes, predict
 
@@ -60,6 +60,34 @@ class Cluster:
         return Topology(self.gpus_per_node, self.nodes)
 
 
+STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
+
+
+@dataclass(frozen=True)
+class LayoutFilter:
+    """What the user fixed (`meshkit plan --strategy zero3 --tp 1 ...`); None: the planner chooses."""
+
+    zero_stage: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    activation_checkpointing: str | None = None
+    offload: str | None = None
+
+    @classmethod
+    def of(cls, strategy: str | None = None, **fixed: Any) -> LayoutFilter:
+        if strategy is not None and strategy.lower() not in STRATEGIES:
+            raise PlanError(f"--strategy {strategy}: choose one of {', '.join(STRATEGIES)}")
+        stage = STRATEGIES[strategy.lower()] if strategy is not None else None
+        return cls(zero_stage=stage, **{k: v for k, v in fixed.items() if v is not None})
+
+    def admits(self, layout: Layout) -> bool:
+        return all(wanted is None or getattr(layout, name) == wanted for name, wanted in vars(self).items())
+
+    def describe(self) -> str:
+        return " ".join(f"{name}={value}" for name, value in vars(self).items() if value is not None) or "any"
+
+
 @dataclass
 class PlannedLayout:
     """A layout the planner costed: the layout itself and what the models predict for it."""
@@ -70,6 +98,8 @@ class PlannedLayout:
     bubble: float = 0.0
     reason: str = ""
     time: StepTime | None = None
+    estimate: Estimate | None = None  # the memory terms behind memory_gb (`meshkit plan --explain`)
+    host_gb_per_node: float = 0.0  # offloaded states a node's host memory holds for its ranks
 
     @property
     def step_s(self) -> float:
@@ -81,6 +111,7 @@ class PlannedLayout:
     def as_json(self) -> dict[str, Any]:
         out = self.layout.as_json()
         out.update(memory_gb=self.memory_gb, comm_gb=self.comm_gb, bubble=self.bubble, reason=self.reason)
+        out["host_gb_per_node"] = self.host_gb_per_node
         if self.time is not None:
             out.update(step_s=self.step_s, tokens_per_s=self.time.tokens_per_s, mfu=self.time.mfu)
             out["breakdown"] = {k: v for k, v in self.time.as_json().items() if k not in ("tokens_per_s", "mfu")}
@@ -128,6 +159,7 @@ def cost(
     global_batch: int,
     precision: str,
     optimizer: str = "adam",
+    runtime_gb: float = 0.0,
 ) -> PlannedLayout:
     """Memory, communication volume, bubble and modelled step time (micro-batches of one sequence)."""
     micro_batch = 1
@@ -145,6 +177,7 @@ def cost(
         activation_checkpointing=layout.activation_checkpointing,
         offload=layout.offload,  # type: ignore[arg-type]
         ep=layout.ep,
+        runtime_gb=runtime_gb,
     )
     grads = 2 * sum(model.local_params(layout.tp, layout.pp, layout.ep))
     n = layout.dp * layout.cp
@@ -161,7 +194,9 @@ def cost(
         seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, precision=precision, optimizer=optimizer,
     )  # fmt: skip
     volume = dp_volume + tp_volume + pp_volume + ep_volume
-    return PlannedLayout(layout, estimate.total_gb, volume / 1e9, bubble, time=time)
+    host = estimate.host_gb * min(cluster.gpus_per_node, cluster.gpus)
+    return PlannedLayout(layout, estimate.total_gb, volume / 1e9, bubble, time=time, estimate=estimate,
+                         host_gb_per_node=host)  # fmt: skip
 
 
 def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool) -> str:
@@ -225,6 +260,19 @@ class Plan:
     fitting: list[PlannedLayout]
     smallest: PlannedLayout | None  # the layout needing the least memory (when nothing fits)
     suggestion: str = ""
+    budget_gb: float = 0.0  # what a layout may use per GPU (memory × HEADROOM)
+    dropped: list[PlannedLayout] = field(default_factory=list)  # costed, over a limit, least memory first
+
+
+def over_limit(planned: PlannedLayout, budget_gb: float, host_limit_gb: float | None) -> str | None:
+    """Why `planned` does not fit, naming the limit and its largest term; None when it fits."""
+    if planned.memory_gb > budget_gb:
+        biggest = max(planned.estimate.lines, key=lambda line: line.gb) if planned.estimate else None
+        term = f" (largest term: {biggest.name} {biggest.gb:.1f} GB)" if biggest else ""
+        return f"{planned.memory_gb:.2f} GB > the {budget_gb:.1f} GB per-GPU limit{term}"
+    if host_limit_gb is not None and planned.host_gb_per_node > host_limit_gb:
+        return f"offloaded states {planned.host_gb_per_node:.0f} GB > {host_limit_gb:g} GB of host memory per node"
+    return None
 
 
 def plan(
@@ -235,9 +283,13 @@ def plan(
     global_batch: int,
     precision: str = "bf16",
     optimizer: str = "adam",
+    only: LayoutFilter | None = None,
+    runtime_gb: float = 0.0,
+    host_mem_gb: float | None = None,
 ) -> Plan:
     """Every layout that fits, fastest first; `optimizer` (adam, adam8bit, sgd) sets the state bytes and step
-    traffic per parameter."""
+    traffic per parameter. `only` keeps the layouts the user fixed; `runtime_gb` is counted on every GPU (the
+    CUDA context, communication buffers); `host_mem_gb` limits what offload puts in a node's host memory."""
     if cluster.intra_node not in (None, *INTRA_LINKS) or cluster.inter_node not in (None, *INTER_LINKS):
         raise PlanError(
             f"--intra-node is one of {', '.join(INTRA_LINKS)}; --inter-node one of {', '.join(INTER_LINKS)}"
@@ -251,26 +303,35 @@ def plan(
         raise PlanError(
             f"no layout divides global batch {global_batch} over {cluster.gpus} GPUs: change --global-batch"
         )
+    if only is not None:
+        layouts = [layout for layout in layouts if only.admits(layout)]
+        if not layouts:
+            raise PlanError(
+                f"no layout of {cluster.gpus} GPUs has {only.describe()} (tp within a node dividing the "
+                f"{model.heads} heads, pp up to the {model.layers} layers, cp for sequences of 16k+): loosen them"
+            )
     costed = []
     for layout in layouts:
         try:
-            costed.append(cost(layout, model, cluster, seq_len, global_batch, precision, optimizer))
+            costed.append(cost(layout, model, cluster, seq_len, global_batch, precision, optimizer, runtime_gb))
         except EstimateError:
             costed.append(PlannedLayout(layout, memory_gb=float("inf")))
     budget = cluster.gpu_mem_gb * HEADROOM
-    fitting = rank(lay for lay in costed if lay.memory_gb <= budget)
+    fitting = rank(lay for lay in costed if over_limit(lay, budget, host_mem_gb) is None)
     plain = any(lay.layout.tp == lay.layout.pp == 1 and lay.layout.zero_stage == 0 for lay in fitting)
     for planned in fitting:
         planned.reason = reason(planned.layout, model, cluster, plain)
     smallest = min(costed, key=lambda lay: lay.memory_gb)
-    result = Plan(fitting, smallest)
+    dropped = sorted((lay for lay in costed if over_limit(lay, budget, host_mem_gb)), key=lambda lay: lay.memory_gb)
+    result = Plan(fitting, smallest, budget_gb=budget, dropped=dropped)
     if not fitting:
         need = smallest.memory_gb / HEADROOM
-        more_nodes = _nodes_that_fit(model, cluster, seq_len, global_batch, precision, optimizer)
+        more_nodes = 0 if only else _nodes_that_fit(model, cluster, seq_len, global_batch, precision, optimizer)
+        why = over_limit(smallest, budget, host_mem_gb)
         result.suggestion = (
-            f"nothing fits in {cluster.gpu_mem_gb:g} GB per GPU: the smallest layout ({smallest.describe()}) needs "
-            f"{smallest.memory_gb:.1f} GB; use GPUs with at least {need:.0f} GB"
-            + (f", or {more_nodes} nodes" if more_nodes else "")
+            f"nothing{'' if only is None else f' with {only.describe()}'} fits in {cluster.gpu_mem_gb:g} GB per GPU: "
+            f"the smallest layout ({smallest.describe()}) needs {why}, the limit being {HEADROOM:.0%} of the GPU; "
+            f"use GPUs with at least {need:.0f} GB" + (f", or {more_nodes} nodes" if more_nodes else "")
         )
     return result
 
