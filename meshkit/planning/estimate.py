@@ -5,8 +5,9 @@ costs 2 bytes (16-bit weights) + 2 (16-bit gradients) + 12 (fp32 master copy, mo
 and ZeRO stages 1, 2, 3 divide the optimizer states, then the gradients, then the weights by the number of
 data-parallel ranks Nd. In fp32 the bytes are 4 + 4 + 8. Tensor and pipeline parallel divide Ψ first.
 
-Activations follow Korthikanti et al., 2022 ("Reducing Activation Recomputation in Large Transformer
-Models"): per layer sbh(34 + 5as/h) bytes at 16 bits with dropout, of which 32sbh + 4as²b are 16-bit values
+Activations: for a decoder whose widths are known (GQA, gated MLP, routed experts), as its modules save them
+(`activation_estimate.decoder_layer_activation_bytes`, checked against measured saved tensors); otherwise
+Korthikanti et al., 2022 ("Reducing Activation Recomputation in Large Transformer Models"): per layer sbh(34 + 5as/h) bytes at 16 bits with dropout, of which 32sbh + 4as²b are 16-bit values
 and 2sbh + as²b are 1-byte dropout masks. The values scale with the element size (4 bytes in fp32), the masks
 vanish without dropout; tensor parallel divides 24 of the 34 (all of it with sequence parallel) and the
 attention scores; selective recompute drops the attention-score term; full recompute keeps only each layer's
@@ -23,6 +24,11 @@ from typing import Any, Literal
 
 from meshkit.core.errors import MeshkitError
 from meshkit.parallel.zero import BUCKETS_IN_FLIGHT
+from meshkit.planning.activation_estimate import (  # noqa: F401 - layer_activation_bytes re-exported
+    activation_line,
+    decoder_layer_activation_bytes,
+    layer_activation_bytes,
+)
 
 GB = 1e9
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -52,6 +58,9 @@ class ModelShape:
     top_k: int = 0  # experts each token is routed to
     moe_layers: int = 0  # blocks with an expert bank
     router_loss: bool = False  # the config turns the router's balancing loss on (`output_router_logits`)
+    ffn: int | None = None  # a gated (SwiGLU) MLP's width; None: a 4h GELU MLP (Korthikanti's activation count)
+    expert_ffn: int | None = None  # each routed expert's gated MLP width
+    fused_attention: bool = True  # SDPA's fused kernels (flash, memory-efficient, cuDNN) keep no attention scores
 
     def local_params(self, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[float, float]:
         """(dense, expert) parameters one rank holds before ZeRO: tensor parallel splits the dense ones, expert
@@ -80,6 +89,7 @@ class ModelShape:
             vocab=vocab,
             largest_layer_params=float(block),
             kv_heads=kv_heads,
+            ffn=ffn,
         )
 
     @classmethod
@@ -158,6 +168,8 @@ def moe_shape(config: dict[str, Any]) -> ModelShape:
         experts=experts,
         top_k=top_k,
         moe_layers=len(moe_layers),
+        ffn=dense_ffn,
+        expert_ffn=expert_ffn,
         router_loss=bool(config.get("output_router_logits")) and float(config.get("router_aux_loss_coef") or 0) > 0,
     )
 
@@ -212,21 +224,6 @@ def model_state_bytes(precision: Precision, optimizer: Optimizer) -> tuple[int, 
     return 4, 4, moments
 
 
-def layer_activation_bytes(
-    *, s: float, b: int, h: int, a: int, element: int, tp: int, sp: bool, recompute: Recompute, dropout: bool
-) -> float:
-    """Bytes one transformer layer saves for backward (Korthikanti et al., generalised to any element size)."""
-    mask = 1 if dropout else 0
-    if recompute == "full":
-        return s * b * h * element / (tp if sp else 1)
-    replicated = s * b * h * (4 * element + 2 * mask)  # layer-norm inputs, dropout masks (sharded only by SP)
-    split = s * b * h * 12 * element
-    scores = 0.0 if recompute == "selective" else a * s * s * b * (2 * element + mask)
-    if sp:
-        return (replicated + split + scores) / tp
-    return replicated + split / tp + scores / tp
-
-
 def estimate_memory(
     model: ModelShape,
     *,
@@ -279,9 +276,10 @@ def estimate_memory(
         lines.append(Line("optimizer", 0.0, f"{optim_b}·Ψ' offloaded to {offload}: {optim / GB:.3g} GB off device"))
     else:
         lines.append(Line("optimizer", optim / GB, f"{optim_b}·{psi}" + (f"/{nd} (ZeRO-1+)" if zero_stage else "")))
-    lines.append(
-        _activations(model, seq_len, micro_batch, precision, tp, pp, cp, sp, activation_checkpointing, dropout)
+    activations, formula = activation_line(
+        model, seq_len, micro_batch, precision, tp, pp, cp, sp, activation_checkpointing, dropout, zero_stage
     )
+    lines.append(Line("activations", activations / GB, formula))
     full_grads = grad_b * local
     bucket = full_grads if zero_stage == 0 and not gradient_as_bucket_view else 0.0
     if zero_stage == 2 and shards > 1:  # buckets in flight during backward, each within one rank's chunk
@@ -291,57 +289,6 @@ def estimate_memory(
     kept = pp == 1 and shards > 1 and (zero_stage == 1 or zero_stage == 0 and gradient_as_bucket_view)
     host = optim / GB if offload == "cpu" else 0.0
     return Estimate(lines, grads_meet_activations=kept, host_gb=host)
-
-
-def _activations(
-    model: ModelShape,
-    seq_len: int,
-    micro_batch: int,
-    precision: Precision,
-    tp: int,
-    pp: int,
-    cp: int,
-    sp: bool,
-    recompute: Recompute,
-    dropout: bool,
-) -> Line:
-    if model.layers is None or model.hidden is None or model.heads is None:
-        return Line("activations", 0.0, "unknown: give --layers, --hidden and --heads")
-    element = 4 if precision == "fp32" else 2
-    s = seq_len / cp
-    per_layer = layer_activation_bytes(
-        s=s,
-        b=micro_batch,
-        h=model.hidden,
-        a=model.heads,
-        element=element,
-        tp=tp,
-        sp=sp,
-        recompute=recompute,
-        dropout=dropout,
-    )
-    if cp > 1:  # the log-sum-exp kept per layer, and one layer's ring backward in flight (fp32 dq, dk/dv twice,
-        # the K/V block and the next one arriving, the probabilities and their gradient for one block pair)
-        sbh = s * micro_batch * model.hidden
-        per_layer += model.heads * s * micro_batch * 4 / tp
-        ring = (4 * 5 * sbh + 2 * 2 * element * sbh) / tp + 2 * model.heads * (s / 2) ** 2 * micro_batch * 4 / tp
-    else:
-        ring = 0.0
-    in_flight_layers = model.layers  # first stage: pp micro-batches of L/pp layers
-    logits = s * micro_batch * (model.vocab or 0) * 4 / tp  # fp32 logits kept for the loss (last stage)
-    total = per_layer * in_flight_layers + (logits if pp == 1 else 0.0) + ring
-    term = {
-        "none": f"sbh({16 * element}{'+2' if dropout else ''} + {2 * element + (1 if dropout else 0)}·as/h)",
-        "selective": f"sbh·{16 * element}{'+2' if dropout else ''} (attention scores recomputed)",
-        "full": f"sbh·{element} (layer input only)",
-    }[recompute]
-    split = f"/tp={tp}" + (" (SP)" if sp else " (part)") if tp > 1 else ""
-    formula = (
-        f"L={model.layers} × {term}{split}, s=seq/cp={s:g}, b={micro_batch}, h={model.hidden}, a={model.heads}"
-        + (" + logits s·b·V·4/tp" if pp == 1 and model.vocab else "")
-        + (" + lse and one layer's ring backward in flight (cp)" if cp > 1 else "")
-    )
-    return Line("activations", total / GB, formula)
 
 
 def _buffers(

@@ -1,0 +1,141 @@
+"""Activations a training step keeps for backward, per layer and in all, for the estimator (`estimate.py`).
+
+Two counts. A modern decoder whose widths are known (RMSNorm, attention with grouped K/V heads, a gated MLP or
+routed experts; `ModelShape.ffn` set) is counted tensor by tensor as autograd saves it — the count checked
+against saved-tensor hooks on transformers' Llama, Qwen2 and Mixtral (tests/planning/test_activation_estimate.py).
+Otherwise Korthikanti et al. (2022): sbh(34 + 5as/h) bytes per layer at 16 bits with dropout (GPT-style, 4h MLP).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+Recompute = Literal["none", "selective", "full"]
+
+
+def layer_activation_bytes(
+    *, s: float, b: int, h: int, a: int, element: int, tp: int, sp: bool, recompute: Recompute, dropout: bool
+) -> float:
+    """Bytes one transformer layer saves for backward (Korthikanti et al., generalised to any element size)."""
+    mask = 1 if dropout else 0
+    if recompute == "full":
+        return s * b * h * element / (tp if sp else 1)
+    replicated = s * b * h * (4 * element + 2 * mask)  # layer-norm inputs, dropout masks (sharded only by SP)
+    split = s * b * h * 12 * element
+    scores = 0.0 if recompute == "selective" else a * s * s * b * (2 * element + mask)
+    if sp:
+        return (replicated + split + scores) / tp
+    return replicated + split / tp + scores / tp
+
+
+def decoder_layer_activation_bytes(
+    *,
+    s: float,
+    b: int,
+    h: int,
+    kv_width: int,
+    a: int,
+    ffn: int,
+    element: int,
+    autocast: bool,
+    tp: int,
+    sp: bool,
+    recompute: Recompute,
+    fused_attention: bool = True,
+    experts: tuple[int, int] | None = None,
+) -> float:
+    """Bytes one pre-norm decoder layer (RMSNorm, attention with `kv_width` = kv heads × head_dim, gated MLP of
+    width `ffn`, or `experts` = (top_k, expert width)) saves for backward, per the tensors autograd keeps,
+    measured with saved-tensor hooks on transformers' Llama, Qwen2 and Mixtral (tests/planning/
+    test_activation_estimate.py). Per token, in elements: the two norms keep their input, normalised value and
+    output (6h, whole on every tp rank unless SP); attention keeps q, its output (2h) and k, v (2·kv_width);
+    the gated MLP its gate, activation, up and product (4·ffn), a routed MLP for each of its top-k experts that and
+    the token's copy in and out (k·(4·f_e + 2h), experts kept whole by tp); fused attention keeps a fp32
+    log-sum-exp per head, eager attention its probabilities (a·s) and k, v repeated to every head. Under autocast
+    the residual stream stays fp32: its copies add 14h bytes."""
+    if recompute == "full":
+        return s * b * h * (4 if autocast else element) / (tp if sp else 1)
+    mlp = experts[0] * (4 * experts[1] + 2 * h) if experts else 4 * ffn
+    split = 2 * h + 2 * kv_width + (0 if experts else mlp)
+    whole = 6 * h + (mlp if experts else 0)  # (experts: whole under tp, as meshkit keeps the banks)
+    # fused: a fp32 log-sum-exp per head (in elements of `element` bytes); eager: probabilities, k/v repeated
+    scores = 4 * a / element if fused_attention or recompute == "selective" else a * s + 2 * (h - kv_width)
+    stream = 14 * h if autocast else 0  # (the residual stream: sequence-sharded under SP, whole without)
+    per_token = element * (whole / (tp if sp else 1) + (split + scores) / tp) + stream / (tp if sp else 1) + 8
+    if experts and element == 2:  # the expert kernels run outside autocast's casts (measured: fp32 on CPU)
+        per_token += 2 * mlp
+    return s * b * per_token
+
+
+def activation_line(
+    model: Any,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    tp: int,
+    pp: int,
+    cp: int,
+    sp: bool,
+    recompute: Recompute,
+    dropout: bool,
+    zero_stage: int = 0,
+) -> tuple[float, str]:
+    """(bytes, formula) of the activations a rank holds at its peak. Under bf16/fp16 the weights of ZeRO 0-2 stay
+    fp32 and autocast casts them, so the residual stream is fp32; ZeRO-3 gathers bf16 weights (its mixed-precision
+    policy): the stream is bf16 too."""
+    if model.layers is None or model.hidden is None or model.heads is None:
+        return 0.0, "unknown: give --layers, --hidden and --heads"
+    element = 4 if precision == "fp32" else 2
+    s = seq_len / cp
+    if model.ffn is not None and not dropout:  # a modern decoder, its widths known
+        kv_width = (model.kv_heads or model.heads) * (model.hidden // model.heads)
+        shape = {"s": s, "b": micro_batch, "h": model.hidden, "kv_width": kv_width, "a": model.heads}
+        autocast = element == 2 and zero_stage < 3
+        layout = {"element": element, "autocast": autocast, "tp": tp, "sp": sp, "recompute": recompute}
+        dense = decoder_layer_activation_bytes(
+            **shape, ffn=model.ffn, **layout, fused_attention=model.fused_attention
+        )  # fmt: skip
+        routed = (model.top_k or 1, model.expert_ffn or model.ffn) if model.moe_layers else None
+        moe = decoder_layer_activation_bytes(
+            **shape, ffn=model.ffn, **layout, fused_attention=model.fused_attention, experts=routed
+        )  # fmt: skip
+        per_layer = (dense * (model.layers - model.moe_layers) + moe * model.moe_layers) / model.layers
+    else:
+        per_layer = layer_activation_bytes(
+            s=s,
+            b=micro_batch,
+            h=model.hidden,
+            a=model.heads,
+            element=element,
+            tp=tp,
+            sp=sp,
+            recompute=recompute,
+            dropout=dropout,
+        )
+    if cp > 1:  # the log-sum-exp kept per layer, and one layer's ring backward in flight (fp32 dq, dk/dv twice,
+        # the K/V block and the next one arriving, the probabilities and their gradient for one block pair)
+        sbh = s * micro_batch * model.hidden
+        per_layer += model.heads * s * micro_batch * 4 / tp
+        ring = (4 * 5 * sbh + 2 * 2 * element * sbh) / tp + 2 * model.heads * (s / 2) ** 2 * micro_batch * 4 / tp
+    else:
+        ring = 0.0
+    in_flight_layers = model.layers  # first stage: pp micro-batches of L/pp layers
+    logits = s * micro_batch * (model.vocab or 0) * 4 / tp  # fp32 logits kept for the loss (last stage)
+    total = per_layer * in_flight_layers + (logits if pp == 1 else 0.0) + ring
+    term = {
+        "none": f"sbh({16 * element}{'+2' if dropout else ''} + {2 * element + (1 if dropout else 0)}·as/h)",
+        "selective": f"sbh·{16 * element}{'+2' if dropout else ''} (attention scores recomputed)",
+        "full": f"sbh·{element} (layer input only)",
+    }[recompute]
+    if model.ffn is not None and not dropout and recompute != "full":
+        mlp = f"{model.top_k}·(4·{model.expert_ffn} + 2h) routed" if model.moe_layers else f"4·ffn={4 * model.ffn}"
+        kernel = "lse" if model.fused_attention else "a·s probabilities"
+        fp32_stream = element == 2 and zero_stage < 3
+        term = f"sb·{element}·(8h + 2·kv + {mlp}) + {kernel}" + (" + 14h bytes (fp32 residual)" if fp32_stream else "")
+    split = f"/tp={tp}" + (" (SP)" if sp else " (part)") if tp > 1 else ""
+    formula = (
+        f"L={model.layers} × {term}{split}, s=seq/cp={s:g}, b={micro_batch}, h={model.hidden}, a={model.heads}"
+        + (" + logits s·b·V·4/tp" if pp == 1 and model.vocab else "")
+        + (" + lse and one layer's ring backward in flight (cp)" if cp > 1 else "")
+    )
+    return total, formula
