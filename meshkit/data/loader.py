@@ -86,6 +86,8 @@ class ShardedLoader:
             self.gradient_state.end_of_dataloader = index == last
             yield to_device(batch, self.device)
         self.gradient_state.end_of_dataloader = False
+        if self.gradient_state.active_loader is self:  # a gather after the loop is not about this loader's padding
+            self.gradient_state.active_loader = None
         self._read = 0
         if isinstance(sampler, (ResumableSampler, UnevenBatchSampler)):
             sampler.start = 0

@@ -26,7 +26,7 @@ class GradientState:
     window_global_items: float | None = 0.0  # the window's items on every rank, when each micro-step told them
     weighted_window: bool | None = None  # does this window weight the loss by items? (fixed at first backward)
     optimizer_stepped: bool = False  # did the last optimizer step really update (False after an fp16 skip)?
-    active_loader: Any = None  # the prepared loader iterated last (gather_for_metrics trims its padding)
+    active_loader: Any = None  # the prepared loader being iterated (gather_for_metrics trims its padding)
     last_window_items: float = 0.0  # items the last finished window weighted its loss by (0: unweighted)
 
     sync_with_dataloader: bool = True  # the last batch of the data ends a window (False: windows span epochs)
