@@ -7,8 +7,9 @@ data-parallel ranks Nd. In fp32 the bytes are 4 + 4 + 8. Tensor and pipeline par
 
 Activations: for a decoder whose widths are known (GQA, gated MLP, routed experts), as its modules save them
 (`activation_estimate.decoder_layer_activation_bytes`, checked against measured saved tensors); otherwise
-Korthikanti et al., 2022 ("Reducing Activation Recomputation in Large Transformer Models"): per layer sbh(34 + 5as/h) bytes at 16 bits with dropout, of which 32sbh + 4as²b are 16-bit values
-and 2sbh + as²b are 1-byte dropout masks. The values scale with the element size (4 bytes in fp32), the masks
+Korthikanti et al., 2022 ("Reducing Activation Recomputation in Large Transformer Models"): per layer
+sbh(34 + 5as/h) bytes at 16 bits with dropout, of which 32sbh + 4as²b are 16-bit values and 2sbh + as²b are
+1-byte dropout masks. The values scale with the element size (4 bytes in fp32), the masks
 vanish without dropout; tensor parallel divides 24 of the 34 (all of it with sequence parallel) and the
 attention scores; selective recompute drops the attention-score term; full recompute keeps only each layer's
 input (2sbh). Context parallel divides the sequence. A pipeline's first stage holds `pp` micro-batches of its

@@ -65,27 +65,23 @@ STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 
 @dataclass(frozen=True)
 class LayoutFilter:
-    """What the user fixed (`meshkit plan --strategy zero3 --tp 1 ...`); None: the planner chooses."""
+    """What the user fixed (`meshkit plan --strategy zero3 --tp 1 ...`): `Layout` field -> the value it must have
+    (the layout itself stays `config.layout.Layout`'s to model)."""
 
-    zero_stage: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    cp: int | None = None
-    activation_checkpointing: str | None = None
-    offload: str | None = None
+    fixed: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(cls, strategy: str | None = None, **fixed: Any) -> LayoutFilter:
         if strategy is not None and strategy.lower() not in STRATEGIES:
             raise PlanError(f"--strategy {strategy}: choose one of {', '.join(STRATEGIES)}")
-        stage = STRATEGIES[strategy.lower()] if strategy is not None else None
-        return cls(zero_stage=stage, **{k: v for k, v in fixed.items() if v is not None})
+        stage = {"zero_stage": STRATEGIES[strategy.lower()]} if strategy is not None else {}
+        return cls(tuple({**stage, **{k: v for k, v in fixed.items() if v is not None}}.items()))
 
     def admits(self, layout: Layout) -> bool:
-        return all(wanted is None or getattr(layout, name) == wanted for name, wanted in vars(self).items())
+        return all(getattr(layout, name) == wanted for name, wanted in self.fixed)
 
     def describe(self) -> str:
-        return " ".join(f"{name}={value}" for name, value in vars(self).items() if value is not None) or "any"
+        return " ".join(f"{name}={value}" for name, value in self.fixed) or "any"
 
 
 @dataclass

@@ -263,7 +263,8 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         "steps": len(losses),
         "resumed_at_step": first_step,
         "stopped_early": stopped_early,
-        "epochs": len(losses) / steps_per_epoch,
+        # passes over the data the steps made (a step may read more rows than a small packed dataset holds)
+        "epochs": len(losses) * per_window * cfg.grad_accum_steps / max(1, len(data.dataset)),
         "tokens_per_s": trained * tokens_per_step / wall if trained else 0.0,
         "wall_s": wall,
         "world_size": engine.num_processes,

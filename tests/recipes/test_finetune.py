@@ -177,6 +177,8 @@ def test_meshkit_finetune_launches_itself_on_two_ranks(tmp_path, material) -> No
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2 and len(summary["generations"]) == 1
+    rows = summary["packed_rows"] or summary["samples"]["train"]  # 2 steps of 2 ranks × 2 rows: a share of an epoch
+    assert summary["epochs"] == pytest.approx(2 * 2 * 2 / rows)
     (answer,) = summary["generations"]  # beside the answer it was trained for, judged
     outputs = {json.loads(line)["output"] for line in material["alpaca"].read_text().splitlines()}
     assert answer["expected"] in outputs and answer["right"] == (answer["answer"].strip() == answer["expected"])
