@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from meshkit.config import RunConfig
-from meshkit.core.moved_modules import install_moved_module_finder
 
 if TYPE_CHECKING:
     from meshkit.engine import Engine
@@ -65,8 +64,6 @@ __all__ = [
     "set_seed",
 ]
 __version__ = "0.1.0"
-
-install_moved_module_finder()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""The package graph: imports point down the layers of DESIGN.md, no module imports itself back, a small root.
+"""The package graph: imports point down the layers of docs/architecture.md, no module imports itself back, a small
+root.
 
 Read from the source (every `import`, also those inside functions and under TYPE_CHECKING), so an import that
 only runs later still counts.
@@ -30,6 +31,15 @@ LAYERS = [
     ("cli",),
 ]
 LAYER_OF = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
+# Inside `parallel/`: one package or module per strategy, none importing another (the composition layer orders
+# them), then what reads several strategies' facts, then the composition itself.
+PARALLEL_LAYERS = [
+    ("activation", "compile", "context", "dataparallel", "ddp", "expert", "fsdp", "pipeline", "replicate")
+    + ("tensor", "zero"),
+    ("fits", "materialize"),
+    ("compose",),
+]
+PARALLEL_LAYER_OF = {entry: rank for rank, entries in enumerate(PARALLEL_LAYERS) for entry in entries}
 
 
 def module_name(path: Path) -> str:
@@ -64,6 +74,29 @@ def layer(name: str) -> int:
     return LAYER_OF[parts[1]]
 
 
+def entry(name: str) -> str | None:
+    """The package (or module) directly under the layers' package: `meshkit.parallel.tensor.auto` -> tensor."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 else None
+
+
+def crossings(layers: list[tuple[str, ...]], package: str) -> list[str]:
+    """Imports inside `meshkit.<package>` that go up its layers or sideways between two entries of one layer."""
+    rank_of = {item: rank for rank, items in enumerate(layers) for item in items}
+    prefix = f"meshkit.{package}."
+    wrong = []
+    for name, targets in GRAPH.items():
+        if not name.startswith(prefix):
+            continue
+        for target in targets:
+            source_entry, target_entry = entry(name), entry(target)
+            if not target.startswith(prefix) or source_entry == target_entry:
+                continue
+            if rank_of[target_entry] >= rank_of[source_entry]:
+                wrong.append(f"{name} -> {target}")
+    return sorted(wrong)
+
+
 def test_every_package_has_a_layer_and_the_root_stays_small() -> None:
     entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
     assert len(entries) <= 16, entries
@@ -81,6 +114,52 @@ def test_imports_point_down_the_layers() -> None:
         if len(target.split(".")) > 1 and layer(target) > layer(name)
     ]
     assert not upward, "imports from a lower layer into a higher one:\n" + "\n".join(sorted(upward))
+
+
+def test_no_module_imports_the_root_package() -> None:
+    # The root holds the public names and imports them lazily; a module that imports it reaches every layer.
+    importers = sorted(name for name, targets in GRAPH.items() if "meshkit" in targets and name != "meshkit")
+    assert not importers, (
+        f"modules importing the root package `meshkit` (import the module that defines it): {importers}"
+    )
+
+
+def test_the_top_layers_do_not_import_each_other() -> None:
+    sideways = [
+        f"{name} -> {target}"
+        for name, targets in GRAPH.items()
+        for target in targets
+        if len(name.split(".")) > 1
+        and len(target.split(".")) > 1
+        and layer(name) == layer(target)
+        and name.split(".")[1] != target.split(".")[1]
+    ]
+    assert not sideways, f"packages of one layer importing each other: {sorted(sideways)}"
+
+
+def test_parallel_strategies_stand_alone_and_compose_sits_on_top() -> None:
+    entries = {p.stem for p in (PACKAGE / "parallel").iterdir() if p.name not in ("__init__.py", "__pycache__")}
+    assert entries == set(PARALLEL_LAYER_OF), "a module of parallel/ with no layer: add it to PARALLEL_LAYERS"
+    wrong = crossings(PARALLEL_LAYERS, "parallel")
+    assert not wrong, "parallel/ imports going up or between two strategies:\n" + "\n".join(wrong)
+
+
+def test_the_crossing_finder_finds_a_sideways_and_an_upward_import() -> None:
+    GRAPH["meshkit.parallel.ddp._probe"] = {"meshkit.parallel.fsdp", "meshkit.parallel.compose"}
+    try:
+        assert crossings(PARALLEL_LAYERS, "parallel") == [
+            "meshkit.parallel.ddp._probe -> meshkit.parallel.compose",
+            "meshkit.parallel.ddp._probe -> meshkit.parallel.fsdp",
+        ]
+    finally:
+        del GRAPH["meshkit.parallel.ddp._probe"]
+
+
+def test_the_architecture_note_lives_in_the_project() -> None:
+    note = PACKAGE.parent / "docs" / "architecture.md"
+    text = note.read_text()
+    for package in LAYER_OF:
+        assert f"{package}/" in text, f"docs/architecture.md does not place {package}/"
 
 
 def test_there_are_no_import_cycles() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import platform
 import sys
@@ -10,7 +11,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-import meshkit
 from meshkit.launching.affinity import numa_nodes
 
 
@@ -20,7 +20,7 @@ def environment_rows() -> list[tuple[str, str]]:
         name for name in ("gloo", "nccl", "mpi", "ucc") if getattr(dist, f"is_{name}_available", lambda: False)()
     ]
     rows = [
-        ("meshkit", meshkit.__version__),
+        ("meshkit", importlib.metadata.version("meshkit")),
         ("python", sys.version.split()[0]),
         ("platform", platform.platform()),
         ("torch", torch.__version__),

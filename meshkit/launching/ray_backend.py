@@ -54,7 +54,15 @@ class RayLaunchError(MeshkitError):
     """The job could not be placed on the Ray cluster; the message names the cause."""
 
 
-def import_ray() -> Any:
+# Ray binds its GCS, raylets and workers to 127.0.0.1 alone when this switch is off (read once, when ray is first
+# imported); a cluster that meshkit starts for one run on this machine needs no port open to the network.
+RAY_LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def import_ray(loopback_only: bool = False) -> Any:
+    """Import ray; with `loopback_only`, a cluster it starts on this machine listens on 127.0.0.1 only."""
+    if loopback_only and "ray" not in sys.modules:
+        os.environ[RAY_LOOPBACK_SWITCH] = "0"
     try:
         import ray
     except ImportError:
@@ -309,14 +317,15 @@ class ExitTimes:
 def launch_on_ray(target: LaunchTarget, plan: LaunchPlan) -> int:
     """Run `target` on every rank of the Ray cluster; returns the job's exit code."""
     target.check()
-    ray = import_ray()
     settings = plan.settings
+    address = settings.ray_address
+    cluster_of_its_own = not address and not os.environ.get("RAY_ADDRESS")
+    ray = import_ray(loopback_only=cluster_of_its_own)
     started_here = not ray.is_initialized()
     if started_here:
-        address = settings.ray_address
         try:
             local: dict[str, Any] = {}
-            if not address and not os.environ.get("RAY_ADDRESS"):
+            if cluster_of_its_own:
                 # a new cluster for this run ("local": never one found on this machine) holds the whole job,
                 # oversubscribed as under `meshkit launch`
                 cores = os.cpu_count() or 1

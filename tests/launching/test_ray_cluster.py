@@ -149,8 +149,37 @@ def test_without_an_address_the_job_runs_on_a_local_cluster_of_its_own(tmp_path)
         "import os, sys\nimport torch\nfrom meshkit import Engine\nengine = Engine()\n"
         "total = engine.reduce(torch.tensor(float(engine.process_index)), op='sum').item()\n"
         "sys.stdout.write(f'RANK {engine.process_index} of {engine.num_processes} sum {total:g} "
-        'threads {os.environ["OMP_NUM_THREADS"]}\\n\')\nengine.end()\n'
+        'threads {os.environ["OMP_NUM_THREADS"]}\\n\')\n' + LISTENERS_OF_RAY + "engine.end()\n"
     )
     proc = meshkit("launch", "--backend", "ray", "--nproc-per-node", "2", str(script), timeout=180, env=QUIET_RAY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RANK 0 of 2 sum 1 threads 1" in proc.stdout and "RANK 1 of 2 sum 1 threads 1" in proc.stdout
+    # the cluster started for this run listens on loopback only: its GCS and raylet open no port to the network
+    listeners = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("LISTEN ")]
+    assert {name for name, _ in listeners} >= {"gcs_server", "raylet"}, proc.stdout[-2000:]
+    assert all(address in LOOPBACK for _, address in listeners), listeners
+
+
+# IPv4 127.0.0.1, IPv6 ::1 and ::ffff:127.0.0.1 as /proc/net/tcp{,6} writes them
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+# Printed by rank 0 while the cluster runs: each listening TCP socket of Ray's GCS and raylets, by local address.
+LISTENERS_OF_RAY = """
+if engine.process_index == 0:
+    listening = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A":
+                listening[fields[9]] = fields[1].split(":")[0]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            name = open(f"/proc/{pid}/comm").read().strip()
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if name in ("gcs_server", "raylet"):
+            for link in links:
+                inode = link[len("socket:["):-1] if link.startswith("socket:[") else None
+                if inode in listening:
+                    print("LISTEN", name, listening[inode])
+"""
