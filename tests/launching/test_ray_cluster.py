@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.faults.helpers import is_loopback
 from tests.helpers.cli import ROOT, meshkit
 
 pytestmark = [pytest.mark.world, pytest.mark.slow]
@@ -157,29 +158,20 @@ def test_without_an_address_the_job_runs_on_a_local_cluster_of_its_own(tmp_path)
     # the cluster started for this run listens on loopback only: its GCS and raylet open no port to the network
     listeners = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("LISTEN ")]
     assert {name for name, _ in listeners} >= {"gcs_server", "raylet"}, proc.stdout[-2000:]
-    assert all(address in LOOPBACK for _, address in listeners), listeners
+    assert all(is_loopback(address) for _, address in listeners), listeners
 
 
-# IPv4 127.0.0.1, IPv6 ::1 and ::ffff:127.0.0.1 as /proc/net/tcp{,6} writes them
-LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
-# Printed by rank 0 while the cluster runs: each listening TCP socket of Ray's GCS and raylets, by local address.
-LISTENERS_OF_RAY = """
+# Printed by rank 0 while the cluster runs: each TCP socket Ray's GCS and raylets listen on.
+LISTENERS_OF_RAY = f"""
 if engine.process_index == 0:
-    listening = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in open(table).read().splitlines()[1:]:
-            fields = row.split()
-            if fields[3] == "0A":
-                listening[fields[9]] = fields[1].split(":")[0]
+    sys.path.insert(0, {str(ROOT)!r})
+    from tests.faults.helpers import listening_addresses
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            name = open(f"/proc/{pid}/comm").read().strip()
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            name = open(f"/proc/{{pid}}/comm").read().strip()
         except OSError:
             continue
         if name in ("gcs_server", "raylet"):
-            for link in links:
-                inode = link[len("socket:["):-1] if link.startswith("socket:[") else None
-                if inode in listening:
-                    print("LISTEN", name, listening[inode])
+            for address in listening_addresses([int(pid)]):
+                print("LISTEN", name, address)
 """
