@@ -39,6 +39,7 @@ docs: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check meshkit tests bench
 	$(BIN)/ruff format --check meshkit tests bench
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'

@@ -5,8 +5,8 @@ DTensor (sharded by FSDP or tensor parallel), or a plain tensor (replicated): to
 records each rank's piece with its offsets, and a later load at another layout reads exactly the pieces
 it needs. Two exceptions:
 
-- fused q/k/v weights under tensor parallel are kept interleaved per rank (see `parallel/tensor/apply.py`); they
-  are saved in their original order as full tensors and re-interleaved on load;
+- fused weights under tensor parallel are stored in their own order (`parallel/tensor/storage.py`); they are
+  saved in the canonical order as full tensors and put back in tensor parallel's order on load;
 - ZeRO-1/2 keep each param group's optimizer state as one flat buffer split at arbitrary offsets, which no
   rectangular piece of a parameter can describe. It is saved as `optim.flat.pp<p>.group<g>.<state>`, one
   1-D tensor per group split over the data-parallel ranks, and loads directly at any ZeRO-1/2 world size
@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshkit.checkpoint.optimizer_states import from_canonical, to_canonical
 from meshkit.parallel.compose import unwrap
-from meshkit.parallel.tensor.auto import interleave_fused_qkv, restore_fused_qkv
+from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.parallel.zero.nvme import NVMeOptimizer
 from meshkit.parallel.zero.optimizer import FlatShard, ZeroOptimizer
 from meshkit.runtime import collectives
@@ -61,17 +61,16 @@ def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Parameters:
-    """One prepared model's parameters by name, and the names stored interleaved for tensor parallel."""
+    """One prepared model's parameters by name, and how tensor parallel stores the fused ones."""
 
     names: dict[int, str]  # id(parameter) -> name
-    fused: dict[str, int]  # interleaved parameter -> the dim q, k and v are stacked on
-    tp: int
+    split_weights: SplitWeights  # under the checkpoint's names
 
     def to_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return restore_fused_qkv(_full(tensor), self.tp, self.fused[name]) if name in self.fused else tensor
+        return self.split_weights.to_canonical(name, _full(tensor)) if name in self.split_weights else tensor
 
     def from_canonical(self, name: str, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return _like(interleave_fused_qkv(full, self.tp, self.fused[name]) if name in self.fused else full, like)
+        return _like(self.split_weights.to_storage(name, full), like)
 
 
 class TrainingState:
@@ -81,7 +80,7 @@ class TrainingState:
         self,
         models: list[nn.Module],
         optimizers: list[Any],
-        fused: dict[int, dict[str, int]],
+        split_weights: dict[int, SplitWeights],
         mesh: ParallelMesh,
         aliases: dict[int, dict[str, str]] | None = None,
     ) -> None:
@@ -93,13 +92,14 @@ class TrainingState:
         self.mesh = mesh
         tp = mesh.size("tp")
         self.parameters: dict[int, str] = {}
-        self.fused: dict[str, int] = {}
+        stored_as = []
         for index, model in enumerate(models):
             prefix = _prefix("model", index)
             for name, param in unwrap(model).named_parameters():
                 self.parameters[id(param)] = f"{prefix}.{self._stored_name(model, name)}"
-            self.fused.update({f"{prefix}.{name}": dim for name, dim in fused.get(id(model), {}).items()})
-        self.names = Parameters(self.parameters, self.fused, tp)
+            stored_as.append(split_weights.get(id(model), SplitWeights(tp)).prefixed(prefix))
+        self.split_weights = SplitWeights.union(stored_as, tp)
+        self.names = Parameters(self.parameters, self.split_weights)
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
@@ -182,7 +182,9 @@ class TrainingState:
         start = shard.bounds[0]
         valid = max(0, min(shard.chunk, numel - start))
         mesh = self.mesh.expert_dim("edp") if shard.expert else self.mesh.grad_mesh  # the ranks it is chunked over
-        return DTensor.from_local(value[:valid], mesh, [Shard(0)], run_check=False, shape=(numel,), stride=(1,))
+        return DTensor.from_local(
+            value[:valid], mesh, [Shard(0)], run_check=False, shape=torch.Size((numel,)), stride=(1,)
+        )
 
     def hyperparameters(self) -> list[list[dict[str, Any]]]:
         """Per optimizer, its param groups' settings (JSON-ready; parameters left out)."""
@@ -211,9 +213,10 @@ class TrainingState:
         if self.mesh.size("pp") > 1:  # each stage holds some layers: the model is the union over stages
             everywhere = set().union(*collectives.gather_object(sorted(live), self.mesh.group("pp")))
         check_keys(live, stored, everywhere)
-        targets = {k: torch.empty(stored[k][0], dtype=v.dtype) if k in self.fused else v for k, v in live.items()}
+        split = self.split_weights
+        targets = {k: torch.empty(stored[k][0], dtype=v.dtype) if k in split else v for k, v in live.items()}
         read(targets)  # in place: the state dict's tensors share the parameters' storage
-        for key in self.fused.keys() & set(live):
+        for key in split.names & set(live):
             with torch.no_grad():
                 _local(live[key]).copy_(_local(self.names.from_canonical(key, targets[key], live[key])))
 
@@ -225,7 +228,7 @@ class TrainingState:
             head = f"{prefix}.{name.partition('.')[2]}."
             if not key.startswith(head) or "." in key[len(head) :]:
                 continue
-            if shape == param.shape and name not in self.fused:
+            if shape == param.shape and name not in self.split_weights:
                 targets[key] = torch.empty_like(param, dtype=dtype)
             else:
                 targets[key] = torch.empty(shape, dtype=dtype)
@@ -304,10 +307,10 @@ class TrainingState:
         for shard in inner.shards:
             state = inner.state.setdefault(shard.shard, {})
             for key, (shape, dtype) in stored.items():
-                head = self._flat_key(index, shard, "")
-                if not key.startswith(head):
+                shard_key = self._flat_key(index, shard, "")
+                if not key.startswith(shard_key):
                     continue
-                name = key[len(head) :]
+                name = key[len(shard_key) :]
                 numel = sum(size for _, size in shard.slices)
                 if len(shape) == 1 and shape[0] != numel:
                     raise_mismatch(f"{key} of {shape[0]} elements", f"{numel} in this run")

@@ -31,7 +31,8 @@ def rng_state() -> dict[str, Any]:
         import numpy
     except ImportError:
         return state
-    name, keys, position, has_gauss, cached = numpy.random.get_state()
+    numpy_state: Any = numpy.random.get_state()  # (legacy=True: a tuple)
+    name, keys, position, has_gauss, cached = numpy_state
     state["numpy"] = [name, keys.tolist(), int(position), int(has_gauss), float(cached)]
     return state
 

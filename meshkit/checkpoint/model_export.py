@@ -27,7 +27,7 @@ from meshkit.models.adapters import (
 )
 from meshkit.models.quantized import is_bookkeeping, quantized_weights
 from meshkit.parallel.compose import unwrap
-from meshkit.parallel.tensor.auto import restore_fused_qkv
+from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.runtime import collectives
 from meshkit.runtime.mesh import ParallelMesh
 
@@ -69,7 +69,7 @@ def _exported_names(local: dict[str, torch.Tensor], merges: dict[str, LoraMerge]
 def save_model_weights(
     model: nn.Module,
     mesh: ParallelMesh,
-    fused: dict[str, int],
+    split_weights: SplitWeights,
     out_dir: str | os.PathLike[str],
     max_shard_size: int | str,
     merges: dict[str, LoraMerge] | None = None,
@@ -112,7 +112,7 @@ def save_model_weights(
         whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
         if name in quantized:
             return quantized[name].dequantize(whole)
-        return restore_fused_qkv(whole, mesh.size("tp"), fused[name]) if name in fused else whole
+        return split_weights.to_canonical(name, whole)
 
     for shard in plan:
         for info in shard:

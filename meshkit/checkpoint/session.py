@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -200,7 +200,7 @@ class Checkpointer:
         response = dcp.async_save(
             tensors, storage_writer=writer(partial), process_group=self.group, async_stager=self.stager
         )
-        upload: Future = getattr(response, "upload_completion", response)
+        upload = cast(Future, getattr(response, "upload_completion", response))  # (torch < 2.9: the future itself)
         committer = None
         pending = PendingSave(upload, None, partial)
         if self.rank == 0:

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, cast
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from meshkit.planning.estimate import Estimate, EstimateError, ModelShape, as_table_rows, estimate_memory
+from meshkit.config.layout import Offload, Recompute
+from meshkit.planning.estimate import (
+    Estimate,
+    EstimateError,
+    ModelShape,
+    Optimizer,
+    Precision,
+    as_table_rows,
+    estimate_memory,
+)
 
 # The model options `meshkit estimate` and `meshkit plan` share.
 ModelArg = Annotated[Optional[Path], typer.Argument(help="HF config.json or meshkit YAML")]
@@ -89,7 +98,7 @@ def estimate_command(
     ):
         if value not in choices:
             raise EstimateError(f"{name} {value}: choose {', '.join(choices)}")
-    shape = model_shape(model, params, layers, hidden, heads, vocab)
+    shape = model_shape(model, params, layers, hidden, heads, vocab)  # (the choices were checked above)
     if ps_servers:
         _parameter_server(
             shape, ps_servers, dp, seq_len, micro_batch, precision, optimizer, activation_checkpointing, as_json
@@ -99,15 +108,15 @@ def estimate_command(
         shape,
         seq_len=seq_len,
         micro_batch=micro_batch,
-        precision=precision,  # type: ignore[arg-type]
-        optimizer=optimizer,  # type: ignore[arg-type]
+        precision=cast(Precision, precision),
+        optimizer=cast(Optimizer, optimizer),
         zero_stage=zero_stage,
         dp=dp,
         tp=tp,
         pp=pp,
         cp=cp,
-        activation_checkpointing=activation_checkpointing,  # type: ignore[arg-type]
-        offload=offload,  # type: ignore[arg-type]
+        activation_checkpointing=cast(Recompute, activation_checkpointing),
+        offload=cast(Offload, offload),
         runtime_gb=runtime_gb,
         ep=ep,
     )
@@ -161,13 +170,13 @@ def _parameter_server(
     """A server's and a worker's memory, and the traffic per step against ring all-reduce at the same world."""
     from meshkit.planning.estimate_ps import server_memory, traffic, worker_memory
 
-    server = server_memory(shape, optimizer, servers, workers)  # type: ignore[arg-type]
+    server = server_memory(shape, cast(Optimizer, optimizer), servers, workers)
     worker = worker_memory(
         shape,
         seq_len=seq_len,
         micro_batch=micro_batch,
-        precision=precision,
-        activation_checkpointing=recompute,  # type: ignore[arg-type]
+        precision=cast(Precision, precision),
+        activation_checkpointing=cast(Recompute, recompute),
     )
     moved = traffic(shape, servers, workers)
     if as_json:

@@ -337,7 +337,16 @@ def bench_comm(
     chosen = parse_ops(ops)
     if profile is not None and "all_reduce" not in chosen:
         ops = ",".join([*chosen, "all_reduce"])  # the profile's link bandwidth
-    args = ("--ops", ops, "--sizes", ",".join(map(str, parsed)), "--out", str(out.absolute()), "--iters", str(iters))
+    args: tuple[str, ...] = (
+        "--ops",
+        ops,
+        "--sizes",
+        ",".join(map(str, parsed)),
+        "--out",
+        str(out.absolute()),
+        "--iters",
+        str(iters),
+    )
     if profile is not None:
         args += ("--profile", str(profile.absolute()))
     target = LaunchTarget("meshkit.planning.commbench", args, module=True)
@@ -364,4 +373,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

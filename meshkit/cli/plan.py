@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, cast, get_args
 
 import typer
 import yaml
@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshkit.cli.estimate import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
+from meshkit.planning.estimate import Optimizer, Precision
 from meshkit.planning.estimate_ps import advice
 from meshkit.planning.hardware import PRESETS, load_profile, preset
 from meshkit.planning.plan import (
@@ -103,12 +104,14 @@ def plan_command(
     device = load_profile(profile) if profile is not None else preset(gpu or "a100")
     memory = gpu_mem_gb if gpu_mem_gb is not None else device.memory_gb
     cluster = Cluster(gpus_per_node, memory, nodes, intra_node, inter_node, device)
-    if optimizer not in ("adam", "adam8bit", "sgd"):
+    if optimizer not in get_args(Optimizer):
         raise PlanError(f"--optimizer {optimizer!r} is not one the planner knows: adam, adam8bit or sgd")
+    if precision not in get_args(Precision):
+        raise PlanError(f"--precision {precision!r} is not one the planner knows: fp32, bf16 or fp16")
     only = LayoutFilter.of(strategy, tp=tp, pp=pp, cp=cp, activation_checkpointing=recompute, offload=offload)
     result = plan(
-        shape, cluster, seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer,
-        only=only, runtime_gb=runtime_gb, host_mem_gb=host_mem_gb,
+        shape, cluster, seq_len=seq_len, global_batch=global_batch, precision=cast(Precision, precision),
+        optimizer=cast(Optimizer, optimizer), only=only, runtime_gb=runtime_gb, host_mem_gb=host_mem_gb,
     )  # fmt: skip
     if explain:
         chosen = result.fitting[0] if result.fitting else result.smallest

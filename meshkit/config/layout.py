@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from meshkit.config.schema import PARALLEL_DIMS, ParallelConfig, PipelineConfig
 from meshkit.core.errors import MeshkitError
 
+Recompute = Literal["none", "selective", "full"]  # activation checkpointing
+Offload = Literal["none", "cpu", "nvme"]  # where optimizer states live
 SINGLE_STAGE = {"gpipe", "1f1b"}  # one model chunk per rank; the other schedules take several
 
 
@@ -85,8 +87,8 @@ class Layout:
     zero_stage: int = 0
     microbatches: int = 1  # per optimizer step and rank: pipeline micro-batches (pp > 1) or accumulation steps
     stages_per_rank: int = 1  # model chunks per rank (> 1: the interleaved 1F1B schedule)
-    activation_checkpointing: str = "none"  # none | selective | full
-    offload: str = "none"  # none | cpu | nvme (optimizer states)
+    activation_checkpointing: Recompute = "none"
+    offload: Offload = "none"
     ep: int = 1  # expert parallel: a factor of dp × cp (the ranks that see other tokens), not a mesh size of its own
 
     @classmethod
@@ -129,8 +131,8 @@ class Layout:
         cp: int,
         zero_stage: int,
         microbatches: int,
-        activation_checkpointing: str = "none",
-        offload: str = "none",
+        activation_checkpointing: Recompute = "none",
+        offload: Offload = "none",
         stages_per_rank: int = 1,
         ep: int = 1,
     ) -> Layout:

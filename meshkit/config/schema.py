@@ -8,7 +8,7 @@ Every section is a frozen pydantic model that rejects unknown keys, so a typo ne
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -18,7 +18,8 @@ from meshkit.config.section import MAX_SECONDS, Section, seconds  # noqa: F401 -
 from meshkit.config.train import TrainConfig
 from meshkit.config.yaml_text import load_yaml
 
-PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "none")
+PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "none"]
+PREEMPT_SIGNALS: tuple[str, ...] = get_args(PreemptSignal)
 
 PARALLEL_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dimension names, in the fixed order the device mesh is built with (outermost first)."""
@@ -205,13 +206,16 @@ class TensorParallelConfig(Section):
         return load_yaml(value) if isinstance(value, str) else value
 
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
+PipelineSchedule = Literal[
+    "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble"
+]
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 
 
 class PipelineConfig(Section):
     """Pipeline parallel: the schedule and how each step's batch is cut into micro-batches."""
 
-    schedule: Literal[PIPELINE_SCHEDULES] = Field("1f1b", description="|".join(PIPELINE_SCHEDULES))  # type: ignore[valid-type]
+    schedule: PipelineSchedule = Field("1f1b", description="|".join(PIPELINE_SCHEDULES))
     microbatches: int | None = Field(None, ge=1, description="micro-batches per step; null = pp size")
     stages_per_rank: int | None = Field(
         None, ge=1, description="model chunks per rank; null = 1, or 2 for interleaved and zero-bubble schedules"
@@ -230,7 +234,7 @@ class CheckpointConfig(Section):
     resume: str = Field(
         "never", description="never | auto (newest good checkpoint under dir, if any) | PATH of a checkpoint"
     )
-    preempt_signal: Literal[PREEMPT_SIGNALS] = Field(  # type: ignore[valid-type]
+    preempt_signal: PreemptSignal = Field(
         "SIGTERM",
         description="signal that makes every rank checkpoint at the next save_checkpoint() and exit 75; none = off",
     )

@@ -36,7 +36,7 @@ def parse_size(size: int | str) -> int:
 
 def storage_identity(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
     """Equal for two names of the same tensor (tied weights)."""
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+    return (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape), tensor.stride())
 
 
 def unique_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

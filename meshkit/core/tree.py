@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -13,7 +13,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
     if isinstance(data, torch.Tensor):
         return fn(data)
     if isinstance(data, Mapping):
-        return type(data)({key: map_tensors(fn, value) for key, value in data.items()})  # type: ignore[call-arg]
+        mapped = {key: map_tensors(fn, value) for key, value in data.items()}
+        return cast(Any, type(data))(mapped)  # (a dict subclass takes a dict)
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
         return type(data)(*(map_tensors(fn, value) for value in data))
     if isinstance(data, (list, tuple)):

@@ -66,8 +66,9 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         for sampler in (self.loader.sampler, self.loader.batch_sampler):
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.epoch)
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
         try:
             last = len(self.loader) - 1
         except TypeError:  # an iterable dataset of unknown length

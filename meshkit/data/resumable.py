@@ -19,7 +19,7 @@ from torch.utils.data import DistributedSampler
 class ResumableSampler(DistributedSampler):
     """`DistributedSampler` plus `start`: the global position this epoch's iteration begins at (then reset)."""
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.start = 0
 

@@ -28,7 +28,9 @@ class Checkpoints(EngineComponent):
 
     def _training_state(self) -> TrainingState:
         objects = self.ctx.objects
-        return TrainingState(objects.models, objects.optimizers, objects.fused_qkv, self.ctx.mesh, objects.tied_aliases)
+        return TrainingState(
+            objects.models, objects.optimizers, objects.split_weights, self.ctx.mesh, objects.tied_aliases
+        )
 
     def _describe_for_checkpoint(self) -> dict[str, Any]:
         scaler = self.ctx.scaler
@@ -212,8 +214,8 @@ class Checkpoints(EngineComponent):
         if ps is not None:
             if ps.is_server:
                 return None  # it served already: the workers' resume restored the servers' shards
-            found = ps.resume_choice(self.ctx.config.checkpoint.resume, self.checkpoint_root)
-            return self._resume_from(found)
+            chosen = ps.resume_choice(self.ctx.config.checkpoint.resume, self.checkpoint_root)
+            return self._resume_from(chosen)
         choice = None
         if self.ctx.info.rank == 0:
             try:

@@ -92,7 +92,7 @@ def place(config: RunConfig, info: ProcessInfo, device: torch.device, say: Calla
     layout = replace(dims, zero_stage=effective_zero_stage(config.sharding, dims))
     mesh = ParallelMesh(layout, info, device)
     ps = ParameterServerRun(config, info.rank, info.world_size, say) if config.strategy == "parameter_server" else None
-    if config.sharding.offload == "nvme":
+    if config.sharding.offload == "nvme" and config.sharding.offload_dir is not None:  # (the schema requires one)
         check_offload_dir(config.sharding.offload_dir)
     return Placement(mesh, ps)
 

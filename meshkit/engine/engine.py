@@ -32,7 +32,7 @@ from meshkit.engine.accelerate.verbs import AccelerateVerbs
 from meshkit.engine.causal_step import causal_lm_micro_step
 from meshkit.engine.checkpointing import Checkpoints
 from meshkit.engine.context import EngineContext, Placement, place
-from meshkit.engine.delegation import Delegated
+from meshkit.engine.delegation import Attribute, Verb
 from meshkit.engine.evaluation import Evaluation
 from meshkit.engine.gradients import clip_arguments, gradient_sync
 from meshkit.engine.layout_auto import settle_layout
@@ -69,67 +69,67 @@ class Engine:
     """
 
     # ------------------------------------------------------------------ ranks, metrics, barriers (processes)
-    process_index = Delegated("processes", Processes)
-    num_processes = Delegated("processes", Processes)
-    dp_rank = Delegated("processes", Processes)
-    dp_size = Delegated("processes", Processes)
-    is_worker = Delegated("processes", Processes)
-    is_main_worker = Delegated("processes", Processes)
-    is_main_process = Delegated("processes", Processes)
-    is_local_main_process = Delegated("processes", Processes)
-    gather = Delegated("processes", Processes)
-    gather_for_metrics = Delegated("processes", Processes)
-    reduce = Delegated("processes", Processes)
-    wait_for_everyone = Delegated("processes", Processes)
-    main_process_first = Delegated("processes", Processes)
-    main_process_work = Delegated("processes", Processes)
-    print = Delegated("processes", Processes)
-    log = Delegated("processes", Processes)
+    process_index = Attribute[int]("processes", Processes)
+    num_processes = Attribute[int]("processes", Processes)
+    dp_rank = Attribute[int]("processes", Processes)
+    dp_size = Attribute[int]("processes", Processes)
+    is_worker = Attribute[bool]("processes", Processes)
+    is_main_worker = Attribute[bool]("processes", Processes)
+    is_main_process = Attribute[bool]("processes", Processes)
+    is_local_main_process = Attribute[bool]("processes", Processes)
+    gather = Verb("processes", Processes.gather)
+    gather_for_metrics = Verb("processes", Processes.gather_for_metrics)
+    reduce = Verb("processes", Processes.reduce)
+    wait_for_everyone = Verb("processes", Processes.wait_for_everyone)
+    main_process_first = Verb("processes", Processes.main_process_first)
+    main_process_work = Verb("processes", Processes.main_process_work)
+    print = Verb("processes", Processes.print)
+    log = Verb("processes", Processes.log)
     # ------------------------------------------------------------------ checkpoints
-    step = Delegated("checkpoints", Checkpoints)
-    register_for_checkpointing = Delegated("checkpoints", Checkpoints)
-    save_state = Delegated("checkpoints", Checkpoints)
-    load_state = Delegated("checkpoints", Checkpoints)
-    wait_for_checkpoint = Delegated("checkpoints", Checkpoints)
-    checkpoint_root = Delegated("checkpoints", Checkpoints)
-    save_checkpoint = Delegated("checkpoints", Checkpoints)
-    resume = Delegated("checkpoints", Checkpoints)
+    step = Attribute[int]("checkpoints", Checkpoints)
+    register_for_checkpointing = Verb("checkpoints", Checkpoints.register_for_checkpointing)
+    save_state = Verb("checkpoints", Checkpoints.save_state)
+    load_state = Verb("checkpoints", Checkpoints.load_state)
+    wait_for_checkpoint = Verb("checkpoints", Checkpoints.wait_for_checkpoint)
+    checkpoint_root = Attribute[Path]("checkpoints", Checkpoints)
+    save_checkpoint = Verb("checkpoints", Checkpoints.save_checkpoint)
+    resume = Verb("checkpoints", Checkpoints.resume)
     # ------------------------------------------------------------------ weights, memory, evaluation
-    unwrap_model = Delegated("weights", Weights)
-    full_state_dict = Delegated("weights", Weights)
-    load_full_state_dict = Delegated("weights", Weights)
-    memory_report = Delegated("weights", Weights)
-    activation_report = Delegated("weights", Weights)
-    save_model = Delegated("weights", Weights)
-    eval_token_loss = Delegated("evaluation", Evaluation)
+    unwrap_model = Verb("weights", Weights.unwrap_model)
+    full_state_dict = Verb("weights", Weights.full_state_dict)
+    load_full_state_dict = Verb("weights", Weights.load_full_state_dict)
+    memory_report = Verb("weights", Weights.memory_report)
+    activation_report = Verb("weights", Weights.activation_report)
+    save_model = Verb("weights", Weights.save_model)
+    eval_token_loss = Verb("evaluation", Evaluation.eval_token_loss)
     # ------------------------------------------------------------------ Accelerate's verbs
-    local_process_index = Delegated("accelerate_verbs", AccelerateVerbs)
-    is_last_process = Delegated("accelerate_verbs", AccelerateVerbs)
-    mixed_precision = Delegated("accelerate_verbs", AccelerateVerbs)
-    on_main_process = Delegated("accelerate_verbs", AccelerateVerbs)
-    on_local_main_process = Delegated("accelerate_verbs", AccelerateVerbs)
-    on_last_process = Delegated("accelerate_verbs", AccelerateVerbs)
-    on_process = Delegated("accelerate_verbs", AccelerateVerbs)
-    split_between_processes = Delegated("accelerate_verbs", AccelerateVerbs)
-    skip_first_batches = Delegated("accelerate_verbs", AccelerateVerbs)
-    end_training = Delegated("accelerate_verbs", AccelerateVerbs)
-    init_trackers = Delegated("accelerate_verbs", AccelerateVerbs)
-    get_tracker = Delegated("accelerate_verbs", AccelerateVerbs)
-    free_memory = Delegated("accelerate_verbs", AccelerateVerbs)
-    gradient_accumulation_steps = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    use_distributed = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    autocast = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    prepare_model = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    prepare_optimizer = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    prepare_data_loader = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    prepare_scheduler = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    get_state_dict = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    clear = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    pad_across_processes = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    local_main_process_first = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    on_local_process = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    set_trigger = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
-    check_trigger = Delegated("accelerate_loop_verbs", AccelerateLoopVerbs)
+    local_process_index = Attribute[int]("accelerate_verbs", AccelerateVerbs)
+    is_last_process = Attribute[bool]("accelerate_verbs", AccelerateVerbs)
+    mixed_precision = Attribute[str]("accelerate_verbs", AccelerateVerbs)
+    on_main_process = Verb("accelerate_verbs", AccelerateVerbs.on_main_process)
+    on_local_main_process = Verb("accelerate_verbs", AccelerateVerbs.on_local_main_process)
+    on_last_process = Verb("accelerate_verbs", AccelerateVerbs.on_last_process)
+    on_process = Verb("accelerate_verbs", AccelerateVerbs.on_process)
+    split_between_processes = Verb("accelerate_verbs", AccelerateVerbs.split_between_processes)
+    skip_first_batches = Verb("accelerate_verbs", AccelerateVerbs.skip_first_batches)
+    end_training = Verb("accelerate_verbs", AccelerateVerbs.end_training)
+    init_trackers = Verb("accelerate_verbs", AccelerateVerbs.init_trackers)
+    get_tracker = Verb("accelerate_verbs", AccelerateVerbs.get_tracker)
+    free_memory = Verb("accelerate_verbs", AccelerateVerbs.free_memory)
+    gradient_accumulation_steps = Attribute[int]("accelerate_loop_verbs", AccelerateLoopVerbs)
+    use_distributed = Attribute[bool]("accelerate_loop_verbs", AccelerateLoopVerbs)
+    autocast = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.autocast)
+    prepare_model = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.prepare_model)
+    prepare_optimizer = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.prepare_optimizer)
+    prepare_data_loader = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.prepare_data_loader)
+    prepare_scheduler = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.prepare_scheduler)
+    get_state_dict = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.get_state_dict)
+    clear = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.clear)
+    pad_across_processes = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.pad_across_processes)
+    local_main_process_first = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.local_main_process_first)
+    on_local_process = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.on_local_process)
+    set_trigger = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.set_trigger)
+    check_trigger = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.check_trigger)
 
     def __init__(
         self, config: RunConfig | ResolvedConfig | str | os.PathLike[str] | None = None, **overrides: Any
@@ -150,10 +150,7 @@ class Engine:
         self.affinity = apply_affinity(self.info.local_rank, self.info.local_world_size, config_.threads_per_process)
         check_trackers(config_.logging.trackers)
         self._owns_process_group = start_process_group(self.info, self.device, config_.collective_timeout_s)
-        placement = self._place(config_)
-        set_seed(config_.seed)
-        gradient_state = GradientState(accum_steps=config_.grad_accum_steps)
-        sharded_over = placement.mesh.grad_group if placement.zero_stage else None
+        placement, gradient_state, scaler = self._laid_out(config_)
         cpu = self.device.type == "cpu"  # (a device of its own keeps the tensors: nothing for the host to hand back)
         self._resident = ResidentGuard(config_.host_memory_slack_mb if cpu else None)
         doctor = (
@@ -161,16 +158,15 @@ class Engine:
             if config_.hang_doctor and self.info.world_size > 1
             else None
         )
-        settings = config_.model_dump(mode="json")  # the resolved run config, for trackers that record it
         self.ctx = EngineContext(
             config=config_,
             info=self.info,
             device=self.device,
             placement=placement,
             gradient_state=gradient_state,
-            scaler=make_grad_scaler(config_.precision, self.device, sharded_over),
+            scaler=scaler,
             objects=PreparedObjects(),
-            trackers=TrackerSet(config_.logging.trackers, config_.logging.dir, settings, self._reports(placement)),
+            trackers=self._trackers(config_, placement),
             preemption=PreemptionWatch(config_.checkpoint.preempt_signal, self.info.world_size),
             hang_doctor=doctor,
         )
@@ -192,13 +188,22 @@ class Engine:
         for note in idle_values(config_, self.resolved.sources, only):
             self._say_once(f"meshkit: {note}")
 
-    def _place(self, config: RunConfig) -> Placement:
-        """The device mesh and everything that follows the layout (again once `layout: auto` has chosen)."""
+    def _laid_out(self, config: RunConfig) -> tuple[Placement, GradientState, Any]:
+        """What follows the layout: the device mesh and placement, the seed, the accumulation state and the loss
+        scaler (built again once `layout: auto` has chosen)."""
         try:
-            return place(config, self.info, self.device, self._say_once)
+            placement = place(config, self.info, self.device, self._say_once)
         except Exception:
             self._leave_process_group(wait_for_peers=False)
             raise
+        set_seed(config.seed)
+        sharded_over = placement.mesh.grad_group if placement.zero_stage else None
+        scaler = make_grad_scaler(config.precision, self.device, sharded_over)
+        return placement, GradientState(accum_steps=config.grad_accum_steps), scaler
+
+    def _trackers(self, config: RunConfig, placement: Placement) -> TrackerSet:
+        settings = config.model_dump(mode="json")  # the resolved run config, for trackers that record it
+        return TrackerSet(config.logging.trackers, config.logging.dir, settings, self._reports(placement))
 
     def _say_once(self, line: str) -> None:
         if self.info.rank == 0:
@@ -211,16 +216,10 @@ class Engine:
         """`layout: auto` chose: lay the engine out again in `chosen` (the components see it through the context)."""
         config = chosen.config
         self.resolved, self.ctx.config = chosen, config
-        self.ctx.placement = self._place(config)
-        set_seed(config.seed)
-        self.ctx.gradient_state = GradientState(accum_steps=config.grad_accum_steps)
-        sharded_over = self.ctx.mesh.grad_group if self.ctx.placement.zero_stage else None
-        self.ctx.scaler = make_grad_scaler(config.precision, self.device, sharded_over)
+        self.ctx.placement, self.ctx.gradient_state, self.ctx.scaler = self._laid_out(config)
         self._gradients = gradient_sync(self.ctx)
         if not self.ctx.trackers.started:  # they record the chosen layout
-            settings = config.model_dump(mode="json")
-            reports = self._reports(self.ctx.placement)
-            self.ctx.trackers = TrackerSet(config.logging.trackers, config.logging.dir, settings, reports)
+            self.ctx.trackers = self._trackers(config, self.ctx.placement)
 
     # ------------------------------------------------------------------ where am I
     @property

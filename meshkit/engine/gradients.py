@@ -89,13 +89,14 @@ class GradientSync:
         sync = self.state.sync
         with contextlib.ExitStack() as stack:
             for model in self.models:
-                if hasattr(model, "set_requires_gradient_sync"):  # FSDP: reduce-scatter only when syncing
-                    model.set_requires_gradient_sync(sync)
-                elif not sync and hasattr(model, "no_sync") and not getattr(model, "static_graph", False):  # DDP
+                wrapper: Any = model  # FSDP2's or DDP's own methods
+                if hasattr(wrapper, "set_requires_gradient_sync"):  # FSDP: reduce-scatter only when syncing
+                    wrapper.set_requires_gradient_sync(sync)
+                elif not sync and hasattr(wrapper, "no_sync") and not getattr(wrapper, "static_graph", False):  # DDP
                     # (under a static graph no_sync trips an internal assert in torch's reducer, or with it
                     # fixed silently stops reducing: pytorch#143580, #187732. Reducing every micro-step gives
                     # the same sums, as the gradients already reduced are equal on every rank.)
-                    stack.enter_context(model.no_sync())
+                    stack.enter_context(wrapper.no_sync())
             yield
 
     def backward(
@@ -114,9 +115,9 @@ class GradientSync:
             state.weighted_window = weighted
         elif state.weighted_window != weighted:
             raise GradientError("backward(): pass num_items on every micro-step of an accumulation window, or on none")
-        if weighted:
-            state.window_items += float(num_items)  # type: ignore[arg-type]
-            loss = loss * float(num_items)  # type: ignore[arg-type]
+        if num_items is not None:
+            state.window_items += float(num_items)
+            loss = loss * float(num_items)
         else:
             loss = loss / state.accum_steps
         if self.scaler is not None:
@@ -131,8 +132,10 @@ class GradientSync:
         for optimizer in zero:
             optimizer.after_backward()
         if weighted:
-            known = state.window_global_items is not None and global_items is not None
-            state.window_global_items = state.window_global_items + global_items() if known else None  # type: ignore[operator,misc]
+            so_far = state.window_global_items
+            state.window_global_items = (
+                so_far + global_items() if so_far is not None and global_items is not None else None
+            )
         if state.sync:
             factor = self._items_factor(state.window_items, state.window_global_items, loss.device) if weighted else 1.0
             if factor != 1.0:
@@ -201,9 +204,9 @@ class GradientSync:
         zero = self.zero_optimizers
         if zero:  # gradients live in per-rank chunks: the norm needs one all-reduce
             return zero[0].clip_grad_norm_(max_norm, norm_type)
-        params = [p for p in self.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        norm = total_norm([p.grad for p in params if id(p) not in self.counted_elsewhere], norm_type)
+        held = [(id(p), p.grad) for p in self.parameters() if p.grad is not None]
+        grads = [grad for _, grad in held]
+        norm = total_norm([grad for key, grad in held if key not in self.counted_elsewhere], norm_type)
         if self.pp_group is not None:  # every pipeline stage holds other parameters: combine their norms
             norm = norm.float()
             if norm_type == float("inf"):

@@ -24,7 +24,7 @@ from meshkit.config.resolve import ResolvedConfig
 from meshkit.core.tree import to_device
 from meshkit.data.loader import endless
 from meshkit.engine.prepared import EngineError
-from meshkit.models.blocks import block_units
+from meshkit.models.blocks import block_list, block_units
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.planning.estimate import ModelShape
 from meshkit.planning.hardware import Hardware
@@ -39,7 +39,7 @@ def shape_of(model: nn.Module, structure: ModelStructure) -> ModelShape:
     """The planner's view of any model, from the model-structure layer's facts: parameters, blocks (count
     and the largest), hidden size and heads of its attention, vocabulary of its first embedding."""
     params = float(sum(p.numel() for p in model.parameters()))
-    blocks = [block for _, block in block_units(model.get_submodule(structure.blocks))] if structure.blocks else []
+    blocks = [block for _, block in block_units(block_list(model, structure.blocks))] if structure.blocks else []
     largest = max((float(sum(p.numel() for p in b.parameters())) for b in blocks), default=None)
     attention = structure.attention[0] if structure.attention else None
     heads = attention.heads if attention else None
@@ -136,7 +136,8 @@ def choose_for_loop(
     models = [o for o in objects if isinstance(o, nn.Module)]
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     loaders = [o for o in objects if isinstance(o, DataLoader)]
-    if len(models) != 1 or len(optimizers) != 1 or len(loaders) != 1 or loaders[0].batch_size is None:
+    micro_batch = loaders[0].batch_size if len(loaders) == 1 else None
+    if len(models) != 1 or len(optimizers) != 1 or micro_batch is None:
         raise EngineError(
             "layout: auto probes the layouts at prepare(): pass the model, its optimizer and the training "
             "DataLoader (with batch_size=) to one prepare() call"
@@ -149,8 +150,8 @@ def choose_for_loop(
     workload = Workload(
         shape_of(model, describe(model, config.blocks, config.structure)),
         seq_len=sequence_length(batch),
-        global_batch=loader.batch_size * dims.dp_replicate * dims.dp_shard * config.grad_accum_steps,
-        micro_batch=loader.batch_size,
+        global_batch=micro_batch * dims.dp_replicate * dims.dp_shard * config.grad_accum_steps,
+        micro_batch=micro_batch,
         refine=_efficiency(model, batch, loss_fn, engine.device),
     )
 
@@ -184,5 +185,5 @@ def settle_layout(
     chosen, probed = choose_for_loop(engine, objects, loss_fn, type(engine))
     if engine.is_main_process:
         print_probe_table(probed)
-    size = chosen.config.train.micro_batch_size
+    size = chosen.config.train.largest_micro_batch  # (a chosen layout's one size)
     return chosen, probed, tuple(rebatched(o, size) if isinstance(o, DataLoader) else o for o in objects)

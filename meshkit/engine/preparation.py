@@ -73,7 +73,7 @@ class Preparation(EngineComponent):
         now = dict(unwrap(done.model).named_parameters(remove_duplicate=False))
         objects.renamed_params.update(renamed_parameters(originals, now))
         objects.logits_sharded |= done.logits_sharded
-        objects.fused_qkv[id(done.model)] = done.fused_qkv
+        objects.split_weights[id(done.model)] = done.split_weights
         objects.adapter_merges[id(done.model)] = merges
         objects.user_modules[id(done.model)] = model
         objects.tied_aliases[id(done.model)] = done.structure.aliases() if done.structure else {}

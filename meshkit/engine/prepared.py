@@ -14,6 +14,7 @@ from meshkit.data.loader import ShardedLoader
 from meshkit.models.adapters import LoraMerge
 from meshkit.parallel.activation import CheckpointedBlock
 from meshkit.parallel.pipeline.schedule import PipelineRunner
+from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
 from meshkit.training.loss import LossFn
 from meshkit.training.router_loss import BalancingLoss
@@ -43,7 +44,7 @@ class PreparedObjects:
     balancing: tuple[BalancingLoss | None, Any] = (None, None)
     uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
     # id(prepared model) -> ...
-    fused_qkv: dict[int, dict[str, int]] = field(default_factory=dict)  # interleaved weights and their dim
+    split_weights: dict[int, SplitWeights] = field(default_factory=dict)  # how tensor parallel stores fused weights
     tied_aliases: dict[int, dict[str, str]] = field(default_factory=dict)  # tied name -> stored name
     adapter_merges: dict[int, dict[str, LoraMerge]] = field(default_factory=dict)  # LoRA layers to fold
     user_modules: dict[int, nn.Module] = field(default_factory=dict)  # the module the user passed

@@ -18,7 +18,7 @@ from meshkit.engine.prepared import EngineError
 from meshkit.models import hf_adapter
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.materialize import set_local
-from meshkit.parallel.tensor.auto import restore_fused_qkv
+from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.planning.activation_report import ActivationReport
 from meshkit.runtime import collectives
 from meshkit.runtime.memory import memory_report
@@ -42,9 +42,8 @@ class Weights(EngineComponent):
         objects, mesh = self.ctx.objects, self.ctx.mesh
         local = {k: v for k, v in unwrap(prepared).state_dict().items() if keys is None or keys(k)}
         full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in local.items()}
-        for name, dim in objects.fused_qkv.get(id(prepared), {}).items():
-            if name in full:
-                full[name] = restore_fused_qkv(full[name], mesh.size("tp"), dim)
+        split = objects.split_weights.get(id(prepared), SplitWeights())
+        full = {name: split.to_canonical(name, tensor) for name, tensor in full.items()}
         if mesh.size("pp") > 1:  # each stage holds other parameters: collect all of them
             for part in collectives.gather_object(full, mesh.group("pp")):
                 full.update(part)
@@ -57,8 +56,7 @@ class Weights(EngineComponent):
         names this rank's model does not hold (another pipeline stage's, or none of the model's)."""
         prepared = self.ctx.objects.only_model(model)
         objects = self.ctx.objects
-        if objects.fused_qkv.get(id(prepared)) and any(name in tensors for name in objects.fused_qkv[id(prepared)]):
-            raise EngineError("load_full_state_dict cannot fill fused q/k/v weights split by tensor parallel")
+        split = objects.split_weights.get(id(prepared), SplitWeights())
         held = dict(unwrap(prepared).named_parameters())
         for name, full in tensors.items():
             if name in held:
@@ -66,7 +64,8 @@ class Weights(EngineComponent):
                 if tuple(full.shape) != tuple(target.shape):
                     raise EngineError(f"'{name}' has shape {tuple(full.shape)}; the model has {tuple(target.shape)}")
                 local = target.to_local() if isinstance(target, DTensor) else target
-                set_local(target, full.to(device=local.device, dtype=local.dtype))
+                stored = split.to_storage(name, full)  # (a fused weight in tensor parallel's order)
+                set_local(target, stored.to(device=local.device, dtype=local.dtype))
         return sorted(set(tensors) - set(held))
 
     def memory_report(self) -> dict[str, int]:
@@ -99,10 +98,10 @@ class Weights(EngineComponent):
         """
         prepared = self.ctx.objects.only_model(model)
         objects, mesh = self.ctx.objects, self.ctx.mesh
-        fused = objects.fused_qkv.get(id(prepared), {})
+        split = objects.split_weights.get(id(prepared), SplitWeights())
         merges = objects.adapter_merges.get(id(prepared), {}) if merge_adapters else {}
         aliases = objects.tied_aliases.get(id(prepared), {})  # a tied weight is written once, as Hugging Face does
-        index = save_model_weights(prepared, mesh, fused, out_dir, max_shard_size, merges, aliases)
+        index = save_model_weights(prepared, mesh, split, out_dir, max_shard_size, merges, aliases)
         user_module = objects.user_modules.get(id(prepared))
         if mesh.info.rank == 0 and user_module is not None:
             for name, text in hf_adapter.config_files(user_module).items():

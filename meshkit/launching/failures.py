@@ -25,7 +25,9 @@ _AGENT_STOP = {signal.SIGTERM.value}
 class ExitClock(Protocol):
     """When each worker's exit was seen, by pid (`WorkerSupervisor`, or the Ray driver's record)."""
 
-    killed: Collection[int]  # pids the launcher itself killed after the grace
+    @property
+    def killed(self) -> Collection[int]:  # pids the launcher itself killed after the grace
+        ...
 
     def refresh(self) -> None: ...
 
@@ -52,7 +54,7 @@ def root_cause(
         consequence = int(not (failure.exitcode < 0 and not stopped))
         recorded = os.stat(failure.error_file).st_mtime_ns / 1e9 if _recorded(failure) else float("inf")
         seen = supervisor.exit_time(failure.pid) if supervisor is not None else None
-        if seen is not None and failure.pid not in supervisor.killed:  # type: ignore[union-attr]
+        if seen is not None and supervisor is not None and failure.pid not in supervisor.killed:
             return seen, stopped, consequence, recorded, rank  # exits seen in one poll tie on time
         if timed:  # the supervisor saw other exits but not this one: it ended after them
             return float("inf"), stopped, consequence, recorded, rank

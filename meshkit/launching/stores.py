@@ -69,7 +69,7 @@ def route_source(remote: str) -> str:
 def resolve(host: str, label: str) -> str:
     """The IPv4 address of `host`, or a StoreError naming it."""
     try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
     except (socket.gaierror, UnicodeError, ValueError) as err:
         raise StoreError(f"{label} {host} does not resolve to an address ({err}): check the name") from None
 

@@ -44,7 +44,7 @@ class TolerantAgent(LocalElasticAgent):
         known = {worker.local_rank for worker in self._lost}
         for local_rank in sorted(lost - known):
             rank = worker_group.workers[local_rank].global_rank
-            self._lost.append(LostWorker(rank, local_rank, int(codes[local_rank])))  # type: ignore[arg-type]
+            self._lost.append(LostWorker(rank, local_rank, int(codes[local_rank])))
         if failed - lost or not lost:  # a real failure (torch stops every worker), or nothing lost yet
             if failed - lost or all(code is not None for code in codes.values()):
                 return super()._monitor_workers(worker_group)

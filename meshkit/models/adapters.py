@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -67,21 +68,21 @@ def wrapped_module(module: nn.Module) -> nn.Module:
     while isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and isinstance(
         getattr(module, "base_layer", None), nn.Module
     ):
-        module = module.base_layer
+        module = cast(nn.Module, module.base_layer)
     return module
 
 
 def parameter_adapters(module: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
     """The module under peft's LoRA-on-parameter wrappers (`target_parameters`: one wrapper per adapted
     parameter, nested), and those wrappers by the name of the parameter each adapts."""
-    wrappers = {}
-    while isinstance(getattr(module, "parameter_name", None), str) and wrapped_module(module) is not module:
-        wrappers[module.parameter_name] = module
-        module = module.base_layer
+    wrappers: dict[str, nn.Module] = {}
+    while isinstance(name := getattr(module, "parameter_name", None), str) and wrapped_module(module) is not module:
+        wrappers[name] = module
+        module = cast(nn.Module, module.base_layer)
     return module, wrappers
 
 
-def expert_delta(wrapper: nn.Module, experts: int, first: int, count: int, shape: torch.Size) -> torch.Tensor | None:
+def expert_delta(wrapper: Any, experts: int, first: int, count: int, shape: torch.Size) -> torch.Tensor | None:
     """The active adapters' update of experts [first, first + count) of the bank parameter `wrapper` adapts, shaped
     like that parameter's piece (`shape`); None when no adapter is active. peft stacks one rank-r update per
     expert: A [E·r, in] expert-major, B [out, r·E] expert-minor (`ParamWrapper.get_delta_weight`)."""
@@ -101,7 +102,8 @@ def expert_delta(wrapper: nn.Module, experts: int, first: int, count: int, shape
     return delta
 
 
-def _lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def _lora_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """peft's LoRA layers (typed Any: their adapters, scaling and flags are peft's own attributes)."""
     for name, module in model.named_modules():
         if isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and hasattr(module, "base_layer"):
             yield name, module
@@ -122,7 +124,7 @@ class LoraParts:
 
 def lora_parts(module: nn.Module) -> LoraParts | None:
     """How a LoRA layer is made (None for any other module): for a tensor-parallel plan of its pieces."""
-    parts = [getattr(module, key, None) for key in ("lora_A", "lora_B")]
+    parts: list[Any] = [getattr(module, key, None) for key in ("lora_A", "lora_B")]
     if not all(isinstance(part, nn.ModuleDict) for part in parts) or not hasattr(module, "base_layer"):
         return None
     return LoraParts("base_layer", tuple(f"lora_A.{k}" for k in parts[0]), tuple(f"lora_B.{k}" for k in parts[1]))
@@ -139,7 +141,7 @@ def inside_lora_layer(name: str, lora_layers: set[str]) -> bool:
 
 def adapter_submodules(module: nn.Module) -> list[nn.Module]:
     """The modules holding a LoRA layer's adapter weights (empty when `module` is not a LoRA layer)."""
-    parts = [getattr(module, key, None) for key in ("lora_A", "lora_B")]
+    parts: list[Any] = [getattr(module, key, None) for key in ("lora_A", "lora_B")]
     if not all(isinstance(part, nn.ModuleDict) for part in parts) or not hasattr(module, "base_layer"):
         return []
     return [sub for part in parts for sub in part.values()]
@@ -152,11 +154,12 @@ def reset_adapter(module: nn.Module) -> bool:
     lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
     if not (isinstance(lora_a, nn.ModuleDict) and isinstance(lora_b, nn.ModuleDict) and hasattr(module, "base_layer")):
         return False
+    layer: Any = module  # peft's LoRA layer
     for adapter in lora_a:
-        module.reset_lora_parameters(adapter, True)  # peft's own initialisation of that adapter
+        layer.reset_lora_parameters(adapter, True)  # peft's own initialisation of that adapter
         magnitudes = getattr(module, "lora_magnitude_vector", None)  # DoRA's (peft keeps it empty otherwise)
         if magnitudes is not None and adapter in magnitudes:
-            _reset_magnitude(module.base_layer.weight, magnitudes[adapter].weight)
+            _reset_magnitude(layer.base_layer.weight, magnitudes[adapter].weight)
     return True
 
 

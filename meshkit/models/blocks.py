@@ -18,6 +18,7 @@ from meshkit.core.errors import MeshkitError
 from meshkit.models.experts import expert_banks
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
+BlockList = nn.ModuleList | nn.Sequential  # the repeated blocks' container: sized, indexable, iterable
 
 
 class BlockError(MeshkitError):
@@ -29,7 +30,7 @@ def is_placeholder(module: nn.Module) -> bool:
     return bool(getattr(module, "is_placeholder", False))
 
 
-def _repeats(container: nn.Module) -> int:
+def _repeats(container: BlockList) -> int:
     """How many parameter-bearing children of the most common class the container holds."""
     classes = Counter(
         type(child)
@@ -41,7 +42,7 @@ def _repeats(container: nn.Module) -> int:
     return max(classes.values(), default=0)
 
 
-def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Module]:
+def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, BlockList]:
     """(dotted path, container) of the repeated blocks, or the container at `path` ('' = the model itself)."""
     if path is not None:
         try:
@@ -66,12 +67,22 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
     return name, module
 
 
+def block_list(model: nn.Module, path: str | None) -> BlockList:
+    """The block container at `path` (as the structure layer named it; None: it found none)."""
+    if path is None:
+        raise BlockError(f"{type(model).__name__} has no block list: name it with blocks='path.to.layers'")
+    found = model.get_submodule(path) if path else model
+    if not isinstance(found, CONTAINERS):
+        raise BlockError(f"'{path}' is a {type(found).__name__}, not an nn.ModuleList or nn.Sequential of blocks")
+    return found
+
+
 def block_name(path: str, index: int) -> str:
     """The dotted name of block `index` of the container at `path`."""
     return f"{path}.{index}" if path else str(index)
 
 
-def block_units(container: nn.Module) -> Iterator[tuple[int, nn.Module]]:
+def block_units(container: BlockList) -> Iterator[tuple[int, nn.Module]]:
     """(index, block) for the blocks that hold parameters here (not placeholders, not activations)."""
     for index, child in enumerate(container):
         if not is_placeholder(child) and next(child.parameters(), None) is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ class CheckpointConversion:
             return None
         if not any(isinstance(module, PreTrainedModel) for module in model.modules()):
             return None
-        transforms = get_model_conversion_mapping(model)
+        transforms = get_model_conversion_mapping(cast(PreTrainedModel, model))  # (or one holding one)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         if not renamings and not converters:

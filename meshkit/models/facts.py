@@ -7,6 +7,7 @@ without importing each other.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -114,8 +115,8 @@ def tied_parameters(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
 
-def takes_argument(forward: object, name: str) -> bool:
+def takes_argument(forward: Callable[..., Any], name: str) -> bool:
     try:
-        return name in inspect.signature(forward).parameters  # type: ignore[arg-type]
+        return name in inspect.signature(forward).parameters
     except (TypeError, ValueError):
         return False

@@ -92,6 +92,9 @@ class GPT(nn.Module):
 
     pipeline_first = ("tok_embeddings",)  # modules only the first pipeline stage holds
     pipeline_last = ("norm", "output")  # modules only the last pipeline stage holds
+    rope_cos: torch.Tensor  # buffers
+    rope_sin: torch.Tensor
+    layers: nn.ModuleList
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshkit.models.blocks import block_units, find_blocks
+from meshkit.models.blocks import BlockList, block_units, find_blocks
 from meshkit.models.experts import describe_experts, router_loss
 from meshkit.models.facts import AttentionFacts, ModelStructure, StructureError, takes_argument, tied_parameters
 
@@ -43,8 +43,10 @@ def module_initializer(model: nn.Module) -> Any:
     if not is_transformers_model(model) or not hasattr(model, "_init_weights"):
         return None
 
+    hf_model: Any = model  # a transformers model: its methods are transformers' own
+
     def init(_name: str, module: nn.Module) -> None:
-        model._init_weights(module)
+        hf_model._init_weights(module)
 
     return init
 
@@ -53,7 +55,8 @@ def config_files(model: nn.Module) -> dict[str, str]:
     """`config.json` (and `generation_config.json`) of a transformers model, as text; {} for other models."""
     if not is_transformers_model(model):
         return {}
-    config = model.config.to_diff_dict()
+    hf_model: Any = model  # a transformers model: its config is transformers' own
+    config = hf_model.config.to_diff_dict()
     config.pop("quantization_config", None)  # exports hold full-precision weights (a quantized base is dequantized)
     files = {"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
     generation = getattr(model, "generation_config", None)
@@ -73,9 +76,9 @@ def _config_int(config: Any, *names: str) -> int | None:
 def _projection_norms(attention: nn.Module, heads: int | None, kv_heads: int | None, head_dim: int | None) -> tuple:
     """Children of `attention` that normalise a whole projection output (a 1-D weight as wide as all query or
     all key/value heads, wider than one head): OLMo-2's q_norm and k_norm."""
-    if None in (heads, kv_heads, head_dim):
+    if heads is None or kv_heads is None or head_dim is None:
         return ()
-    widths = {heads * head_dim, kv_heads * head_dim} - {head_dim}  # type: ignore[operator]
+    widths = {heads * head_dim, kv_heads * head_dim} - {head_dim}
     return tuple(
         name
         for name, child in attention.named_children()
@@ -86,7 +89,7 @@ def _projection_norms(attention: nn.Module, heads: int | None, kv_heads: int | N
     )
 
 
-def _attention(config: Any, blocks_path: str, blocks: nn.Module) -> tuple[AttentionFacts, ...]:
+def _attention(config: Any, blocks_path: str, blocks: BlockList) -> tuple[AttentionFacts, ...]:
 
     heads = _config_int(config, "num_attention_heads", "n_head")
     kv_heads = _config_int(config, "num_key_value_heads") or heads
@@ -134,7 +137,7 @@ def _cannot(config: Any, family: str, unattended: list[tuple[int, str]]) -> dict
     return notes
 
 
-def _unattended(blocks_path: str, blocks: nn.Module, attention: tuple[AttentionFacts, ...]) -> list[tuple[int, str]]:
+def _unattended(blocks_path: str, blocks: BlockList, attention: tuple[AttentionFacts, ...]) -> list[tuple[int, str]]:
     """The blocks (index, path) that hold none of the attention modules found."""
     out = []
     for index, _ in block_units(blocks):
@@ -144,7 +147,7 @@ def _unattended(blocks_path: str, blocks: nn.Module, attention: tuple[AttentionF
     return out
 
 
-def describe(model: nn.Module, blocks_override: str | None) -> ModelStructure:
+def describe(model: Any, blocks_override: str | None) -> ModelStructure:
 
     version = int(str(getattr(sys.modules.get("transformers"), "__version__", "5")).split(".")[0])
     if version < 5:

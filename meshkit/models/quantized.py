@@ -12,7 +12,7 @@ loads as an ordinary model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -93,7 +93,10 @@ class QuantizedWeight:
         if self.kind == "4bit":
             state = _quant_state(self.module)
             return bnb_functional.dequantize_4bit(stored, state).to(self.dtype).reshape(self.shape)
-        return bnb_functional.int8_vectorwise_dequant(stored, _row_scales(self.module)).to(self.dtype)
+        scales = _row_scales(self.module)
+        if scales is None:
+            raise ValueError(f"an int8 layer ({type(self.module).__name__}) without its row scales (SCB)")
+        return bnb_functional.int8_vectorwise_dequant(stored, scales).to(self.dtype)
 
 
 def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
@@ -105,8 +108,8 @@ def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
             state = _quant_state(module)
             shape, dtype = tuple(state.shape), state.dtype
         else:
-            bias = getattr(module, "bias", None)
-            shape, dtype = tuple(module.weight.shape), bias.dtype if bias is not None else torch.float32
+            bias, weight = getattr(module, "bias", None), cast(torch.Tensor, module.weight)
+            shape, dtype = tuple(weight.shape), bias.dtype if bias is not None else torch.float32
         out[f"{name}.weight" if name else "weight"] = QuantizedWeight(module, kind, shape, dtype)
     return out
 
@@ -118,7 +121,7 @@ def keep_training_layout(model: nn.Module) -> None:
     also fails outright on layers narrower than its block size."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+            setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010 - (bitsandbytes' flag, not a tensor)
 
 
 def is_bookkeeping(name: str) -> bool:

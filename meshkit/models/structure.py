@@ -15,7 +15,7 @@ from torch import nn
 
 from meshkit.config.schema import StructureConfig
 from meshkit.models import hf_adapter
-from meshkit.models.blocks import BlockError, block_units, find_blocks
+from meshkit.models.blocks import BlockError, BlockList, block_units, find_blocks
 from meshkit.models.experts import describe_experts
 from meshkit.models.facts import (
     HEAD_ATTRIBUTES,
@@ -30,7 +30,7 @@ from meshkit.models.facts import (
 from meshkit.models.gpt import GPT
 
 
-def _generic_attention(path: str, blocks: nn.Module) -> tuple[AttentionFacts, ...]:
+def _generic_attention(path: str, blocks: BlockList) -> tuple[AttentionFacts, ...]:
     """Attention modules of a user's own model: those with head-count attributes or q/k/v projections."""
     found = []
     for index, block in block_units(blocks):

@@ -101,7 +101,7 @@ class CheckpointedBlock:
             self._create_contexts, self._policy = selective_api()
             # A partial over a plain function: the form torch.compile can trace as a checkpoint context.
             self._selective_contexts = functools.partial(self._create_contexts, self._selective_policy(None))
-        block.forward = self.forward  # type: ignore[method-assign]  # instance attribute: names unchanged
+        block.forward = self.forward  # instance attribute: names unchanged
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self._offload_hooks():
@@ -110,6 +110,7 @@ class CheckpointedBlock:
             measured = self.meter is not None and not torch.compiler.is_compiling()
             # torch.compile accepts only selective checkpointing's dispatch modes as contexts: full checkpointing
             # passes none unless a report measures the recomputation (eager only).
+            contexts: dict[str, Any]
             if measured:
                 contexts = {"context_fn": self._measured_contexts}
             elif self.mode == "selective":

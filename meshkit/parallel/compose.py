@@ -25,6 +25,7 @@ from meshkit.parallel.fsdp import apply_fsdp
 from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
 from meshkit.parallel.pipeline.stages import PipelineModel, chunks_per_rank, split_model, stage_ids
 from meshkit.parallel.tensor.apply import apply_tensor_parallel
+from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.runtime.mesh import ParallelMesh
 from meshkit.training.precision import autocast_forward
 
@@ -35,7 +36,7 @@ class Parallelized:
 
     model: nn.Module
     structure: ModelStructure | None = None  # what the model is made of (from the model-structure layer)
-    fused_qkv: dict[str, int] = field(default_factory=dict)  # interleaved q/k/v weights -> their stacking dim
+    split_weights: SplitWeights = field(default_factory=SplitWeights)  # how tensor parallel stores fused weights
     logits_sharded: bool = False  # the model returns vocab-sharded logits: compute the loss under loss_parallel
     partial_over_tp: list[str] = field(default_factory=list)  # gradients summed over tp after backward
     needs_gradient_reduce: bool = False  # data parallel that no wrapper reduces (DTensor parameters)
@@ -73,7 +74,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
     return Parallelized(
         PipelineModel([part.model for part in parts], stage_list, pp * chunks),
         structure=structure,
-        fused_qkv={name: dim for part in parts for name, dim in part.fused_qkv.items()},
+        split_weights=SplitWeights.union((part.split_weights for part in parts), mesh.size("tp")),
         logits_sharded=any(part.logits_sharded for part in parts),
         partial_over_tp=[name for part in parts for name in part.partial_over_tp],
         needs_gradient_reduce=any(part.needs_gradient_reduce for part in parts),
@@ -108,7 +109,7 @@ def _parallelize_one(
     tp = mesh.size("tp")
     if tp > 1:
         split = apply_tensor_parallel(model, mesh.device_mesh["tp"], config.tensor_parallel, structure)
-        result.fused_qkv, result.logits_sharded = split.fused_qkv, split.logits_sharded
+        result.split_weights, result.logits_sharded = split.split_weights, split.logits_sharded
         result.partial_over_tp = split.partial_over_tp
     if mesh.size("cp") > 1:
         apply_context_parallel(model, mesh.group("cp"), structure)
@@ -128,8 +129,7 @@ def _parallelize_one(
             sharding.init_from,
             stage_only=in_pipeline,
             aliases=structure.aliases(),
-            fused=result.fused_qkv,  # split while on meta: the file's q/k/v are reordered as they stream in
-            tp=tp,
+            split_weights=result.split_weights,  # split while on meta: fused weights reordered as they stream in
             vocabulary=structure.vocabulary,
         )
     if zero_stage == 0 and mesh.grad_size > 1 and config.strategy != "parameter_server":  # servers average
@@ -156,7 +156,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
+        elif isinstance(original := getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = original
         else:
             return model

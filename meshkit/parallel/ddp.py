@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -14,7 +15,9 @@ from meshkit.runtime.mesh import ParallelMesh
 _DDP_PARAMETERS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 
 
-def apply_ddp(model: nn.Module, mesh: ParallelMesh, cfg: DDPConfig, ignored: list[nn.Module] = ()) -> nn.Module:
+def apply_ddp(
+    model: nn.Module, mesh: ParallelMesh, cfg: DDPConfig, ignored: tuple[nn.Module, ...] | list[nn.Module] = ()
+) -> nn.Module:
     """Wrap in DDP over the gradient group (dp × cp); a single rank there has nothing to synchronise.
     The parameters of the `ignored` modules (expert banks split over ep) are left to their own reducer."""
     if mesh.grad_size == 1:
@@ -25,6 +28,7 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, cfg: DDPConfig, ignored: lis
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     # torch >= 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning for True/False here).
     buffers_arg = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMETERS else "broadcast_buffers"
+    buffers: dict[str, Any] = {buffers_arg: cfg.broadcast_buffers}
     wrapped = DistributedDataParallel(
         model,
         device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None,
@@ -35,7 +39,7 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, cfg: DDPConfig, ignored: lis
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         static_graph=cfg.static_graph,
         find_unused_parameters=cfg.find_unused_parameters,
-        **{buffers_arg: cfg.broadcast_buffers},
+        **buffers,
     )
     register_comm_hook(wrapped, cfg)
     return wrapped
@@ -46,7 +50,7 @@ def register_comm_hook(model: DistributedDataParallel, cfg: DDPConfig) -> None:
     to send fp16/bf16. PowerSGD keeps an error-feedback state per model, built from `ddp.comm_state`."""
     if cfg.comm_hook == "none":
         return
-    hooks = {
+    hooks: dict[str, Any] = {
         "fp16": default_hooks.fp16_compress_hook,
         "bf16": default_hooks.bf16_compress_hook,
         "power_sgd": powerSGD_hook.powerSGD_hook,
@@ -54,7 +58,10 @@ def register_comm_hook(model: DistributedDataParallel, cfg: DDPConfig) -> None:
     }
     hook = hooks[cfg.comm_hook]
     if cfg.comm_wrapper != "none":
-        wrappers = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
+        wrappers: dict[str, Any] = {
+            "fp16": default_hooks.fp16_compress_wrapper,
+            "bf16": default_hooks.bf16_compress_wrapper,
+        }
         hook = wrappers[cfg.comm_wrapper](hook)
     low_rank = cfg.comm_hook in ("power_sgd", "batched_power_sgd")
     # (the compressing hooks take the process group as their state: None means DDP's own group)

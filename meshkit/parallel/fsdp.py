@@ -8,6 +8,7 @@ after it), then the root takes the remaining parameters (embedding, final norm, 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,43 +57,44 @@ def apply_fsdp(
     cfg: ShardingConfig,
     precision: str,
     blocks: str | None = None,
-    experts: list[nn.Module] = (),
+    experts: tuple[nn.Module, ...] | list[nn.Module] = (),
 ) -> nn.Module:
     """Shard each expert bank (split over ep: over the edp ranks that hold the same experts), each block, then
     the root. Returns the same module object (FSDP2 works in place)."""
     _, block_list = find_blocks(model, blocks)
-    blocks = [block for _, block in block_units(block_list)]
-    options = {"mesh": fsdp_mesh(mesh), "mp_policy": mixed_precision_policy(cfg, precision)}
+    units = [block for _, block in block_units(block_list)]
+    options: dict[str, Any] = {"mesh": fsdp_mesh(mesh), "mp_policy": mixed_precision_policy(cfg, precision)}
     policy = offload_policy(cfg, mesh.device)
     if policy is not None:
         options["offload_policy"] = policy
     for bank in experts:
-        fully_shard(bank, **{**options, "mesh": mesh.expert_dim("edp")})
+        sharded_bank = fully_shard(bank, **{**options, "mesh": mesh.expert_dim("edp")})
         # the bank's gradient sums its ep group's tokens: dividing by every dp × cp rank gives the average
-        bank.set_gradient_divide_factor(float(mesh.grad_size))
+        sharded_bank.set_gradient_divide_factor(float(mesh.grad_size))
         # a sum, then the division (gloo has no pre-scaled sum); on one edp rank FSDP divides in its copy, and
         # forcing the sum there would divide twice
-        bank.set_force_sum_reduction_for_comms(mesh.expert_dim("edp").size() > 1)
-    for index, block in enumerate(blocks):
+        sharded_bank.set_force_sum_reduction_for_comms(mesh.expert_dim("edp").size() > 1)
+    sharded_blocks = []
+    for index, block in enumerate(units):
         # The last block runs first in backward: freeing its parameters after forward would only make
         # backward gather them again at once.
-        reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else index < len(blocks) - 1
-        fully_shard(block, reshard_after_forward=reshard, **options)
+        reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else index < len(units) - 1
+        sharded_blocks.append(fully_shard(block, reshard_after_forward=reshard, **options))
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward is not False, **options)
-    set_prefetch(blocks, cfg.forward_prefetch, cfg.backward_prefetch)
+    set_prefetch(sharded_blocks, cfg.forward_prefetch, cfg.backward_prefetch)
     return model
 
 
-def set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:
+def set_prefetch(blocks: list[FSDPModule], forward: int, backward: int) -> None:
     """Issue the all-gathers of the next `forward` blocks (forward) and the previous `backward` blocks (backward)
     as soon as a block starts, so they run while it computes. 0 keeps torch's defaults (forward: the next
     all-gather overlaps through its own stream on GPUs; backward: one block ahead). More hides more latency and
     holds more gathered blocks at once."""
     for index, block in enumerate(blocks):
         if forward:
-            block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + forward])
+            block.set_modules_to_forward_prefetch(list(blocks[index + 1 : index + 1 + forward]))
         if backward:
-            block.set_modules_to_backward_prefetch(blocks[max(0, index - backward) : index][::-1])
+            block.set_modules_to_backward_prefetch(list(blocks[max(0, index - backward) : index][::-1]))
 
 
 def reshard(model: nn.Module) -> None:

@@ -14,6 +14,7 @@ import json
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -24,7 +25,7 @@ from meshkit.core.errors import MeshkitError
 from meshkit.models import hf_adapter
 from meshkit.models.adapters import adapter_submodules, base_checkpoint_name, is_adapter_parameter, reset_adapter
 from meshkit.models.checkpoint_names import CheckpointConversion
-from meshkit.parallel.tensor.auto import interleave_fused_qkv
+from meshkit.parallel.tensor.storage import SplitWeights
 
 
 class MaterializeError(MeshkitError):
@@ -48,16 +49,16 @@ def set_local(target: torch.Tensor, full: torch.Tensor) -> None:
 @contextlib.contextmanager
 def _full_size(module: nn.Module) -> Iterator[None]:
     """Temporarily give `module` full-size plain parameters in place of its shards, then keep its shard."""
-    sharded = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}
+    sharded = {name: cast(DTensor, p) for name, p in module._parameters.items() if isinstance(p, DTensor)}
     for name, param in sharded.items():
         full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
         module._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
     try:
         yield
         for name, param in sharded.items():
-            set_local(param, module._parameters[name].detach())
+            set_local(param, cast(nn.Parameter, module._parameters[name]).detach())
     finally:
-        module._parameters.update(sharded)
+        module._parameters.update(cast(dict[str, nn.Parameter | None], sharded))
 
 
 @contextlib.contextmanager
@@ -73,8 +74,9 @@ def _adapters_full_size(module: nn.Module) -> Iterator[bool]:
 def module_initializer(model: nn.Module) -> Callable[[str, nn.Module], None]:
     """The model's `init_module(name, module)`, a transformers model's own initialisation, else a call of each
     module's own `reset_parameters`."""
-    if hasattr(model, "init_module"):
-        return model.init_module
+    own = getattr(model, "init_module", None)
+    if callable(own):
+        return own
     from_family = hf_adapter.module_initializer(model)
     if from_family is not None:
         return from_family
@@ -90,8 +92,9 @@ def module_initializer(model: nn.Module) -> Callable[[str, nn.Module], None]:
         )
 
     def reset(_name: str, module: nn.Module) -> None:
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+        own_reset = getattr(module, "reset_parameters", None)
+        if callable(own_reset):
+            own_reset()
 
     return reset
 
@@ -143,8 +146,7 @@ def load_safetensors(
     source: Path,
     stage_only: bool = False,
     aliases: dict[str, str] | None = None,
-    fused: dict[str, int] | None = None,
-    tp: int = 1,
+    split_weights: SplitWeights | None = None,
     vocabulary: tuple[str, ...] = (),
 ) -> None:
     """Stream tensors from safetensors into the (sharded) model, one full tensor in memory at a time.
@@ -153,8 +155,8 @@ def load_safetensors(
     weight is read under its base name. Buffers outside the state dict (e.g. rotary tables) are recomputed.
     `stage_only`: the model is one pipeline stage, so the file holds other stages' tensors too. `aliases`: tied
     parameter name -> the name it is stored under (a checkpoint holds a tied weight once, e.g. GPT-2's head as
-    its token embedding), also for a pipeline stage that holds only the alias. `fused`: q/k/v weights that tensor
-    parallel keeps interleaved (name -> stacking dim), reordered the same way as they stream in. `vocabulary`:
+    its token embedding), also for a pipeline stage that holds only the alias. `split_weights`: how tensor parallel
+    stores fused weights; the file's tensors go to that order as they stream in. `vocabulary`:
     parameters with one row per token; where the model has more rows than the file (tokens added to the
     tokenizer), the extra rows start as the mean of the file's rows (transformers' resize_token_embeddings).
     """
@@ -184,11 +186,11 @@ def load_safetensors(
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as handle:
             for name in names:
-                _fill(targets[name], name, handle.get_tensor(stored_as[name]), file.name, vocabulary, fused, tp)
+                _fill(targets[name], name, handle.get_tensor(stored_as[name]), file.name, vocabulary, split_weights)
     for name, stored in stored_as.items():
         if stored in converted:  # merged from several tensors, as transformers' from_pretrained does
             full = converted.conversion.tensor(stored, converted[stored], lambda key: _read(files[key], key))
-            _fill(targets[name], name, full, "the merged checkpoint tensors", vocabulary, fused, tp)
+            _fill(targets[name], name, full, "the merged checkpoint tensors", vocabulary, split_weights)
     init = getattr(model, "init_module", None) or hf_adapter.module_initializer(model)
     for name, module in model.named_modules():
         _reset_adapters(name, module)
@@ -225,8 +227,7 @@ def _fill(
     full: torch.Tensor,
     where: str,
     vocabulary: tuple[str, ...],
-    fused: dict[str, int] | None,
-    tp: int,
+    split_weights: SplitWeights | None,
 ) -> None:
     """Copy this rank's part of the checkpoint's `full` tensor into the model's `target` (parameter `name`)."""
     if base_checkpoint_name(name) in vocabulary:
@@ -234,8 +235,8 @@ def _fill(
     if tuple(full.shape) != tuple(target.shape):
         shapes = f"has shape {tuple(full.shape)} in {where}; the model has {tuple(target.shape)}"
         raise MaterializeError(f"'{name}' {shapes}")
-    if fused and name in fused:
-        full = interleave_fused_qkv(full, tp, fused[name])
+    if split_weights is not None:
+        full = split_weights.to_storage(name, full)
     device = (target.to_local() if isinstance(target, DTensor) else target).device
     set_local(target, full.to(device=device, dtype=target.dtype))
 
@@ -254,13 +255,12 @@ def materialize(
     source: Path | None = None,
     stage_only: bool = False,
     aliases: dict[str, str] | None = None,
-    fused: dict[str, int] | None = None,
-    tp: int = 1,
+    split_weights: SplitWeights | None = None,
     vocabulary: tuple[str, ...] = (),
 ) -> None:
     """Allocate the meta-device model's (local) tensors on `device` and fill them (see `load_safetensors`)."""
     model.to_empty(device=device)
     if source is not None:
-        load_safetensors(model, source, stage_only, aliases, fused, tp, vocabulary)
+        load_safetensors(model, source, stage_only, aliases, split_weights, vocabulary)
     else:
         initialize(model)

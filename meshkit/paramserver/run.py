@@ -39,7 +39,7 @@ class ServedOptimizer(PreparedOptimizer):
         super().__init__(optimizer, state, None)
         self.client = client
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if not self.gradient_state.sync:
             return None
         if closure is not None:

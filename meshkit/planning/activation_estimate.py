@@ -8,9 +8,9 @@ Otherwise Korthikanti et al. (2022): sbh(34 + 5as/h) bytes per layer at 16 bits 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-Recompute = Literal["none", "selective", "full"]
+from meshkit.config.layout import Recompute
 
 
 def layer_activation_bytes(
@@ -89,9 +89,9 @@ def activation_line(
     s = seq_len / cp
     if model.ffn is not None and not dropout:  # a modern decoder, its widths known
         kv_width = (model.kv_heads or model.heads) * (model.hidden // model.heads)
-        shape = {"s": s, "b": micro_batch, "h": model.hidden, "kv_width": kv_width, "a": model.heads}
+        shape: dict[str, Any] = {"s": s, "b": micro_batch, "h": model.hidden, "kv_width": kv_width, "a": model.heads}
         autocast = element == 2 and zero_stage < 3
-        layout = {"element": element, "autocast": autocast, "tp": tp, "sp": sp, "recompute": recompute}
+        layout: dict[str, Any] = {"element": element, "autocast": autocast, "tp": tp, "sp": sp, "recompute": recompute}
         dense = decoder_layer_activation_bytes(
             **shape, ffn=model.ffn, **layout, fused_attention=model.fused_attention
         )  # fmt: skip

@@ -130,7 +130,13 @@ def measure(ops: list[str], sizes: list[int], repeats: int = 3, iterations: int 
                     bare_runs.append(_bare_all_reduce(size, calls, device))
             seconds = statistics.median(runs)
             algbw = size / seconds / 1e9
-            row = {"op": op, "bytes": size, "ranks": ranks, "time_us": seconds * 1e6, "algbw_gbps": algbw}
+            row: dict[str, Any] = {
+                "op": op,
+                "bytes": size,
+                "ranks": ranks,
+                "time_us": seconds * 1e6,
+                "algbw_gbps": algbw,
+            }
             row["busbw_gbps"] = algbw * bus_factor(op, ranks)
             if bare_runs:
                 bare = statistics.median(bare_runs)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from meshkit.config.layout import Offload, Recompute
 from meshkit.core.errors import MeshkitError
 from meshkit.parallel.zero import BUCKETS_IN_FLIGHT
 from meshkit.planning.activation_estimate import (  # noqa: F401 - layer_activation_bytes re-exported
@@ -34,8 +35,6 @@ from meshkit.planning.activation_estimate import (  # noqa: F401 - layer_activat
 GB = 1e9
 Precision = Literal["fp32", "bf16", "fp16"]
 Optimizer = Literal["adam", "adam8bit", "sgd"]
-Recompute = Literal["none", "selective", "full"]
-Offload = Literal["none", "cpu", "nvme"]
 
 
 class EstimateError(MeshkitError):

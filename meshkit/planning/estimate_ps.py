@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshkit.config.layout import Recompute
 from meshkit.planning.estimate import (
     GB,
     Estimate,
@@ -47,7 +48,7 @@ def server_memory(model: ModelShape, optimizer: Optimizer, servers: int, workers
 
 
 def worker_memory(
-    model: ModelShape, *, seq_len: int, micro_batch: int, precision: Precision, activation_checkpointing: str
+    model: ModelShape, *, seq_len: int, micro_batch: int, precision: Precision, activation_checkpointing: Recompute
 ) -> Estimate:
     """One worker: the whole model and its gradients, no optimizer state, the flat buffers it sends and receives."""
     plain = estimate_memory(
@@ -55,7 +56,7 @@ def worker_memory(
         seq_len=seq_len,
         micro_batch=micro_batch,
         precision=precision,
-        activation_checkpointing=activation_checkpointing,  # type: ignore[arg-type]
+        activation_checkpointing=activation_checkpointing,
     )
     activations = next(line for line in plain.lines if line.name == "activations")
     psi = f"Ψ={model.params:.4g}"

@@ -198,7 +198,8 @@ def diverse(ranked: list[Layout], k: int) -> list[Layout]:
     """The best layout of each distinct parallel shape (dp, tp, pp, cp) in rank order, then the next-best
     variants (ZeRO stage, recomputation, chunks) until `k`: a probe learns most from different shapes."""
     seen: set[tuple[int, ...]] = set()
-    first, rest = [], []
+    first: list[Layout] = []
+    rest: list[Layout] = []
     for layout in ranked:
         shape = (layout.dp, layout.tp, layout.pp, layout.cp)
         (rest if shape in seen else first).append(layout)

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from meshkit.config.layout import Layout
-from meshkit.planning.estimate import ModelShape, model_state_bytes
+from meshkit.planning.estimate import ModelShape, Optimizer, Precision, model_state_bytes
 from meshkit.planning.hardware import Hardware
 
 # bytes an optimizer step moves per parameter: read the gradient, read+write the fp32 master and the states,
@@ -121,7 +121,7 @@ def tp_layer_comm(
     seq_len: int,
     micro_batch: int,
     hidden: int,
-    precision: str = "bf16",
+    precision: Precision = "bf16",
 ) -> float:
     """Seconds of tensor parallel's all-reduces for one block and one micro-batch: forward, the attention and MLP
     outputs (twice with full recomputation); backward, the input gradient of every column-parallel linear (q, k,
@@ -144,13 +144,13 @@ def predict(
     seq_len: int,
     global_batch: int,
     micro_batch: int = 1,
-    precision: str = "bf16",
-    optimizer: str = "adam",
+    precision: Precision = "bf16",
+    optimizer: Optimizer = "adam",
     expert_imbalance: float = EXPERT_IMBALANCE,
 ) -> StepTime:
     """Seconds per optimizer step of `global_batch` sequences of `seq_len` tokens on this layout."""
     gpus = topology.gpus
-    weight_b, grad_b, _ = model_state_bytes(precision, "adam")  # type: ignore[arg-type]
+    weight_b, grad_b, _ = model_state_bytes(precision, "adam")
     act_b = 4 if precision == "fp32" else 2
     hidden, layers = model.hidden or 0, model.layers or 1
     tokens = global_batch * seq_len

@@ -17,7 +17,7 @@ from typing import Any
 
 from meshkit.config.layout import Layout
 from meshkit.core.errors import MeshkitError
-from meshkit.planning.estimate import Estimate, EstimateError, ModelShape, estimate_memory
+from meshkit.planning.estimate import Estimate, EstimateError, ModelShape, Optimizer, Precision, estimate_memory
 from meshkit.planning.hardware import PRESETS, Hardware
 from meshkit.planning.perf_model import StepTime, Topology, all_to_all_bytes, predict
 
@@ -153,8 +153,8 @@ def cost(
     cluster: Cluster,
     seq_len: int,
     global_batch: int,
-    precision: str,
-    optimizer: str = "adam",
+    precision: Precision,
+    optimizer: Optimizer = "adam",
     runtime_gb: float = 0.0,
 ) -> PlannedLayout:
     """Memory, communication volume, bubble and modelled step time (micro-batches of one sequence)."""
@@ -163,15 +163,15 @@ def cost(
         model,
         seq_len=seq_len,
         micro_batch=micro_batch,
-        precision=precision,  # type: ignore[arg-type]
-        optimizer=optimizer,  # type: ignore[arg-type]
+        precision=precision,
+        optimizer=optimizer,
         zero_stage=layout.zero_stage,
         dp=layout.dp,
         tp=layout.tp,
         pp=layout.pp,
         cp=layout.cp,
         activation_checkpointing=layout.activation_checkpointing,
-        offload=layout.offload,  # type: ignore[arg-type]
+        offload=layout.offload,
         ep=layout.ep,
         runtime_gb=runtime_gb,
     )
@@ -277,8 +277,8 @@ def plan(
     *,
     seq_len: int,
     global_batch: int,
-    precision: str = "bf16",
-    optimizer: str = "adam",
+    precision: Precision = "bf16",
+    optimizer: Optimizer = "adam",
     only: LayoutFilter | None = None,
     runtime_gb: float = 0.0,
     host_mem_gb: float | None = None,
@@ -333,7 +333,7 @@ def plan(
 
 
 def _nodes_that_fit(
-    model: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, precision: str, optimizer: str
+    model: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, precision: Precision, optimizer: Optimizer
 ) -> int:
     nodes = cluster.nodes
     while nodes < cluster.nodes * 64:

@@ -98,7 +98,7 @@ def add_tokens(tokenizer: Any, settings: Any) -> list[str]:
     return [tokenizer.convert_ids_to_tokens(i) for i in range(before, len(tokenizer))]
 
 
-def grow_vocabulary(model: nn.Module, rows: int) -> int:
+def grow_vocabulary(model: Any, rows: int) -> int:
     """Embedding (and untied head) rows up to `rows` for tokens added to the tokenizer; returns the rows it had.
     The new rows start as the mean of the others: here for a model built whole, as the weights stream in for one
     built on the meta device (`meshkit.parallel.materialize.grown_rows`)."""
@@ -126,7 +126,7 @@ def attention_implementation(requested: str | None) -> tuple[str, str | None]:
     return requested, None
 
 
-def model_recipe(settings: Any, attention: str = "sdpa") -> tuple[Any, Any]:
+def model_recipe(settings: Any, attention: str | None = "sdpa") -> tuple[Any, Any]:
     """The model class `model_type` names and the base's config (overrides applied, attention set, no cache)."""
     import transformers
     from transformers import AutoConfig
@@ -148,7 +148,7 @@ def model_recipe(settings: Any, attention: str = "sdpa") -> tuple[Any, Any]:
     return model_class, config
 
 
-def _causal_lm(model: nn.Module, settings: Any) -> nn.Module:
+def _causal_lm(model: Any, settings: Any) -> nn.Module:
     model.config.use_cache = False
     if not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
         directory = settings.base_model_config or settings.base_model
@@ -156,7 +156,7 @@ def _causal_lm(model: nn.Module, settings: Any) -> nn.Module:
     return model
 
 
-def build_meta_model(settings: Any, attention: str = "sdpa") -> nn.Module:
+def build_meta_model(settings: Any, attention: str | None = "sdpa") -> nn.Module:
     """The base model's architecture on the meta device (no memory); its weights stream in later."""
     model_class, config = model_recipe(settings, attention)
     # Auto classes build through from_config, a model class (LlamaForCausalLM) through its own _from_config
@@ -203,7 +203,7 @@ def prompt_ids(input_ids: tuple[int, ...], labels: tuple[int, ...], ignore_index
 
 def generate_samples(
     model_dir: Path, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int
-) -> list[dict[str, str]]:
+) -> list[dict[str, Any]]:
     """Greedy answers of the exported model to a few tokenized prompts (one process, CPU)."""
     from transformers import AutoModelForCausalLM
 

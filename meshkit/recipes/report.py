@@ -48,7 +48,7 @@ class TrainingProgress:
             self._progress.stop()
 
 
-def plot_losses(losses: list[float], path: Path, evals: list[tuple[int, float]] | None = None) -> Path | None:
+def plot_losses(losses: list[float], path: Path, evals: list[tuple[float, float]] | None = None) -> Path | None:
     """Loss per step (and the evaluation loss at its steps) as a PNG; None when matplotlib is not installed
     (pip install 'meshkit[plot]')."""
     try:

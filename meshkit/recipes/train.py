@@ -7,12 +7,9 @@ a progress bar and writes `<logging.dir>/summary.json`, `metrics.jsonl` and `los
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +25,8 @@ from meshkit.engine.engine import Engine
 from meshkit.launching.cluster import cluster_settings
 from meshkit.models.gpt import GPT, lm_loss
 from meshkit.planning.layout_probe import Candidate, choose, one_process_group, print_probe_table
-from meshkit.recipes.report import TrainingProgress, plot_losses, print_summary
+from meshkit.recipes.loop import LoopPlan, MeanStepLoss, run_steps, write_summary
+from meshkit.recipes.report import print_summary
 from meshkit.runtime import collectives
 
 
@@ -117,14 +115,12 @@ def _prepared(engine: Engine) -> tuple[Any, Any, Any, Any]:
 
 def _train(engine: Engine, probed: list[Candidate] | None = None) -> dict[str, Any]:
     cfg = engine.config
-    model, optimizer, loader, scheduler = _prepared(engine)
+    _model, _optimizer, loader, scheduler = _prepared(engine)
     if not engine.is_worker:
         return {}  # a parameter server: its prepare() served until every worker had finished
     # A parameter-server run reports from its first worker, without collectives over the servers; async
     # workers never meet, so each reports its own loss.
     served = cfg.strategy == "parameter_server"
-    shared_loss = not (served and cfg.ps.mode == "async")
-
     n_params = sum(p.numel() for p in engine.unwrap_model().parameters())
     layout = f"parameter server ({cfg.ps.servers} server(s), {cfg.ps.mode})" if served else engine.mesh.dims.describe()
     tokens_per_step = cfg.train.global_micro_batch(engine.dp_size) * cfg.train.seq_len * cfg.grad_accum_steps
@@ -134,70 +130,28 @@ def _train(engine: Engine, probed: list[Candidate] | None = None) -> dict[str, A
             f"layout {layout}, precision {cfg.precision}, {tokens_per_step} tokens/step",
             flush=True,
         )
-    resumed = engine.resume()  # checkpoint.resume: auto | PATH (restores data position, RNG, optimizer, ...)
-    engine.checkpoints.arm_preemption()  # save_checkpoint() ends every step: a signal in step 1 checkpoints too
-    losses: list[float] = list(resumed.get("losses", [])) if resumed else []
-    first_step = len(losses)
-    batches = endless(loader)
-    window_loss = torch.zeros((), device=engine.device)
-    activations, measured = engine.activation_report(), False  # measures the first micro-step only
-    start = time.perf_counter()
-    with TrainingProgress(cfg.train.steps, enabled=engine.is_main_worker) as progress:
-        progress.update(first_step, losses[-1] if losses else float("nan"), 0.0)
-        while len(losses) < cfg.train.steps:
-            with contextlib.nullcontext() if measured else activations:
-                window_loss += engine.train_step(next(batches))
-            measured = True
-            if not engine.sync_gradients:
-                continue
-            mean = window_loss / cfg.grad_accum_steps
-            loss = (engine.reduce(mean) if shared_loss else mean).item()
-            window_loss.zero_()
-            losses.append(loss)
-            step = len(losses)
-            tokens_per_s = (step - first_step) * tokens_per_step / (time.perf_counter() - start)
-            progress.update(step, loss, tokens_per_s)
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                engine.log({"loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s}, step)
-            final = step == cfg.train.steps and cfg.checkpoint.every_steps > 0
-            engine.save_checkpoint(extra={"losses": losses}, force=final)  # when checkpoint.every_steps is due
-    engine.wait_for_checkpoint()
-    wall = time.perf_counter() - start
-    trained = len(losses) - first_step
+    plan = LoopPlan(cfg.train.steps, tokens_per_step, measure_activations=True)
+    shared_loss = not (served and cfg.ps.mode == "async")
+    record = run_steps(engine, loader, scheduler, plan, MeanStepLoss(engine, cfg.grad_accum_steps, shared_loss))
 
     def every_rank(value: Any) -> list[Any]:  # in rank order (a parameter server's first worker: its own)
         return [value] if served else collectives.gather_object(value, group=None)
 
-    memory = every_rank({**engine.memory_report(), "rank": engine.process_index})
-
-    summary = {
-        "final_loss": losses[-1],
-        "first_loss": losses[0],
-        "steps": len(losses),
-        "resumed_at_step": first_step,
-        "tokens_per_s": trained * tokens_per_step / wall if trained else 0.0,
-        "wall_s": wall,
-        "world_size": engine.num_processes,
-        "layout": engine.mesh.dims.as_dict(),
-        "layout_description": layout,
-        "precision": cfg.precision,
+    memory = every_rank({**engine.memory_report(), "rank": engine.process_index})  # before the full state below
+    summary = record.rows(engine, layout) | {
         "grad_accum_steps": cfg.grad_accum_steps,
         "parameters": n_params,
-        "zero_stage": engine.zero_stage,
         "params_sha256": state_dict_sha256(engine.full_state_dict()),
         "memory": memory,
         "activation_checkpointing": cfg.activation_checkpointing.model_dump(),
         "activation_offload": cfg.activation_offload,
-        "activations": every_rank(activations.as_dict()),  # first micro-step, per rank
+        "activations": every_rank(record.activations),  # first micro-step, per rank
     }
     if probed is not None:
         summary["layout_probe"] = {"chosen": layout, "candidates": [c.row() for c in probed]}
     if engine.is_main_worker:
-        run_dir = Path(cfg.logging.dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot = plot_losses(losses, run_dir / "loss.png")
-        print_summary(summary, run_dir, plot)
+        plot = write_summary(engine, summary, record.losses)
+        print_summary(summary, Path(cfg.logging.dir), plot)
     return summary
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from meshkit.training.loss import IGNORE_INDEX
 
 
 def eval_batches(
-    samples: list[TokenizedSample], engine: Engine, collate: Any, size: int | None = None
+    samples: Sequence[TokenizedSample], engine: Engine, collate: Any, size: int | None = None
 ) -> list[dict[str, torch.Tensor]]:
     """This rank's validation batches: every sample exactly once over the data-parallel ranks; ranks with fewer
     samples fill up with rows whose labels are all -100 (they count nothing), so every rank runs as many
@@ -26,7 +27,7 @@ def eval_batches(
     size, dp = size or engine.config.train.largest_micro_batch, engine.dp_size
     per_rank = -(-len(samples) // dp)
     batches = -(-per_rank // size)
-    mine = samples[engine.dp_rank :: dp]
+    mine = list(samples[engine.dp_rank :: dp])
     filler = TokenizedSample(samples[0].input_ids, (IGNORE_INDEX,) * len(samples[0].labels))
     mine = mine + [filler] * (batches * size - len(mine))
     dataset = PaddedSamples(mine)

@@ -38,7 +38,7 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 def _libc_function(name: str) -> Callable[..., int] | None:
     library = ctypes.util.find_library("c")
     try:
-        return getattr(ctypes.CDLL(library), name) if library else None  # type: ignore[no-any-return]
+        return getattr(ctypes.CDLL(library), name) if library else None
     except (OSError, AttributeError):
         return None
 

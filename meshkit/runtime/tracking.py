@@ -177,13 +177,14 @@ class TrackerSet:
         self.names, self._run_dir, self._run_config, self._here = names, run_dir, run_config, here
         self._made: list[Tracker] | None = None
 
-    def start(self, start: TrackerStart) -> None:
+    def start(self, start: TrackerStart) -> list[Tracker]:
         if self._made is not None:
             raise TrackerError(
                 "init_trackers() comes before the first engine.log() or get_tracker() (the trackers are already "
                 "running): call it once, right after creating the engine"
             )
-        self._made = make_trackers(self.names, self._run_dir, self._run_config, start) if self._here else []
+        self._made = made = make_trackers(self.names, self._run_dir, self._run_config, start) if self._here else []
+        return made
 
     @property
     def started(self) -> bool:
@@ -191,9 +192,10 @@ class TrackerSet:
 
     @property
     def running(self) -> list[Tracker]:
-        if self._made is None:
-            self.start(TrackerStart())
-        return self._made  # type: ignore[return-value]
+        made = self._made
+        if made is None:
+            made = self.start(TrackerStart())
+        return made
 
     def close(self) -> None:
         for tracker in self._made or []:

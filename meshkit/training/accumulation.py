@@ -65,7 +65,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.steps_taken = 0  # synchronising steps (fp16-skipped ones included): the run's step counter
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -80,7 +80,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if not self.gradient_state.sync:
             return None
         self.steps_taken += 1
@@ -113,13 +113,15 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def train(self) -> None:
         """Pass `train()` on, for optimizers that have one (schedule-free optimizers switch their weights)."""
-        if callable(getattr(self.optimizer, "train", None)):
-            self.optimizer.train()
+        switch = getattr(self.optimizer, "train", None)
+        if callable(switch):
+            switch()
 
     def eval(self) -> None:
         """Pass `eval()` on, for optimizers that have one (schedule-free: evaluate at the averaged weights)."""
-        if callable(getattr(self.optimizer, "eval", None)):
-            self.optimizer.eval()
+        switch = getattr(self.optimizer, "eval", None)
+        if callable(switch):
+            switch()
 
     def __getattr__(self, name: str) -> Any:
         # Anything else the user's optimizer has (its own methods and attributes) is reached through the view.

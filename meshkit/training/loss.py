@@ -36,6 +36,7 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.
         output = model(*batch)
     else:
         output = model(batch)
+    loss: Any
     if isinstance(output, torch.Tensor):
         loss = output
     else:

@@ -39,7 +39,7 @@ def autocast_forward(module: nn.Module, precision: str, device_type: str) -> Non
             out = forward(*args, **kwargs)
         return map_tensors(_upcast, out)
 
-    module.forward = forward_in_autocast  # type: ignore[method-assign]
+    module.forward = forward_in_autocast
 
 
 def make_grad_scaler(

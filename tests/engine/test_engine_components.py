@@ -10,7 +10,7 @@ import pytest
 import meshkit
 from meshkit.engine import Engine
 from meshkit.engine.checkpointing import Checkpoints
-from meshkit.engine.delegation import Delegated
+from meshkit.engine.delegation import Attribute, Verb
 from meshkit.engine.processes import Processes
 
 # Every public name the Engine had before it was made of components (a user's loop may call any of them).
@@ -101,17 +101,41 @@ def test_the_engine_keeps_every_public_name() -> None:
 def test_a_delegated_verb_is_the_components_own_with_its_docstring() -> None:
     assert Engine.save_state is Checkpoints.save_state
     assert Engine.gather.__doc__ == Processes.gather.__doc__ and "dp rank" in Engine.gather.__doc__
-    assert isinstance(Engine.__dict__["save_state"], Delegated)
+    assert isinstance(Engine.__dict__["save_state"], Verb)
+    assert Engine.__dict__["process_index"].__doc__ == Processes.process_index.__doc__
+
+
+def test_every_delegated_name_carries_its_type() -> None:
+    # a Verb takes the component's typed method; an Attribute is declared with its type, Attribute[int](...)
+    delegated = {name: d for name, d in vars(Engine).items() if isinstance(d, (Verb, Attribute))}
+    assert len(delegated) > 50
+    untyped = [
+        name
+        for name, d in delegated.items()
+        if isinstance(d, Attribute) and not getattr(getattr(d, "__orig_class__", None), "__args__", None)
+    ]
+    assert not untyped, f"Attribute without its type: {untyped}"
+    assert vars(Engine)["process_index"].__orig_class__.__args__ == (int,)
+
+
+def _broken(make) -> str:
+    with pytest.raises((TypeError, RuntimeError)) as caught:  # (Python 3.11 wraps __set_name__'s error)
+        make()
+    error = caught.value if isinstance(caught.value, TypeError) else caught.value.__cause__
+    return str(error)
 
 
 def test_delegating_a_name_the_component_lacks_fails_when_the_class_is_made() -> None:
-    with pytest.raises((TypeError, RuntimeError)) as caught:  # (Python 3.11 wraps __set_name__'s error)
-
+    def attribute() -> None:
         class Broken:
-            save_everything = Delegated("processes", Processes)
+            save_everything = Attribute[int]("processes", Processes)
 
-    error = caught.value if isinstance(caught.value, TypeError) else caught.value.__cause__
-    assert "Processes has no 'save_everything'" in str(error)
+    def verb() -> None:
+        class Broken:
+            save_everything = Verb("processes", Processes.gather)
+
+    assert "Processes has no 'save_everything'" in _broken(attribute)
+    assert "delegates to a method named 'gather'" in _broken(verb)
 
 
 def test_the_engine_is_built_from_components_not_mixins() -> None:

@@ -161,17 +161,28 @@ def test_without_an_address_the_job_runs_on_a_local_cluster_of_its_own(tmp_path)
     assert all(is_loopback(address) for _, address in listeners), listeners
 
 
-# Printed by rank 0 while the cluster runs: each TCP socket Ray's GCS and raylets listen on.
+# Printed by rank 0 while the cluster runs: each TCP socket this run's GCS and raylet listen on (this run's: the
+# raylet above the rank, and the GCS beside it under the driver; another cluster may run on the host meanwhile).
 LISTENERS_OF_RAY = f"""
 if engine.process_index == 0:
     sys.path.insert(0, {str(ROOT)!r})
     from tests.faults.helpers import listening_addresses
+
+    def parent(pid):
+        return int(open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[1])
+
+    def name(pid):
+        return open(f"/proc/{{pid}}/comm").read().strip()
+
+    raylet = os.getpid()
+    while name(raylet) != "raylet":
+        raylet = parent(raylet)
+    driver = parent(raylet)
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            name = open(f"/proc/{{pid}}/comm").read().strip()
+            ours = parent(pid) == driver and name(pid) in ("gcs_server", "raylet")
         except OSError:
             continue
-        if name in ("gcs_server", "raylet"):
-            for address in listening_addresses([int(pid)]):
-                print("LISTEN", name, address)
+        for address in listening_addresses([int(pid)]) if ours else []:
+            print("LISTEN", name(pid), address)
 """

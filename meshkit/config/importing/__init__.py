@@ -9,6 +9,7 @@ into the per-rank micro-batch when the world size is known (`--world`, or the Ac
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ def import_config(path: str | Path, world: int | None = None) -> Imported:
     return out
 
 
-def foreign_config(path: str | Path) -> Imported | None:
+def foreign_config(path: str | os.PathLike[str]) -> Imported | None:
     """The file's meshkit settings when it is an Accelerate or DeepSpeed config (a `--config-file` may name one:
     it is converted on the fly); None for a meshkit YAML."""
     path = Path(path).expanduser()

@@ -160,7 +160,7 @@ class Accelerator(Engine):
             self._notice(_EVEN)
 
     @property
-    def gradient_accumulation_steps(self) -> int:  # type: ignore[override]
+    def gradient_accumulation_steps(self) -> int:
         return self.ctx.gradient_state.accum_steps
 
     @gradient_accumulation_steps.setter
@@ -176,7 +176,7 @@ class Accelerator(Engine):
         return self.ctx.trackers.running
 
     @property
-    def step(self) -> int:  # type: ignore[override]
+    def step(self) -> int:
         """Accelerate's counter: micro-steps taken by `accumulate` in this window sequence (0 at each epoch end)."""
         return self.ctx.gradient_state.micro_step
 
@@ -217,22 +217,22 @@ class Accelerator(Engine):
         sampler = {"shuffle": True} if isinstance(loader.sampler, RandomSampler) else {}
         return rebuilt(loader, batch_size=loader.batch_size // self.dp_size, drop_last=loader.drop_last, **sampler)
 
-    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):  # type: ignore[override]
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         return self.prepare(model)
 
-    def prepare_optimizer(self, optimizer: Any, device_placement: bool | None = None) -> Any:  # type: ignore[override]
+    def prepare_optimizer(self, optimizer: Any, device_placement: bool | None = None) -> Any:
         return self.prepare(optimizer)
 
     def prepare_data_loader(
         self, data_loader: Any, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
-    ):  # type: ignore[override]
+    ):
         return self.prepare(data_loader)
 
-    def prepare_scheduler(self, scheduler: Any) -> Any:  # type: ignore[override]
+    def prepare_scheduler(self, scheduler: Any) -> Any:
         return self.prepare(scheduler)
 
     # ------------------------------------------------------------------ the step
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:  # type: ignore[override]
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         super().backward(loss, **kwargs)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -267,19 +267,19 @@ class Accelerator(Engine):
     def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any) -> Any:
         raise AcceleratorError("deepspeed_ulysses_dl_adapter: split sequences with cp_size (ring attention) instead")
 
-    def free_memory(self, *objects: Any) -> list[None]:  # type: ignore[override]
+    def free_memory(self, *objects: Any) -> list[None]:
         self.step = 0
         return super().free_memory(*objects)
 
-    def clear(self, *objects: Any) -> list[None]:  # type: ignore[override]
+    def clear(self, *objects: Any) -> list[None]:
         return self.free_memory(*objects)
 
-    def end_training(self) -> None:  # type: ignore[override]
+    def end_training(self) -> None:
         """Trackers close and the process group ends, as with Accelerate (the last call of a script)."""
         self.end()
 
     # ------------------------------------------------------------------ metrics and logs
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:  # type: ignore[override]
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """All-reduce over the processes that hold different data: 'sum' (Accelerate's default), 'mean', 'max'
         or 'none' (a sum, as Accelerate's). `scale` applies on XLA only in Accelerate: ignored, as there."""
         if reduction not in ("sum", "mean", "max", "none"):
@@ -287,22 +287,22 @@ class Accelerator(Engine):
         op = "sum" if reduction == "none" else reduction
         return collectives.reduce(tensor, self.ctx.placement.metric_group, op=op)
 
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:  # type: ignore[override]
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         return super().gather_for_metrics(input_data)
 
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:  # type: ignore[override]
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:  # type: ignore[override]  # Accelerate's signature
         if log_kwargs:
             self._notice("log(log_kwargs=...): meshkit's trackers take the values and the step only")
         super().log(values, self.ctx.objects.step if step is None else step)
 
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:  # type: ignore[override]
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
         tracker = super().get_tracker(name)
         if not unwrap or tracker is None:
             return tracker
         return getattr(tracker, "run", None) or getattr(tracker, "writer", None) or tracker
 
     # ------------------------------------------------------------------ contexts
-    def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager[Any]:  # type: ignore[override]
+    def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager[Any]:
         handler = autocast_handler or self.autocast_handler
         if handler is not None and not getattr(handler, "enabled", True):
             return torch.autocast(self.device.type, enabled=False)
@@ -333,10 +333,10 @@ class Accelerator(Engine):
     # ------------------------------------------------------------------ weights and states
     def unwrap_model(
         self, model: nn.Module | None = None, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
-    ):  # type: ignore[override]
+    ):
         return super().unwrap_model(model)
 
-    def get_state_dict(self, model: nn.Module | None = None, unwrap: bool = True) -> dict[str, torch.Tensor]:  # type: ignore[override]
+    def get_state_dict(self, model: nn.Module | None = None, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Full weights under the user's names (collective under sharding: every rank calls it)."""
         return self.full_state_dict(model if model in self.ctx.objects.models else None)
 
@@ -347,7 +347,7 @@ class Accelerator(Engine):
         if self.is_local_main_process if per_node else self.is_main_process:
             saving.save_object(obj, f, safe_serialization)
 
-    def save_model(  # type: ignore[override]
+    def save_model(  # type: ignore[override]  # Accelerate's signature
         self,
         model: nn.Module,
         save_directory: str | Any,
@@ -359,8 +359,8 @@ class Accelerator(Engine):
             raise AcceleratorError(f"save_model: {save_directory} is a file; pass a directory")
         if not safe_serialization:
             self._notice("save_model(safe_serialization=False): weights are written as safetensors")
-        model = model if model in self.ctx.objects.models else None
-        super().save_model(save_directory, model=model, max_shard_size=max_shard_size)
+        prepared = model if model in self.ctx.objects.models else None
+        super().save_model(save_directory, model=prepared, max_shard_size=max_shard_size)
 
     def register_save_state_pre_hook(self, hook: Any) -> Any:
         """`hook(models, weights, output_dir)` runs at each save_state; files it writes into output_dir are kept
@@ -371,14 +371,14 @@ class Accelerator(Engine):
         """`hook(models, input_dir)` runs at each load_state, before the state is read."""
         return self._hooks.register(self._hooks.load, hook)
 
-    def save_state(self, output_dir: Any = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> str:  # type: ignore[override]
+    def save_state(self, output_dir: Any = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> str:  # type: ignore[override]  # Accelerate's signature
         """Accelerate's save_state: into `output_dir`, or (automatic naming) `project_dir/checkpoints/checkpoint_<n>`;
         a directory holding an earlier state is written over, as with Accelerate (atomically here)."""
         return saving.save_state(self, super().save_state, output_dir, self._hooks)
 
-    def load_state(
+    def load_state(  # type: ignore[override]  # Accelerate's signature
         self, input_dir: Any = None, load_kwargs: Any = None, **load_model_func_kwargs: Any
-    ) -> dict[str, Any]:  # type: ignore[override]
+    ) -> dict[str, Any]:
         """Accelerate's load_state: from `input_dir`, or (automatic naming) the newest checkpoint_<n>."""
         return saving.load_state(self, super().load_state, input_dir, self._hooks)
 

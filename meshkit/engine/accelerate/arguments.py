@@ -242,7 +242,7 @@ def _fsdp(plugin: Any, imported: Imported) -> None:
         "fsdp_activation_checkpointing": bool(getattr(plugin, "activation_checkpointing", False)),
         "fsdp_forward_prefetch": bool(getattr(plugin, "forward_prefetch", False)),
     }
-    block["fsdp_sharding_strategy"] = block["fsdp_sharding_strategy"].split(".")[-1]
+    block["fsdp_sharding_strategy"] = str(block["fsdp_sharding_strategy"]).split(".")[-1]
     if getattr(plugin, "reshard_after_forward", None) is not None:
         block["fsdp_reshard_after_forward"] = plugin.reshard_after_forward
     read_fsdp_config(block, imported, machines=1)

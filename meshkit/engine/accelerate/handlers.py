@@ -9,6 +9,7 @@ well) and turns them into meshkit settings; the `Accelerator` keeps them for the
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -200,29 +201,33 @@ class ParallelismConfig:
             if getattr(self, name) is None:
                 setattr(self, name, 1)
 
+    def _size(self, name: str) -> int:
+        return int(getattr(self, name) or 1)  # (None: 1, as Accelerate counts it)
+
     @property
     def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate_size > 1  # type: ignore[operator]
+        return self._size("dp_replicate_size") > 1
 
     @property
     def dp_shard_enabled(self) -> bool:
-        return self.dp_shard_size > 1  # type: ignore[operator]
+        return self._size("dp_shard_size") > 1
 
     @property
     def tp_enabled(self) -> bool:
-        return self.tp_size > 1  # type: ignore[operator]
+        return self._size("tp_size") > 1
 
     @property
     def cp_enabled(self) -> bool:
-        return self.cp_size > 1  # type: ignore[operator]
+        return self._size("cp_size") > 1
 
     @property
     def sp_enabled(self) -> bool:
-        return self.sp_size > 1  # type: ignore[operator]
+        return self._size("sp_size") > 1
 
     @property
     def total_size(self) -> int:
-        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size  # type: ignore[operator]
+        sizes = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+        return math.prod(self._size(name) for name in sizes)
 
 
 def enum_value(value: Any) -> str:

@@ -20,7 +20,7 @@ def profiled(handler: Any, process_index: int, wait_for_everyone: Callable[[], N
     activities = None
     if handler is not None and getattr(handler, "activities", None) is not None:
         activities = [_ACTIVITIES[str(getattr(kind, "value", kind)).lower()] for kind in handler.activities]
-    options = {name: getattr(handler, name, False) for name in _OPTIONS}
+    options: dict[str, Any] = {name: getattr(handler, name, False) for name in _OPTIONS}
     schedule_option = getattr(handler, "schedule_option", None)
     schedule = torch.profiler.schedule(**schedule_option) if schedule_option else None
     on_trace_ready = getattr(handler, "on_trace_ready", None)

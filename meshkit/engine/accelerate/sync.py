@@ -57,7 +57,7 @@ class SyncControl:
                     buffer.data = data
 
 
-def _switch(model: nn.Module, sync: bool) -> Any:
+def _switch(model: Any, sync: bool) -> Any:
     """Set a prepared model's own reduce switch; returns how to put it back."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP
         model.set_requires_gradient_sync(sync)

@@ -11,7 +11,7 @@ import functools
 import gc
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -48,7 +48,7 @@ class AccelerateVerbs(EngineComponent):
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return function(*args, **kwargs) if run_here else None
 
-        return wrapper  # type: ignore[return-value]
+        return cast(F, wrapper)
 
     def on_main_process(self, function: F) -> F:
         """Decorator: the function runs on the main process only (elsewhere it returns None)."""

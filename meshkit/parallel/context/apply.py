@@ -62,7 +62,8 @@ class _RingAttend:
         return ring_attention(q, k, v, self.group, causal=True)
 
 
-def _refuse(model: nn.Module, structure: ModelStructure) -> None:
+def _position_argument(model: nn.Module, structure: ModelStructure) -> str:
+    """The forward argument that takes global positions; refuses a model context parallel cannot split."""
     if "cp" in structure.notes:
         raise ContextParallelError(f"context parallel cannot split this model: {structure.notes['cp']}")
     if structure.position_argument is None:
@@ -70,6 +71,7 @@ def _refuse(model: nn.Module, structure: ModelStructure) -> None:
             f"context parallel must pass each token's position in the whole sequence, and "
             f"{type(model).__name__}.forward takes none that meshkit knows: name it in structure.position_argument"
         )
+    return structure.position_argument
 
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, structure: ModelStructure) -> None:
@@ -79,7 +81,7 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, structure
     attention code calls it); other models route attention through an `attend(q, k, v)` method (the
     reference GPT does). Positions go in under the argument the model's forward reads; without one, refuse.
     """
-    _refuse(model, structure)
+    argument = _position_argument(model, structure)
     if is_transformers_model(model):
         use_ring_attention(model, group, [facts.path for facts in structure.attention])
     else:
@@ -91,10 +93,9 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, structure
                 "parallel swaps that method for ring attention"
             )
         for module in attends:
-            module.attend = _RingAttend(group)
+            setattr(module, "attend", _RingAttend(group))  # noqa: B010 - (a method, not a submodule)
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     forward: Callable[..., Any] = model.forward
-    argument = structure.position_argument
 
     def forward_with_positions(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
@@ -112,4 +113,4 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, structure
             kwargs[argument] = positions[None] if argument == "position_ids" else positions
         return forward(*args, **kwargs)
 
-    model.forward = forward_with_positions  # type: ignore[method-assign]
+    model.forward = forward_with_positions

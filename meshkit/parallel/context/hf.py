@@ -77,7 +77,8 @@ def use_ring_attention(model: nn.Module, group: dist.ProcessGroup, attention_pat
             continue
         setattr(module, GROUP_ATTRIBUTE, group)
         _FirstCallCheck(module, path)
-    model.set_attn_implementation(IMPLEMENTATION)
+    hf_model: Any = model  # a transformers model
+    hf_model.set_attn_implementation(IMPLEMENTATION)
 
 
 class _FirstCallCheck:

@@ -76,7 +76,8 @@ class _Exchange:
             if not offset:
                 yield offset, own
                 continue
-            block = _as_block(self.finish(pending))  # type: ignore[arg-type]
+            assert pending is not None  # (posted for every offset after the first)
+            block = _as_block(self.finish(pending))
             pending = self.send_block(own, offsets[step + 1]) if step + 1 < len(offsets) else None
             yield offset, block
 
@@ -86,7 +87,8 @@ def _as_block(tensors: list[torch.Tensor]) -> _Block:
 
 
 def _local_index(rank: int, cp: int, half: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(chunk_index(chunk, half, device) for chunk in chunk_ids(rank, cp))  # type: ignore[return-value]
+    first, second = (chunk_index(chunk, half, device) for chunk in chunk_ids(rank, cp))
+    return first, second
 
 
 @dataclass(frozen=True)
@@ -226,7 +228,7 @@ def ring_backward(
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, starts, group, visibility, scoring):  # type: ignore[override]
+    def forward(ctx, q, k, v, sinks, starts, group, visibility, scoring):
         offsets = visibility.offsets(dist.get_world_size(group), q.shape[2] // 2)  # (once: backward reuses them)
         out, lse = ring_forward(q, k, v, group, visibility, scoring, offsets, starts, sinks)
         ctx.save_for_backward(q, k, v, out, lse, starts, sinks)
@@ -234,7 +236,7 @@ class RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         q, k, v, out, lse, starts, sinks = ctx.saved_tensors
         grad_q, grad_k, grad_v, grad_sinks = ring_backward(
             grad_out, q, k, v, out, lse, ctx.group, ctx.visibility, ctx.scoring, ctx.offsets, starts, sinks

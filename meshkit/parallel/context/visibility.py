@@ -13,6 +13,7 @@ never exchanged (a sliding window sends fewer blocks, not more).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -79,7 +80,7 @@ def block_mask(
     q_starts: torch.Tensor | None,
     k_starts: torch.Tensor | None,
     device: torch.device,
-) -> torch.Tensor | None | bool:
+) -> torch.Tensor | None | Literal[False]:
     """The mask of the block of query chunk `chunks[0]` and key chunk `chunks[1]`: False (nothing seen: skip
     it), None (everything seen), or a bool tensor broadcasting to the scores [batch, heads, n, m] (True = seen).
     Packed samples always give a tensor (which samples meet is the data's, not known without looking)."""
@@ -90,6 +91,6 @@ def block_mask(
     if kind == "all" and not packed:
         return None
     seen = visibility.geometric(chunk_index(chunks[0], half, device), chunk_index(chunks[1], half, device))
-    if packed:  # same packed sample: [batch, 1, n, m]
-        seen = (seen & (q_starts[:, :, None] == k_starts[:, None, :]))[:, None]  # type: ignore[index]
+    if q_starts is not None and k_starts is not None:  # same packed sample: [batch, 1, n, m]
+        seen = (seen & (q_starts[:, :, None] == k_starts[:, None, :]))[:, None]
     return seen

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -64,14 +64,14 @@ def apply_expert_parallel(
     for facts in moe_blocks(model):
         bank, adapters = parameter_adapters(model.get_submodule(facts.path).get_submodule(facts.bank))
         for wrapper in adapters.values():  # the adapters join the local pieces below, not by peft's parametrization
-            wrapper.forward = _PassThrough(wrapper.base_layer)  # type: ignore[method-assign]
+            wrapper.forward = _PassThrough(cast(nn.Module, wrapper.base_layer))
         for name, param in list(bank.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])  # rank 0 of each ep group deals its experts
             if edp_mesh.size() > 1 and not sharded.is_meta:  # replicas of the experts start equal, as DDP's do
                 dist.broadcast(sharded.to_local(), group=edp_mesh.get_group(), group_src=0)
             bank.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         forward = ExpertParallelForward(bank, facts.experts, ep_mesh, capacity_factor, adapters)
-        bank.forward = forward  # type: ignore[method-assign]
+        bank.forward = forward
         banks.append(bank)
     return banks
 

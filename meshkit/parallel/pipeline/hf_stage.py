@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshkit.models.blocks import BlockList, block_list
 from meshkit.models.structure import ModelStructure
 
 
@@ -83,7 +84,7 @@ class _Skipped(nn.Module):
         return (hidden,) if self.outputs.as_tuple else hidden
 
 
-def _learn_block_outputs(blocks: nn.Module) -> None:
+def _learn_block_outputs(blocks: BlockList) -> None:
     """Other stages' blocks return what this stage's blocks return."""
     outputs = _BlockOutputs()
     for index, block in enumerate(blocks):
@@ -97,15 +98,17 @@ def make_transformers_stage(
     chunk: nn.Module, structure: ModelStructure, first: bool, last: bool, first_block: int
 ) -> nn.Module:
     """Turn `chunk` (the whole model, other stages' layers already skipped) into this stage, in place."""
-    _learn_block_outputs(chunk.get_submodule(structure.blocks))
-    holder = structure.blocks.rpartition(".")[0]  # the base model: the blocks' parent (Llama 4's base_model_prefix
-    base = chunk.get_submodule(holder) if holder else chunk  # names no module of its causal LM)
+    blocks = block_list(chunk, structure.blocks)
+    _learn_block_outputs(blocks)
+    # the base model: the blocks' parent (Llama 4's base_model_prefix names no module of its causal LM)
+    holder = (structure.blocks or "").rpartition(".")[0]
+    base = chunk.get_submodule(holder) if holder else chunk
     received = _Received()
     if not first:
         for name in structure.first_stage:
             width = getattr(chunk.get_submodule(name), "embedding_dim", None)
             chunk.set_submodule(name, StandIn(width))
-        chunk.get_submodule(structure.blocks)[first_block].register_forward_pre_hook(received.hook, with_kwargs=True)
+        blocks[first_block].register_forward_pre_hook(received.hook, with_kwargs=True)
     if not last:
         for name in structure.last_stage:
             chunk.set_submodule(name, StandIn())
@@ -121,5 +124,5 @@ def make_transformers_stage(
             return forward(input_ids=ids, use_cache=False, **kwargs).logits
         return base(input_ids=ids, use_cache=False, **kwargs).last_hidden_state
 
-    chunk.forward = stage_forward  # type: ignore[method-assign]
+    chunk.forward = stage_forward
     return chunk

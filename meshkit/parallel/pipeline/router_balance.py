@@ -37,13 +37,13 @@ class _BalancingTerm(torch.autograd.Function):
     recomputed forward regenerates the probabilities for this node, whatever micro-batch it runs in."""
 
     @staticmethod
-    def forward(ctx: Any, carrier: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, carrier: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(F.softmax(logits.float(), dim=-1))
         ctx.weights, ctx.dtype = weights, logits.dtype
         return carrier.view_as(carrier)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         (probabilities,) = ctx.saved_tensors
         weights = ctx.weights
         return grad, (probabilities * (weights - probabilities @ weights[:, None])).to(ctx.dtype), None
@@ -82,7 +82,7 @@ class PipelineBalancing:
         for index, stage in enumerate(stages):
             stage.forward_one_chunk = functools.partial(self._forward_one_chunk, index, stage.forward_one_chunk)
 
-    def _forward_one_chunk(self, chunk: int, forward: Callable[..., Any], microbatch: int, *args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]
+    def _forward_one_chunk(self, chunk: int, forward: Callable[..., Any], microbatch: int, *args: Any, **kwargs: Any):
         self.current[chunk] = microbatch
         try:
             return forward(microbatch, *args, **kwargs)

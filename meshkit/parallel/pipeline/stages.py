@@ -19,7 +19,7 @@ import torch.distributed.pipelining.schedules as schedules
 from torch import nn
 
 from meshkit.config.layout import SINGLE_STAGE, PipelineError, chunks_per_rank  # noqa: F401 - re-exported
-from meshkit.models.blocks import find_blocks
+from meshkit.models.blocks import block_list, find_blocks
 from meshkit.models.structure import ModelStructure
 from meshkit.parallel.pipeline.hf_stage import make_transformers_stage
 
@@ -122,7 +122,7 @@ def split_model(model: nn.Module, stage_list: list[int], stages: int, structure:
     modules = []
     for position, stage in enumerate(stage_list):
         chunk = model if position == len(stage_list) - 1 else copy.deepcopy(model)
-        chunk_blocks = chunk.get_submodule(structure.blocks)
+        chunk_blocks = block_list(chunk, structure.blocks)
         for index in range(len(chunk_blocks)):
             if index not in ranges[stage]:
                 chunk_blocks[index] = SkippedBlock()

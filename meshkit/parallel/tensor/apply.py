@@ -32,18 +32,12 @@ from meshkit.config.schema import TensorParallelConfig
 from meshkit.models.blocks import block_units, find_blocks
 from meshkit.models.gpt import GPT
 from meshkit.models.structure import ModelStructure, describe
-from meshkit.parallel.tensor.auto import (
-    FusedParts,
-    TensorParallelError,
-    divide_attributes,
-    interleave_in_place,
-    named_plan,
-    style,
-)
+from meshkit.parallel.tensor.auto import TensorParallelError, divide_attributes, named_plan, style
 from meshkit.parallel.tensor.latent import sum_shared_rotary_key
 from meshkit.parallel.tensor.lora import split_lora_layers
 from meshkit.parallel.tensor.norms import split_projection_norms
 from meshkit.parallel.tensor.sequence import apply_sequence_parallel, require_sequence_shape, split_regions
+from meshkit.parallel.tensor.storage import SplitWeights, interleave_in_place
 
 
 def check_heads(model: nn.Module | ModelStructure, tp: int, ranks: int | None = None) -> None:
@@ -104,7 +98,7 @@ def gpt_plan(model: GPT, cfg: TensorParallelConfig) -> tuple[dict[str, ParallelS
 
 
 class TensorParallelResult(NamedTuple):
-    fused_qkv: dict[str, int]  # fused q/k/v parameters stored interleaved -> the dim q, k, v are stacked on
+    split_weights: SplitWeights  # how the fused weights are stored
     logits_sharded: bool  # the model returns vocab-sharded DTensor logits: compute the loss under loss_parallel
     partial_over_tp: list[str] = []  # parameters whose gradients each tp rank holds a part of (summed after backward)
 
@@ -123,7 +117,7 @@ def apply_tensor_parallel(
                 parallelize_module(layer, tp_mesh, block)
         if cfg.sequence_parallel:
             model.sequence_shards = tp
-        return TensorParallelResult({}, cfg.loss_parallel)
+        return TensorParallelResult(SplitWeights(tp), cfg.loss_parallel)
     if cfg.sequence_parallel and not structure.last_stage:
         raise TensorParallelError(
             f"sequence parallel must gather the sequence before {type(model).__name__}'s head, which meshkit "
@@ -135,14 +129,15 @@ def apply_tensor_parallel(
         plan = {name: kind for name, kind in plan.items() if not name.startswith(moe)}
     lora = split_lora_layers(model, plan, cfg.sequence_parallel)
     kinds = lora.kinds
-    fused: dict[str, int | FusedParts] = {}
-    for name, kind in kinds.items():
-        if kind in ("fused_qkv", "fused_gate_up"):
-            fused.update(interleave_in_place(model.get_submodule(name), name, tp, fused_parts(name, kind, structure)))
+    split_weights = SplitWeights.union(
+        (interleave_in_place(model.get_submodule(name), name, tp, fused_parts(name, kind, structure))
+         for name, kind in kinds.items() if kind in ("fused_qkv", "fused_gate_up")),
+        tp,
+    )  # fmt: skip
     styles = {name: found for name, kind in kinds.items() if (found := style(kind, cfg.sequence_parallel))}
     parallelize_module(model, tp_mesh, styles)
-    for facts in structure.moe:  # a split shared expert returns a view of the reduced output
-        shared = f"{facts.path}.{facts.shared}" if facts.shared else None
+    for experts in structure.moe:  # a split shared expert returns a view of the reduced output
+        shared = f"{experts.path}.{experts.shared}" if experts.shared else None
         if shared and any(name.startswith(f"{shared}.") for name in styles):
             model.get_submodule(shared).register_forward_hook(_own_output)
     for facts in structure.attention:
@@ -161,7 +156,7 @@ def apply_tensor_parallel(
     partial = [name for name in in_regions if name not in lora.whole and name not in lora.partial] + lora.partial
     if cfg.sequence_parallel:
         partial += on_sequence_shards(model, structure, set(styles))
-    return TensorParallelResult(fused, False, partial)
+    return TensorParallelResult(split_weights, False, partial)
 
 
 def _own_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -176,9 +171,9 @@ def fused_parts(name: str, kind: str, structure: ModelStructure) -> tuple[int, .
     if kind == "fused_gate_up":
         return 2
     attention = next((facts for facts in structure.attention if name.startswith(f"{facts.path}.")), None)
-    if attention is None or None in (attention.heads, attention.kv_heads, attention.head_dim):
+    if attention is None or attention.heads is None or attention.kv_heads is None or attention.head_dim is None:
         return 3
-    q, kv = attention.heads * attention.head_dim, attention.kv_heads * attention.head_dim  # type: ignore[operator]
+    q, kv = attention.heads * attention.head_dim, attention.kv_heads * attention.head_dim
     return 3 if q == kv else (q, kv, kv)
 
 

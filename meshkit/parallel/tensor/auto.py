@@ -10,7 +10,6 @@ split is dim 1 of the weight, its row split dim 0.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -80,7 +79,7 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_transposed_linear(module)
 
 
-def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], source: int) -> None:
+def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], source: int | None) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         dist_param = distribute_tensor(param, mesh, [placements[name]], src_data_rank=source)
         module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
@@ -132,90 +131,31 @@ def style(kind: str, sequence_parallel: bool) -> ParallelStyle | None:
 def named_plan(model: nn.Module, cfg: TensorParallelConfig, whole: tuple[str, ...] = ()) -> dict[str, str]:
     """Module name -> style kind, from the user's patterns or the automatic naming rules; Linear layers at or
     under a name in `whole` (the routers of MoE blocks, whatever their names) are replicated."""
+    plan: dict[str, str] = {}
     if cfg.plan is not None:  # the first pattern that matches a module name decides its style
-        plan = {}
         for name, _ in model.named_modules():
             kind = next((k for pattern, k in cfg.plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
             if name and kind is not None:
                 plan[name] = kind
         return plan
-    plan, unknown = {}, []
+    unknown = []
     lora_layers = {name for name, module in model.named_modules() if lora_parts(module) is not None}
     for name, module in model.named_modules():
         if inside_lora_layer(name, lora_layers):
             continue  # planned with its LoRA layer (`lora.py`)
         if _is_linear(module) or name in lora_layers:
             kept = any(name == prefix or name.startswith(f"{prefix}.") for prefix in whole)
-            kind = "replicate" if kept else AUTO_RULES.get(name.rsplit(".", 1)[-1])
-            if kind is None:
+            style = "replicate" if kept else AUTO_RULES.get(name.rsplit(".", 1)[-1])
+            if style is None:
                 unknown.append(name)
             else:
-                plan[name] = kind
+                plan[name] = style
     if unknown:
         raise TensorParallelError(
             f"the automatic tensor-parallel plan has no rule for Linear layers {unknown[:6]}: give a plan, e.g. "
             "tensor_parallel.plan: {'*.my_proj': colwise, '*.my_out': rowwise, 'head': replicate}"
         )
     return plan
-
-
-def fused_dim(module: nn.Module, param_name: str) -> int:
-    """The dim along which a fused q/k/v parameter stacks q, k and v (the output features)."""
-    return 1 if is_transposed_linear(module) and param_name == "weight" else 0
-
-
-@dataclass(frozen=True)
-class FusedParts:
-    """A fused layer whose parts differ in size (Phi-3's q/k/v under GQA, a fused gate/up): the dim they are
-    stacked on and each part's size. An int instead of this means three equal parts (GPT-2's c_attn)."""
-
-    dim: int
-    parts: tuple[int, ...]
-
-
-def _parts_of(layout: int | FusedParts, size: int) -> tuple[int, tuple[int, ...]]:
-    if isinstance(layout, FusedParts):
-        return layout.dim, layout.parts
-    return layout, (size // 3,) * 3
-
-
-def interleave_fused_qkv(tensor: torch.Tensor, tp: int, layout: int | FusedParts = 0) -> torch.Tensor:
-    """[q; k; v] along the fused dim -> [q0 k0 v0; q1 k1 v1; ...] (the order kept while sharded), on a full
-    tensor: a contiguous split in tp then gives each rank its share of every part."""
-    dim, parts = _parts_of(layout, tensor.shape[layout if isinstance(layout, int) else layout.dim])
-    pieces = [part.chunk(tp, dim=dim) for part in tensor.split(list(parts), dim=dim)]
-    return torch.cat([piece[rank] for rank in range(tp) for piece in pieces], dim=dim)
-
-
-def restore_fused_qkv(tensor: torch.Tensor, tp: int, layout: int | FusedParts = 0) -> torch.Tensor:
-    """Inverse of the interleaving, on a full (gathered) tensor."""
-    dim, parts = _parts_of(layout, tensor.shape[layout if isinstance(layout, int) else layout.dim])
-    shares = [part // tp for part in parts]
-    ranks = [rank.split(shares, dim=dim) for rank in tensor.chunk(tp, dim=dim)]
-    return torch.cat([ranks[rank][index] for index in range(len(parts)) for rank in range(tp)], dim=dim)
-
-
-def interleave_in_place(
-    module: nn.Module, name: str, tp: int, parts: tuple[int, ...] | int = 3
-) -> dict[str, int | FusedParts]:
-    """Interleave a fused layer's parameters so a contiguous column split gives each rank its share of every
-    part (its heads of q, k and v; its half of gate and up). `parts`: the parts' output sizes, or how many equal
-    parts (3: q, k and v of GPT-2's c_attn; 2: gate and up).
-
-    Returns {parameter name: fused layout} for the engine, which restores the original order when it gathers.
-    """
-    fused: dict[str, int | FusedParts] = {}
-    with torch.no_grad():
-        for param_name, param in module.named_parameters(recurse=False):
-            dim = fused_dim(module, param_name)
-            sizes = parts if isinstance(parts, tuple) else (param.shape[dim] // parts,) * parts
-            layout: int | FusedParts = dim if parts == 3 else FusedParts(dim, sizes)
-            if param.is_meta:  # materialised later: the file's tensor is interleaved as it streams in
-                fused[f"{name}.{param_name}"] = layout
-                continue
-            param.copy_(interleave_fused_qkv(param, tp, layout))
-            fused[f"{name}.{param_name}"] = layout
-    return fused
 
 
 def divide_attributes(module: nn.Module, tp: int) -> None:
@@ -232,7 +172,7 @@ def divide_attributes(module: nn.Module, tp: int) -> None:
             for attr in ("num_attention_heads", "num_key_value_heads")
             if isinstance(value := getattr(config, attr, None), int) and value % tp == 0
         }
-        module.config = LocalHeads(config, heads)
+        setattr(module, "config", LocalHeads(config, heads))  # noqa: B010 - (a plain attribute, not a submodule)
 
 
 class LocalHeads:

@@ -118,9 +118,10 @@ def split_regions(model: nn.Module, structure: ModelStructure, split_modules: se
         for child in block.children():
             name = names[id(child)]
             if name in moe:  # only its shared expert, if it has one
-                if moe[name] is None:
+                shared = moe[name]
+                if shared is None:
                     continue
-                name, child = f"{name}.{moe[name]}", child.get_submodule(moe[name])
+                name, child = f"{name}.{shared}", child.get_submodule(shared)
             if any(split.startswith(name + ".") for split in split_modules):
                 regions.append((name, child))
     return regions

@@ -118,6 +118,11 @@ class BucketedReduce:
 
         return hook
 
+    def _full(self) -> torch.Tensor:
+        if self.full is None:
+            raise RuntimeError("ZeRO: a gradient arrived outside a window (the full gradient buffer is not set up)")
+        return self.full
+
     def _arrived(self, index: int, param: torch.Tensor) -> None:
         offset, size = self.slices[index]
         if self.copies:
@@ -128,7 +133,7 @@ class BucketedReduce:
                     lo, hi = max(offset, bucket.start), min(offset + size, bucket.end)
                     self._buffer(b)[lo - bucket.start : hi - bucket.start].add_(grad[lo - offset : hi - offset])
             else:
-                self.full[offset : offset + size].add_(grad)  # type: ignore[index]
+                self._full()[offset : offset + size].add_(grad)
             param.grad = None  # the gradient lives in a bucket (or the full buffer) now
         for b in self.of_param[index]:
             self._pending[b] -= 1
@@ -151,7 +156,7 @@ class BucketedReduce:
 
     def _issue(self, index: int) -> None:
         bucket = self.buckets[index]
-        data = self._buffer(index) if self.per_micro_step else self.full[bucket.start : bucket.end]  # type: ignore[index]
+        data = self._buffer(index) if self.per_micro_step else self._full()[bucket.start : bucket.end]
         data.div_(self.world)  # pre-divided, as DDP does, so the sum cannot overflow
         if self.stage == 1:
             work = dist.all_reduce(data, group=self.group, async_op=True)

@@ -64,7 +64,7 @@ class LocalShardOptimizer(WrappedOptimizer):
         return getattr(self.optimizer, name)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
         with local_pieces(self.optimizer):
             return self.optimizer.step(closure)
 

@@ -126,7 +126,7 @@ class NVMeOptimizer(WrappedOptimizer):
                     mapped.copy_(local)  # a new state (first step) or a device copy: write it to the file
                 # Dropping the last reference unmaps the file: its pages leave this process's memory.
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if closure is not None:
             raise ValueError("NVMe offload steps page by page and cannot re-evaluate a closure")
         for page in self.pages:

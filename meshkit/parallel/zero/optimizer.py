@@ -265,8 +265,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             others = [p for p in trainable if experts is None or id(p) not in experts.params]
             if others:
                 self.shards.append(FlatShard(others, group, stage, overlap, group_index=index))
-            if banks:
-                self.shards.append(FlatShard(banks, experts.group, stage, None, experts, index))  # type: ignore[union-attr]
+            if banks and experts is not None:
+                self.shards.append(FlatShard(banks, experts.group, stage, None, experts, index))
         inner = rebuild_optimizer(optimizer, self.shards)
         self.inner = wrap_inner(inner) if wrap_inner else inner
         # An LR scheduler built on the user's optimizer keeps driving it: let it see the rebuilt groups.
@@ -336,7 +336,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if shard.shard.grad is not None:
                 shard.shard.grad.clamp_(-clip_value, clip_value)
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if not self._reduced and any(p.grad is not None for s in self.shards for p in s.params):
             raise ZeroError(
                 f"zero_stage {self.stage} reduces gradients in engine.backward(loss): "

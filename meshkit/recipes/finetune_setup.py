@@ -1,0 +1,167 @@
+"""The fine-tune's set-up before its loop: the model (base, tokens, freezing, LoRA), the optimizer and the step
+plan (steps, evaluation and save cadence, warm-up) from the Axolotl keys."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshkit.core.errors import MeshkitError
+from meshkit.engine.engine import Engine
+from meshkit.models.quantized import parameter_count
+from meshkit.parallel.materialize import reset_adapters
+from meshkit.recipes.finetune_config import FinetuneJob
+from meshkit.recipes.hf_base import (
+    add_tokens,
+    attention_implementation,
+    build_meta_model,
+    grow_vocabulary,
+    load_tokenizer,
+)
+from meshkit.recipes.lora import apply_lora
+from meshkit.recipes.optimizers import build_optimizer, trainable_groups
+from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
+from meshkit.recipes.quantized_base import INT8_CAST_NOTE, load_quantized_base
+from meshkit.recipes.quantized_base import check_layout as check_quantized_layout
+
+
+class FinetuneError(MeshkitError):
+    """Fine-tuning settings that cannot train; the message says what to change."""
+
+
+@dataclass
+class FinetuneModel:
+    """The model to train: `base` is the transformers model (under LoRA the one peft wraps, `peft_model`);
+    `model` is what the Engine prepares."""
+
+    base: torch.nn.Module
+    peft_model: Any | None
+    model: torch.nn.Module
+    tokenizer: Any
+    attention: str | None
+    parameters: int
+    trainable: int
+
+
+def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
+    """The base model (loaded quantized, or built on the meta device), its tokenizer with the added tokens, and
+    the attention implementation; says what it did."""
+    s, cfg = job.settings, engine.config
+    if s.tf32:
+        if engine.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        else:
+            engine.print("meshkit: tf32: true has no effect on a CPU (TF32 is a CUDA matmul mode)")
+    attention, attention_note = attention_implementation(s.attn_implementation)
+    if attention_note:
+        engine.print(f"meshkit: {attention_note}")
+    check_quantized_layout(s, engine.zero_stage, engine.mesh.size("tp"), engine.mesh.size("pp"), cfg.precision)
+    base = load_quantized_base(s, attention, engine.device) if s.quantization else build_meta_model(s, attention)
+    if s.quantization == "8bit":
+        engine.print(f"meshkit: {INT8_CAST_NOTE}")
+    tokenizer = load_tokenizer(s)
+    added = add_tokens(tokenizer, s)
+    rows = grow_vocabulary(base, len(tokenizer))
+    if added:
+        grown = f"; the embedding grows from {rows} to {len(tokenizer)} rows, new ones at the mean of the others"
+        frozen = " (frozen under LoRA: merged/ holds them)" if s.adapter and not s.lora_modules_to_save else ""
+        engine.print(f"meshkit: added tokens {added}{grown if len(tokenizer) > rows else ''}{frozen}")
+    return base, tokenizer, attention
+
+
+def adapt(job: FinetuneJob, base: torch.nn.Module, tokenizer: Any, attention: str | None) -> FinetuneModel:
+    """`unfrozen_parameters` and LoRA over the base: the model the Engine prepares."""
+    s = job.settings
+    if s.unfrozen_parameters and s.adapter is None:
+        freeze_all_but(base, s.unfrozen_parameters)
+    peft_model = apply_lora(base, s) if s.adapter else None
+    model = peft_model.get_base_model() if peft_model is not None else base
+    if s.quantization and peft_model is not None:  # built whole: adapters seeded as a meta-built model's are
+        reset_adapters(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return FinetuneModel(base, peft_model, model, tokenizer, attention, parameter_count(model), trainable)
+
+
+def freeze_all_but(model: torch.nn.Module, patterns: tuple[str, ...]) -> None:
+    """`unfrozen_parameters`: only parameters whose name matches one of the regexes train."""
+    compiled = [re.compile(pattern) for pattern in patterns]
+    matched = 0
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(p.search(name) for p in compiled))
+        matched += param.requires_grad
+    if not matched:
+        raise FinetuneError(f"unfrozen_parameters {list(patterns)} match no parameter of the model: fix the patterns")
+
+
+def make_optimizer(model: torch.nn.Module, job: FinetuneJob, engine: Engine) -> torch.optim.Optimizer:
+    """The trainable parameters (LoRA: the adapters only); no weight decay on biases and norm weights; LoRA+
+    gives the B matrices their own learning rate."""
+    s, cfg = job.settings, engine.config
+    check_optimizer_layout(s.optimizer, engine.zero_stage, engine.mesh.size("tp"))
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = trainable_groups((p for _, p in named), cfg.train.weight_decay)
+    if s.loraplus_lr_ratio is not None:
+        fast = {id(p) for name, p in named if ".lora_B." in name}
+        groups = [
+            {**group, "params": [p for p in group["params"] if (id(p) in fast) == is_b], **extra}
+            for group in groups
+            for is_b, extra in ((False, {}), (True, {"lr": cfg.train.lr * s.loraplus_lr_ratio}))
+        ]
+        groups = [group for group in groups if group["params"]]
+    optimizer, notes = build_optimizer(
+        s.optimizer,
+        groups,
+        lr=cfg.train.lr,
+        betas=(s.adam_beta1, s.adam_beta2),
+        eps=s.adam_epsilon,
+        extra=dict(s.optim_args or {}),
+    )
+    for note in notes:
+        engine.print(f"meshkit: {note}")
+    return optimizer
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How long the fine-tune runs and when it evaluates and saves, in optimizer steps."""
+
+    total_steps: int
+    eval_every: int | None
+    save_every: int | None
+    rows_per_step: int  # dataset rows one optimizer step reads over every data-parallel rank
+
+
+def step_plan(engine: Engine, job: FinetuneJob, dataset_rows: int) -> StepPlan:
+    """`max_steps` when given, else `num_epochs` over the data; Axolotl's eval_steps / evals_per_epoch and
+    saves_per_epoch as step intervals."""
+    s, cfg = job.settings, engine.config
+    rows_per_step = cfg.train.global_micro_batch(engine.dp_size) * cfg.grad_accum_steps
+    steps_per_epoch = max(1, dataset_rows // rows_per_step)
+    total_steps = cfg.train.steps if job.steps_given() else max(1, math.ceil(s.num_epochs * steps_per_epoch))
+    eval_every = s.eval_steps or per_epoch(steps_per_epoch, s.evals_per_epoch)
+    return StepPlan(total_steps, eval_every, per_epoch(steps_per_epoch, s.saves_per_epoch), rows_per_step)
+
+
+def per_epoch(steps_per_epoch: int, times: int | None) -> int | None:
+    """Every how many steps something happens `times` per epoch (Axolotl's evals/saves_per_epoch)."""
+    return None if times is None else max(1, steps_per_epoch // times)
+
+
+def adapter_words(s: Any) -> str:
+    """How the banner names the adapter: ', LoRA', ', QLoRA over a nf4 base', or nothing."""
+    if not s.adapter:
+        return ""
+    return {"8bit": ", LoRA over an int8 base", "4bit": f", QLoRA over a {s.bnb_4bit_quant_type} base"}.get(
+        s.quantization or "", ", LoRA"
+    )
+
+
+def rebuild_whole(job: FinetuneJob, built: FinetuneModel) -> Any:
+    """A fresh LoRA model on the meta device, for exporting the adapter in peft's format (None without LoRA)."""
+    if built.peft_model is None:
+        return None
+    return lambda: apply_lora(build_meta_model(job.settings, built.attention), job.settings)
