@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
+# pytest workers (pytest-xdist): two keep a 2-core machine busy; each test file runs whole on one of them
+TEST_WORKERS ?= 2
 
 .PHONY: install demo finetune-demo test test-quick test-fast lint docs bench clean
 
@@ -25,10 +27,10 @@ finetune-demo: examples/finetune/base/config.json
 	$(BIN)/meshkit finetune examples/finetune/lora.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15
 
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow"
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not world and not slow"

@@ -7,6 +7,22 @@ import tempfile
 import pytest
 
 WORLD8_LAYOUTS = {"pp2_dp2_tp2": ("gpt4", {"pp": 2, "dp_replicate": 2, "tp": 2})}
+# Test files that share a session's world (`world8`): under pytest-xdist they run on one worker, so it is built once.
+SHARED_WORLDS = {"tests/runtime/test_mesh.py": "world8", "tests/parallel/test_pipeline.py": "world8"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest workers (pytest-xdist): the suite keeps about one core busy by itself, much of
+    its time goes to starting processes and waiting on them. Each test file runs whole on one worker (its module
+    fixtures build their worlds once); files that share a session world go to the same worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_WORLDS.get(path, path)
+
+    return FileScheduling(config, log)
 
 
 def pytest_configure(config) -> None:
