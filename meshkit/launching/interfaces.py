@@ -1,4 +1,4 @@
-"""Which network interface the workers' own connections use.
+"""Which network interface the workers' own connections use, and which port a store can count on.
 
 gloo picks its interface from this host's name unless `GLOO_SOCKET_IFNAME` names one. Where the hostname
 resolves to 127.0.0.1 (a common /etc/hosts line), every worker of a multi-node job would advertise loopback and
@@ -8,6 +8,7 @@ the interface that holds the address this node advertises (`--local-addr`, or th
 
 from __future__ import annotations
 
+import random
 import socket
 import struct
 import sys
@@ -47,3 +48,26 @@ def gloo_interface(advertised: str, environ: dict[str, str]) -> str | None:
     if GLOO_INTERFACE_ENV in environ:
         return None
     return interface_holding(advertised)
+
+
+def quiet_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, below the kernel's ephemeral range: the sockets bound to port 0 and the outgoing
+    connections of every other process on this host (other jobs' gloo pairs and stores) draw from that range, so
+    a port chosen in it may be taken before the store that was meant to have it binds it; one below it is not."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            ephemeral_low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    low = max(1024, ephemeral_low - 12000)
+    for _ in range(64):
+        port = random.SystemRandom().randrange(low, ephemeral_low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # (a crowded range: any free port)
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])

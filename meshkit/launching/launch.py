@@ -30,6 +30,7 @@ from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
 from meshkit.config.schema import LaunchSettings
 from meshkit.launching.failures import failure_report
+from meshkit.launching.interfaces import quiet_port
 from meshkit.launching.job import LaunchError, LaunchPlan, LaunchTarget  # noqa: F401 - LaunchError: importable here
 from meshkit.launching.roster import NodeRoster
 from meshkit.launching.stderr_filter import filtered_stderr
@@ -149,7 +150,10 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
         stack.enter_context(_environment({**plan.worker_env(addresses), **supervisor.worker_env()}))
         stack.enter_context(_signal_handler(preempt, _PreemptionHandler(supervisor, settings.shutdown_grace_s)))
         lost: list[LostWorker] = []
-        stack.enter_context(agent_class(functools.partial(TolerantAgent, tolerated=supervisor.tolerated, lost=lost)))
+        one_node = settings.nnodes == 1
+        worker_port = functools.partial(quiet_port, addresses.bind) if one_node else None
+        agent = functools.partial(TolerantAgent, tolerated=supervisor.tolerated, lost=lost, worker_port=worker_port)
+        stack.enter_context(agent_class(agent))
         try:
             launch_agent(config, sys.executable, target.worker_args())
         except ChildFailedError as err:

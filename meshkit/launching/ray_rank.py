@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from meshkit.launching.interfaces import GLOO_INTERFACE_ENV, gloo_interface
+from meshkit.launching.interfaces import GLOO_INTERFACE_ENV, gloo_interface, quiet_port
 from meshkit.launching.worker import ERROR_FILE_ENV, LAUNCHER_PID_ENV
 
 
@@ -50,12 +49,6 @@ class Progress:
     pid: int
 
 
-def _free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((address, 0))
-        return int(probe.getsockname()[1])
-
-
 class RankHost:
     """A Ray actor's body: `place()`, then `start()`, then `progress()` until it reports an exit."""
 
@@ -72,7 +65,7 @@ class RankHost:
 
         address = ray.util.get_node_ip_address()
         gpus = tuple(str(gpu) for gpu in ray.get_gpu_ids())
-        return Placement(ray.get_runtime_context().get_node_id(), address, gpus, _free_port(address))
+        return Placement(ray.get_runtime_context().get_node_id(), address, gpus, quiet_port(address))
 
     def start(self, argv: list[str], env: dict[str, str], cwd: str | None, advertise: str) -> int:
         """Start the rank's worker; its connections use the interface holding `advertise`. Returns its pid."""

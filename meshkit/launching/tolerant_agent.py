@@ -29,10 +29,28 @@ class LostWorker:
 
 
 class TolerantAgent(LocalElasticAgent):
-    def __init__(self, *args: Any, tolerated: Callable[[int], bool], lost: list[LostWorker], **kwargs: Any) -> None:
+    """torch's agent, which may go on without the workers `tolerated` names (parameter-server workers of an
+    asynchronous job) and, given `worker_port`, puts each attempt's worker store on the port it chooses."""
+
+    def __init__(
+        self,
+        *args: Any,
+        tolerated: Callable[[int], bool],
+        lost: list[LostWorker],
+        worker_port: Callable[[], int] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._tolerated = tolerated  # pid -> may this worker be lost?
         self._lost = lost  # shared with the launcher, for its report
+        self._worker_port = worker_port
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        # One node: the workers' store port is this agent's to choose (torch picks any free port, from the range
+        # every other socket on the host draws from, and rank 0 binds it seconds later). Several nodes: node 0's.
+        if self._worker_port is not None:
+            worker_group.spec.master_port = self._worker_port()
+        super()._rendezvous(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         handlers = getattr(self._pcontext, "subprocess_handlers", None)

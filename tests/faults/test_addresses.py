@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
 from meshkit.config import LaunchSettings
-from meshkit.launching.interfaces import gloo_interface, interface_holding
+from meshkit.launching.interfaces import gloo_interface, interface_holding, quiet_port
 from meshkit.launching.stores import StoreError, listen, node_addresses
 
 
@@ -37,6 +38,15 @@ def test_a_listening_socket_is_on_exactly_the_address_given() -> None:
             listen("127.0.0.1", sock.getsockname()[1], "--master-addr")
     finally:
         sock.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the ephemeral range is read from /proc")
+def test_a_quiet_port_is_free_and_below_the_ephemeral_range() -> None:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {quiet_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports) and len(ports) > 1  # (drawn at random)
+    sock = listen("127.0.0.1", ports.pop(), "--master-addr")  # and free: it binds
+    sock.close()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="interfaces are read with Linux ioctls")

@@ -7,7 +7,6 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -18,13 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshkit.launching.interfaces import quiet_port
 from meshkit.runtime.mesh import stop_process_group
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port outside the ephemeral range (two pytest workers' worlds run side by side)."""
+    return quiet_port()
 
 
 def leave_world() -> None:

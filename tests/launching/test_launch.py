@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,7 @@ from tests.helpers.distributed import free_port
 from tests.multinode.hosts import covered_on_two_hosts
 
 SCRIPT = """
-import json, sys
+import json, os, sys
 import torch
 from meshkit import Engine
 engine = Engine()
@@ -23,10 +24,14 @@ sys.stdout.write("RESULT " + json.dumps({
     "rank": engine.process_index, "world": engine.num_processes, "sum": total, "argv": sys.argv[1:],
     "precision": engine.config.precision, "precision_source": engine.resolved.sources["precision"],
     "seed": engine.config.seed, "seed_source": engine.resolved.sources["seed"], "threads": torch.get_num_threads(),
+    "master_port": int(os.environ["MASTER_PORT"]),
 }) + "\\n")  # one write: lines of two ranks never interleave
 sys.stdout.flush()
 engine.end()
 """
+
+
+EPHEMERAL_LOW = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
 
 
 @pytest.fixture
@@ -57,6 +62,9 @@ def test_launch_runs_every_rank_with_the_resolved_settings(script, tmp_path) -> 
         assert row["precision"] == "bf16" and row["precision_source"] == "flag --precision"
         assert row["seed"] == 11 and row["seed_source"].startswith("file ")
         assert row["threads"] >= 1
+        # one node: the workers' store port is the launcher's pick below the ephemeral range (no other socket on
+        # the host is given it meanwhile)
+        assert row["master_port"] < EPHEMERAL_LOW
 
 
 def test_an_address_that_changes_nothing_on_one_node_is_one_notice(script) -> None:
