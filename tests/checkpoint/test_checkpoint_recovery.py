@@ -15,6 +15,8 @@ import yaml
 
 from tests.helpers.cli import ROOT, descendants
 
+pytestmark = pytest.mark.slow  # killed and restarted launcher jobs
+
 STEPS = 30
 
 

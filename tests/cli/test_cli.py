@@ -123,6 +123,7 @@ def test_recipe_settings_that_cannot_train_are_one_line(tmp_path) -> None:
     assert "train.seq_len=64 exceeds model.max_seq_len=32" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_meshkit_train_through_a_parameter_server_equals_ddp(tmp_path) -> None:
     """1 server + 2 workers (sync) against DDP on 2 ranks: the same weights; the first worker reports."""
     runs = {}

@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 from tests.helpers.accelerate_examples import SCRIPTS, run_topics
 from tests.helpers.distributed import run_world
 
+pytestmark = pytest.mark.slow  # side by side with accelerate itself
+
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 

@@ -12,6 +12,8 @@ import torch
 from tests.helpers.accelerate_more_examples import SCRIPTS, run_more_topics
 from tests.helpers.distributed import run_world
 
+pytestmark = pytest.mark.slow  # side by side with accelerate itself
+
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 

@@ -99,6 +99,7 @@ def test_scheduler_values_sit_above_the_file_and_below_meshkit_variables_and_fla
     assert sources["launch.nproc_per_node"] == "env MESHKIT_LAUNCH__NPROC_PER_NODE"
 
 
+@pytest.mark.slow
 def test_two_srun_tasks_on_one_host_launch_a_two_node_job_without_flags(tmp_path) -> None:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)

@@ -150,6 +150,7 @@ def test_module_mode_and_unknown_module(tmp_path) -> None:
     assert proc.returncode == 2 and "module 'no_such_module_xyz' was not found" in proc.stderr
 
 
+@pytest.mark.slow
 def test_max_restarts_restarts_failed_workers(tmp_path) -> None:
     script = tmp_path / "flaky.py"
     script.write_text(

@@ -16,6 +16,8 @@ from tests.helpers.distributed import run_world
 from tests.helpers.hf_layouts import GROUPS, REFUSED, reference_of, render_matrix, run_families
 from tests.helpers.training import assert_close_relative, assert_state_close
 
+pytestmark = pytest.mark.slow  # the family sweep (make test runs it; test-quick keeps the core layouts)
+
 ANY_MODEL_PAGE = Path(__file__).resolve().parents[2] / "docs" / "any-model.md"
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -17,6 +17,8 @@ from meshkit.checkpoint.optimizer_states import from_canonical, to_canonical  # 
 from tests.helpers.distributed import run_world  # noqa: E402
 from tests.helpers.finetune_runs import run_finetune, write_config  # noqa: E402
 
+pytestmark = pytest.mark.slow  # 8-bit optimizer states in every layout
+
 TIMEOUT = 240
 FULL_8BIT = {"optimizer": "adamw_8bit", "learning_rate": 1e-3, "max_steps": 6, "save_steps": 2}
 

@@ -4,6 +4,7 @@ full gradients freed as their buckets are reduced, and resident memory flat over
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from meshkit import Engine
@@ -142,6 +143,7 @@ def _rss(rank: int) -> dict[int, list[float]]:
     return out
 
 
+@pytest.mark.slow
 def test_resident_memory_stays_flat_over_20_steps_on_every_stage() -> None:
     slack = RunConfig().host_memory_slack_mb or 0.0
     for rank, stages in enumerate(run_world(_rss, 4, timeout=180)):

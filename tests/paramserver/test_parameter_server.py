@@ -194,6 +194,7 @@ engine.end()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_under_meshkit_launch_a_lost_worker_stops_a_sync_job_but_not_an_async_one(tmp_path, mode: str) -> None:
     script = tmp_path / "job.py"
@@ -209,6 +210,7 @@ def test_under_meshkit_launch_a_lost_worker_stops_a_sync_job_but_not_an_async_on
     assert "rank 3 (local rank 3) was lost (killed by SIGKILL)" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_under_meshkit_launch_an_async_job_that_loses_every_worker_fails(tmp_path) -> None:
     script = tmp_path / "job.py"
     script.write_text(LOSES_A_WORKER)
@@ -216,6 +218,7 @@ def test_under_meshkit_launch_an_async_job_that_loses_every_worker_fails(tmp_pat
     assert proc.returncode != 0 and "ValueError: every worker fails" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_serving_and_a_long_pause_of_one_worker_outlast_the_collective_timeout() -> None:
     """Hang doctor on, collective timeout 2 s: the servers serve for longer than that, and an async worker
     pausing 8 s between two steps (an evaluation) is neither diagnosed as a hang nor dropped (the doctor ends a

@@ -56,6 +56,7 @@ def test_nothing_fits_names_the_smallest_change() -> None:
         plan(SMALL, Cluster(8, 80.0, intra_node="infiniband"), seq_len=1024, global_batch=64)
 
 
+@pytest.mark.slow
 def test_emit_config_writes_a_layout_meshkit_train_runs(tmp_path) -> None:
     model = tmp_path / "model.yaml"
     model.write_text("model:\n  dim: 32\n  n_layers: 2\n  n_heads: 2\n  max_seq_len: 64\n")

@@ -79,6 +79,7 @@ def test_measured_tensor_parallel_overhead_and_shared_cores_enter_the_step(tmp_p
     assert step(cpu, dp=2, pp=2, microbatches=2).bubble_s == 0.0
 
 
+@pytest.mark.slow
 def test_plan_json_carries_step_time_tokens_per_second_and_mfu(tmp_path) -> None:
     args = ("plan", "--params", "1.3e9", "--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "50304")
     a100 = meshkit(*args, "--json", "--top", "3")

@@ -169,6 +169,7 @@ def test_the_example_configs_resolve(material, example) -> None:
     assert (job.settings.adapter == "lora") == (example == "lora.yaml")
 
 
+@pytest.mark.slow
 def test_meshkit_finetune_launches_itself_on_two_ranks(tmp_path, material) -> None:
     path = write_config(tmp_path / "ft.yaml", material, val_set_size=4, generation_samples=1, max_steps=2)
     out = tmp_path / "launched"

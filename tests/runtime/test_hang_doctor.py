@@ -3,8 +3,11 @@ work done on the main process alone does not trip the timeout when it uses `main
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers.cli import meshkit
 
+pytestmark = pytest.mark.slow  # launcher jobs that wait out a collective timeout
 TIMEOUT_S = 4
 
 STALLING_RANK = """

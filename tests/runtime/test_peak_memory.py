@@ -12,6 +12,8 @@ import pytest
 from meshkit.runtime.host_memory import THP_SETTING
 from tests.helpers.cli import meshkit
 
+pytestmark = pytest.mark.slow  # memory over whole runs
+
 SCRIPT = """
 import json, sys, torch
 from meshkit import Engine

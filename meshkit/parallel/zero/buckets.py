@@ -220,8 +220,10 @@ def _local_grad(param: torch.Tensor) -> torch.Tensor:
     """The gradient as this rank holds it: a tensor-parallel DTensor's local shard, in the parameter's own
     placement (a partial sum over the tp ranks is reduced first)."""
     grad = param.grad
+    if grad is None:
+        raise RuntimeError("ZeRO: a gradient hook fired for a parameter without a gradient")
     if isinstance(grad, DTensor):
         if isinstance(param, DTensor) and grad.placements != param.placements:
             grad = grad.redistribute(param.device_mesh, param.placements)
         return grad._local_tensor
-    return grad  # type: ignore[return-value]
+    return grad
