@@ -92,6 +92,7 @@ def test_meshkit_train_launches_itself_on_two_ranks(tmp_path) -> None:
         assert activations["checkpointed_blocks"] == [] and activations["blocks_saved_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_meshkit_train_with_zero3_reports_sharded_memory(tmp_path) -> None:
     config = tmp_path / "run.yaml"
     checkpointing = {"activation_checkpointing": {"mode": "full"}}

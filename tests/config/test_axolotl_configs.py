@@ -279,6 +279,7 @@ AXOLOTL_PARALLEL = {  # Axolotl's distributed-parallel examples: their size keys
 }
 
 
+@pytest.mark.slow
 def test_axolotl_parallel_size_keys_train_at_world_four_as_one_process(tmp_path, material) -> None:
     keys = {"optimizer": "adamw_torch", "evals_per_epoch": None, "saves_per_epoch": None}
     one = _train(tmp_path, material, 1, "one", micro_batch_size=4, **keys)  # dp 2 in each layout below

@@ -134,6 +134,7 @@ def test_accelerate_fsdp_and_deepspeed_with_its_file(tmp_path) -> None:
     assert imported.origins["sharding.zero_stage"] == "ds_config.json: zero_optimization.stage"
 
 
+@pytest.mark.slow
 def test_the_command_writes_yaml_with_origins_that_meshkit_reads(tmp_path) -> None:
     source = _write(tmp_path, "ds_config.json", SEED_DS)
     out = tmp_path / "meshkit.yaml"

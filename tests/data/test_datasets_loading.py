@@ -181,6 +181,7 @@ def test_merged_datasets_are_shuffled_by_the_seed(tmp_path, tokenizer) -> None:
     assert order == _ids(shuffled(merged, seed=1)) != _ids(shuffled(merged, seed=2))
 
 
+@pytest.mark.slow
 def test_a_finetune_reads_parquet_and_keeps_its_prepared_data(tmp_path, material) -> None:
     records = [json.loads(line) for line in material["alpaca"].read_text().splitlines()]
     datasets.Dataset.from_list(records).to_parquet(tmp_path / "train.parquet")

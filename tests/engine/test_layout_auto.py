@@ -96,6 +96,7 @@ def test_a_candidate_that_fails_is_dropped_with_its_reason() -> None:
         choose(served, lambda engine: lambda: None, Engine)
 
 
+@pytest.mark.slow
 def test_plan_probe_times_the_layouts_without_training(tmp_path) -> None:
     config = tmp_path / "probe.yaml"
     probe = {"top_k": 2, "steps": 1}
@@ -138,6 +139,7 @@ def _loop(rank: int, layout: str, values: dict) -> dict:
         }
 
 
+@pytest.mark.slow
 def test_engine_layout_auto_in_a_hand_written_loop_trains_as_the_chosen_layout_by_hand() -> None:
     auto = run_world(_loop, 4, "auto", {}, timeout=300)
     probed = auto[0]["probed"]

@@ -116,6 +116,7 @@ def test_a_killed_async_worker_does_not_stop_the_others(bound: int | None, capfd
     assert "worker rank 2 is gone at its step" in capfd.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_into_the_same_weights(tmp_path) -> None:
     settings = {**PS, "ps": {"servers": 2}}
     straight = run_world(

@@ -24,6 +24,7 @@ def test_sizes_are_binary_like_nccl_tests() -> None:
         parse_sizes("1M,lots")
 
 
+@pytest.mark.slow
 def test_bench_comm_at_world_2_reports_busbw_with_the_right_factor(tmp_path) -> None:
     out = tmp_path / "comm.json"
     args = ("--nproc-per-node", "2", "--sizes", "64K,256K", "--iters", "5", "--out", str(out))

@@ -107,6 +107,7 @@ def test_a_hugging_face_config_with_missing_keys_names_them(tmp_path) -> None:
         ModelShape.from_hf_config(path)
 
 
+@pytest.mark.slow
 def test_the_command_prints_json_with_every_line(tmp_path) -> None:
     proc = meshkit("estimate", "--params", "7.5e9", "--dp", "64", "--zero-stage", "1", "--runtime-gb", "0.5", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -20,6 +20,7 @@ def _run(tmp_path, material, world: int, name: str, **keys) -> dict:
     return run_world(run_finetune, world, str(config), [f"output_dir={tmp_path / name}"], timeout=240)[0]
 
 
+@pytest.mark.slow
 def test_dora_starts_as_the_base_trains_the_same_sharded_and_merges(tmp_path, material) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -54,6 +54,7 @@ def test_unknown_and_unsupported_keys_are_one_line_errors(tmp_path, material, ke
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.slow
 def test_malformed_jsonl_names_file_and_line_on_the_command_line(tmp_path, material) -> None:
     data = tmp_path / "bad.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n')

@@ -20,6 +20,7 @@ def _run(tmp_path, material, world: int, name: str, **keys) -> dict:
     return run_world(run_finetune, world, str(config), [f"output_dir={tmp_path / name}"], timeout=240)[0]
 
 
+@pytest.mark.slow
 def test_a_continued_adapter_starts_where_the_first_run_ended(tmp_path, material) -> None:
     first = _run(tmp_path, material, 1, "first", micro_batch_size=4, **lora_keys())
     # the continuing config asks for another rank: the adapter's own settings apply, as when peft loads it

@@ -65,6 +65,7 @@ def test_added_tokens_grow_the_embedding_train_and_export(tmp_path, material) ->
     assert logits.shape[-1] == rows + 2 and torch.isfinite(logits).all()
 
 
+@pytest.mark.slow
 def test_lora_trains_the_new_rows_through_modules_to_save_and_continues_them(tmp_path, material) -> None:
     from peft import PeftModel
     from safetensors import safe_open
