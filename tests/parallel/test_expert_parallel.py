@@ -43,7 +43,11 @@ from tests.helpers.training import assert_close_relative, assert_state_close
 ANY_MODEL_PAGE = Path(__file__).resolve().parents[2] / "docs" / "any-model.md"
 
 
-@pytest.mark.parametrize("family", sorted(CELLS))
+# test-quick keeps Mixtral; the other families run in make test
+@pytest.mark.parametrize(
+    "family",
+    [family if family == "mixtral" else pytest.param(family, marks=pytest.mark.slow) for family in sorted(CELLS)],
+)
 def test_moe_models_train_like_one_process_under_expert_parallel(family: str) -> None:
     results = run_world(run_families, 4, {family: CELLS[family]}, timeout=400)
     for layout in CELLS[family]:

@@ -93,6 +93,7 @@ def test_async_never_applies_a_gradient_older_than_the_bound() -> None:
         assert max(server["staleness"]) >= 1  # the workers did run apart (else the bound was never tested)
 
 
+@pytest.mark.slow
 def test_async_converges_like_sync_on_logistic_regression() -> None:
     sync = run_world(train_logistic, 4, PS, 10, 0.004, timeout=240)
     stale = run_world(train_logistic, 4, {**PS, "ps": {"mode": "async", "max_staleness": 2}}, 10, 0.004, timeout=240)

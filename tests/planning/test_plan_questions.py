@@ -59,6 +59,7 @@ def test_the_runtime_allowance_is_counted_on_every_gpu() -> None:
     assert counted.memory_gb == pytest.approx(bare.memory_gb + 2.0)
 
 
+@pytest.mark.slow
 def test_the_command_explains_and_its_table_fits_80_columns(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA_70B))

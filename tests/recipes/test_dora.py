@@ -44,6 +44,7 @@ def test_dora_starts_as_the_base_trains_the_same_sharded_and_merges(tmp_path, ma
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_dora_under_tensor_parallel_is_one_line(tmp_path, material) -> None:
     path = write_config(tmp_path / "ft.yaml", material, **lora_keys(peft_use_dora=True))
     proc = meshkit("finetune", str(path), "tp=2", "nproc_per_node=2", timeout=240)
