@@ -347,15 +347,19 @@ def _reset(lib: SimpleNamespace) -> None:
         GradientState._reset_state()
 
 
-def run_topics(rank: int, library: str, topics: list[str], out_dir: str) -> dict[str, Any]:
-    """Every topic's script in turn, in this rank of a world; the process group stays up between them."""
+def run_topics(
+    rank: int, library: str, topics: list[str], out_dir: str, scripts: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Every topic's script (from `scripts`, these examples by default) in turn, in this rank of a world; the
+    process group stays up between them."""
+    scripts = SCRIPTS if scripts is None else scripts
     lib = imports(library)
     os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     results = {}
     for topic in topics:
         out = Path(out_dir) / library / topic
         out.mkdir(parents=True, exist_ok=True)
-        results[topic] = SCRIPTS[topic](lib, out)
+        results[topic] = scripts[topic](lib, out)
         _reset(lib)
     leave_world()
     return results

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,8 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from tests.helpers.accelerate_examples import _reset, bert, collate, evaluate, imports, mrpc_like, weights
-from tests.helpers.distributed import leave_world
+from tests.helpers.accelerate_examples import _reset, bert, collate, evaluate, mrpc_like, run_topics, weights
 
 
 def cross_validation(lib: SimpleNamespace, out: Path) -> dict[str, Any]:
@@ -203,13 +201,4 @@ SCRIPTS = {f.__name__: f for f in (cross_validation, cv_example, complete_cv_exa
 
 
 def run_more_topics(rank: int, library: str, topics: list[str], out_dir: str) -> dict[str, Any]:
-    lib = imports(library)
-    os.environ.setdefault("ACCELERATE_USE_CPU", "true")
-    results = {}
-    for topic in topics:
-        out = Path(out_dir) / library / topic
-        out.mkdir(parents=True, exist_ok=True)
-        results[topic] = SCRIPTS[topic](lib, out)
-        _reset(lib)
-    leave_world()
-    return results
+    return run_topics(rank, library, topics, out_dir, SCRIPTS)

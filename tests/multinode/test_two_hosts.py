@@ -103,10 +103,9 @@ def test_a_killed_worker_restarts_every_node_from_the_last_checkpoint(hosts, tmp
 
 
 def wait_for_checkpoint(tmp_path: Path, *nodes: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 90
+    # the first checkpoint comes before any node ends (pytest-timeout is the hang guard)
     while not (tmp_path / "ckpt" / "latest").exists():
         assert all(node.poll() is None for node in nodes), "a node ended before the first checkpoint"
-        assert time.monotonic() < deadline, "no checkpoint within 90 s"
         time.sleep(0.05)
 
 
