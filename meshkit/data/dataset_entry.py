@@ -13,6 +13,7 @@ from meshkit.config.section import Section
 
 ALPACA_VARIANTS = ("alpaca", "alpaca:chat", "alpaca_chat", "alpaca:phi", "alpaca_phi", "alpaca_w_system")
 DATASET_TYPES: tuple[str, ...] = (*ALPACA_VARIANTS, "chat_template", "sharegpt", "completion", "input_output")
+PREFERENCE_TYPES = ("chatml", "llama3", "zephyr", "user_defined", "passthrough")  # besides chat_template.*
 DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant", "model"], "system": ["system"]}
 
 
@@ -29,9 +30,34 @@ class CustomPrompt(Section):
     system_format: str = "{system}\n"
 
 
+class PreferencePrompt(Section):
+    """Axolotl's user-defined preference type: which fields hold what, and the formats of prompt and replies."""
+
+    field_prompt: str = "prompt"
+    field_system: str = "system"
+    field_chosen: str = "chosen"
+    field_rejected: str = "rejected"
+    field_completion: str = "completion"  # KTO
+    field_label: str = "label"  # KTO
+    prompt_format: str = "{prompt}"
+    chosen_format: str = "{chosen}"
+    rejected_format: str = "{rejected}"
+    completion_format: str = "{completion}"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value not in (None, "", [], {})}
+        return data
+
+
 class DatasetEntry(Section):
     path: str = Field(description="a local file or directory, or a hub dataset name found in this machine's caches")
-    type: str | CustomPrompt = Field(description="alpaca (and variants) | chat_template | completion | input_output")
+    type: str | CustomPrompt | PreferencePrompt = Field(
+        description="alpaca (and variants) | chat_template | completion | input_output; with rl: "
+        "chat_template.default | chatml.* | llama3.* | ... (see meshkit.data.preference_formats)"
+    )
     split: str = Field("train", description="the split read (a file alone holds 'train')")
     name: str | None = Field(None, description="the dataset's configuration (subset) name")
     data_files: str | tuple[str, ...] | None = Field(None, description="files within a directory or hub dataset")
@@ -41,6 +67,8 @@ class DatasetEntry(Section):
     revision: str | None = Field(None, description="the hub dataset's revision")
     field: str | None = Field(None, description="completion: the field holding the text; null = text")
     field_messages: str | None = Field(None, description="chat_template: the field holding the turns; null = messages")
+    field_chosen: str | None = Field(None, description="preference data: the field of the chosen reply; null = chosen")
+    field_rejected: str | None = Field(None, description="preference data: the rejected reply's; null = rejected")
     message_property_mappings: dict[str, str] | None = Field(None, description="{role: from, content: value}")
     message_field_role: str | None = Field(None, description="older form of message_property_mappings.role")
     message_field_content: str | None = Field(None, description="older form of message_property_mappings.content")
@@ -63,11 +91,11 @@ class DatasetEntry(Section):
     def _known_type(cls, value: Any) -> Any:
         if isinstance(value, str):
             base = value.split(".", 1)[0]  # Axolotl's `alpaca_w_system.load_open_orca` form
-            if base not in DATASET_TYPES:
+            if base not in DATASET_TYPES + PREFERENCE_TYPES:
                 raise ValueError(
-                    f"'{value}' is not a dataset type meshkit reads; choose one of {', '.join(DATASET_TYPES)}"
+                    f"'{value}' is not a dataset type meshkit reads; choose one of {', '.join(DATASET_TYPES)} (with "
+                    f"rl: {', '.join(PREFERENCE_TYPES)})"
                 )
-            return base
         return value
 
     @field_validator("path", mode="before")

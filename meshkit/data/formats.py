@@ -191,9 +191,12 @@ class Formatter:
         except Exception as err:  # jinja raises its own errors for templates that reject a conversation
             raise DataFormatError(f"{where}: the chat template rejects this conversation: {err}") from None
 
-    def convert(self, record: dict[str, Any], where: object, kind: str | CustomPrompt) -> TokenizedSample:
+    def convert(self, record: dict[str, Any], where: object, kind: Any) -> TokenizedSample:
         if isinstance(kind, CustomPrompt):
             return self.custom(record, where, kind)
+        if not isinstance(kind, str):
+            raise DataFormatError(f"{where}: a preference data type needs rl: (dpo, ipo, kto, orpo, simpo)")
+        kind = kind.split(".", 1)[0]  # Axolotl's `alpaca_w_system.load_open_orca` form
         if kind.startswith("alpaca"):
             return self.alpaca(record, where, kind)
         if kind in ("chat_template", "sharegpt"):

@@ -39,7 +39,9 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise DataFormatError(f"{file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
-def record_field(record: dict[str, Any], name: str, where: object, *, kind: type = str, required: bool = True) -> Any:
+def record_field(
+    record: dict[str, Any], name: str, where: object, *, kind: type | tuple[type, ...] = str, required: bool = True
+) -> Any:
     """`record[name]`, checked: a missing or mistyped field is one line naming it and the record's place."""
     if name not in record or record[name] is None:
         if not required:
@@ -47,5 +49,6 @@ def record_field(record: dict[str, Any], name: str, where: object, *, kind: type
         raise DataFormatError(f"{where}: the record has no '{name}' field (it has {sorted(record)[:8]})")
     value = record[name]
     if not isinstance(value, kind):
-        raise DataFormatError(f"{where}: '{name}' must be a {kind.__name__}, got {brief(value, 40)}")
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise DataFormatError(f"{where}: '{name}' must be a {names}, got {brief(value, 40)}")
     return value

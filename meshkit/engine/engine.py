@@ -36,6 +36,7 @@ from meshkit.engine.delegation import Attribute, Verb
 from meshkit.engine.evaluation import Evaluation
 from meshkit.engine.gradients import clip_arguments, gradient_sync
 from meshkit.engine.layout_auto import settle_layout
+from meshkit.engine.objective_step import objective_micro_step
 from meshkit.engine.preparation import Preparation
 from meshkit.engine.prepared import EngineError, PreparedObjects
 from meshkit.engine.processes import Processes
@@ -51,6 +52,7 @@ from meshkit.runtime.preemption import Preempted, PreemptionWatch
 from meshkit.runtime.tracking import TrackerSet, check_trackers
 from meshkit.training.accumulation import GradientState
 from meshkit.training.loss import LossFn, compute_loss, is_causal_lm_batch, pipeline_pair, split_causal_lm_batch
+from meshkit.training.objective import Objective, ObjectiveResult
 from meshkit.training.precision import make_grad_scaler
 
 __all__ = ["ConfigConflictWarning", "Engine", "EngineError", "WrappedModelWarning"]
@@ -348,14 +350,31 @@ class Engine:
                 with self.loss_parallel():
                     loss = compute_loss(model, batch, objects.loss_fn)
                 self.backward(loss)
-            if self.sync_gradients and self.config.max_grad_norm is not None:
-                self.clip_grad_norm_(self.config.max_grad_norm)
-            optimizer.step()
-            for scheduler in objects.schedulers:
-                scheduler.step()
-            optimizer.zero_grad()
+            self._optimizer_step(optimizer)
         loss = loss.detach()
         return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
+
+    @watched("objective_step")
+    def objective_step(self, batch: Any, objective: Objective) -> ObjectiveResult:
+        """`train_step` for an objective over whole sequences (preference training: `meshkit.training.preference`):
+        the objective scores sequences through the prepared model in this layout and returns its loss, example
+        count and metrics; backward weighs every rank's examples alike; on syncing micro-steps the optimizer
+        steps. Returns the result with `loss` the mean over every rank's examples."""
+        objects = self.ctx.objects
+        optimizer = objects.only_optimizer()
+        with self.accumulate():
+            result = objective_micro_step(self.ctx, objective, batch, self._gradients)
+            self._optimizer_step(optimizer)
+        return result
+
+    def _optimizer_step(self, optimizer: Any) -> None:
+        """Clip (on syncing micro-steps), step the optimizer and the schedulers, clear the gradients."""
+        if self.sync_gradients and self.config.max_grad_norm is not None:
+            self.clip_grad_norm_(self.config.max_grad_norm)
+        optimizer.step()
+        for scheduler in self.ctx.objects.schedulers:
+            scheduler.step()
+        optimizer.zero_grad()
 
     # ------------------------------------------------------------------ end
     def end(self, *, wait_for_peers: bool = True) -> None:

@@ -1,0 +1,176 @@
+"""Preference training in the fine-tune recipe: the objective Axolotl's `rl:` keys select, the reference model,
+and the step loss that reports TRL's metrics.
+
+The reference model, cheapest first:
+- `precompute_ref_log_probs: true`: one pass of the untrained policy over the training records before the first
+  step; each record keeps its reference log-probabilities (no second model, no second forward per step);
+- LoRA / QLoRA: the policy with its adapters off (peft's `disable_adapter`): the base is the reference;
+- a full fine-tune: a frozen copy of the base, laid out like the policy (sharded alike under ZeRO-3 and tp).
+ORPO and SimPO need no reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshkit.engine.engine import Engine
+from meshkit.runtime import collectives
+from meshkit.training.objective import ObjectiveResult, Scorer
+from meshkit.training.preference import CPO, DPO, KTO, ORPO, PairScores, PreferenceError
+
+PairedLoss = DPO | ORPO | CPO
+
+
+def preference_loss(settings: Any) -> PairedLoss | KTO:
+    """The loss `rl:` and its keys select, with TRL's defaults where a key is unset."""
+    rl, beta = settings.rl, settings.rl_beta
+    if rl in ("dpo", "ipo"):
+        types = ("ipo",) if rl == "ipo" else tuple(settings.dpo_loss_type or ("sigmoid",))
+        weights = tuple(settings.dpo_loss_weights) if settings.dpo_loss_weights else None
+        if settings.rpo_alpha is not None:  # RPO: DPO plus the chosen completions' NLL (TRL: loss type sft)
+            weights = (*(weights or (1.0,) * len(types)), settings.rpo_alpha)
+            types = (*types, "sft")
+        return DPO(
+            beta=0.1 if beta is None else beta,
+            loss_types=types,
+            loss_weights=weights,
+            label_smoothing=settings.dpo_label_smoothing or 0.0,
+        )
+    if rl == "kto":
+        return KTO(
+            beta=0.1 if beta is None else beta,
+            desirable_weight=settings.kto_desirable_weight or 1.0,
+            undesirable_weight=settings.kto_undesirable_weight or 1.0,
+        )
+    if rl == "orpo":  # TRL's ORPO calls it beta; Axolotl passes orpo_alpha there
+        return ORPO(beta=settings.orpo_alpha if settings.orpo_alpha is not None else 0.1 if beta is None else beta)
+    if rl == "simpo":
+        return CPO(
+            beta=0.1 if beta is None else beta,
+            loss_type="simpo",
+            simpo_gamma=0.5 if settings.simpo_gamma is None else settings.simpo_gamma,
+            cpo_alpha=1.0 if settings.cpo_alpha is None else settings.cpo_alpha,
+        )
+    raise PreferenceError(f"rl: {rl} is not a preference method meshkit trains (dpo, ipo, kto, orpo, simpo)")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """How reference log-probabilities are had: from the batch (precomputed), or by scoring with `model` (a
+    frozen copy) or inside `context` (adapters off)."""
+
+    model: nn.Module | None = None
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    precomputed: bool = False
+
+    def scores(self, score: Scorer, input_ids: torch.Tensor, labels: torch.Tensor, stored: Any) -> torch.Tensor:
+        if self.precomputed:
+            return stored.float()
+        return score(input_ids, labels, model=self.model, context=self.context, grad=False).logps
+
+    def describe(self) -> str:
+        if self.precomputed:
+            return "precomputed reference log-probs (no reference model kept)"
+        return "the base with adapters off" if self.context is not None else "a frozen copy laid out like the policy"
+
+
+def adapters_off(peft_model: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """peft's own switch: the adapted layers run their base weights only."""
+    return lambda: peft_model.disable_adapter()
+
+
+class PairedObjective:
+    """DPO, IPO, ORPO and SimPO over a paired batch: chosen and rejected rows run in one forward."""
+
+    def __init__(self, loss: PairedLoss, reference: Reference | None) -> None:
+        self.loss, self.reference = loss, reference
+
+    def __call__(self, score: Scorer, batch: dict[str, torch.Tensor]) -> ObjectiveResult:
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        stored = None
+        if self.loss.uses_reference:
+            assert self.reference is not None
+            stored = self.reference.scores(score, input_ids, labels, batch.get("reference_logps"))
+        whole = batch["attention_mask"] if self.loss.needs_whole else None
+        policy = PairScores.of(score(input_ids, labels, whole_mask=whole))
+        if stored is None:
+            return self.loss(policy)  # type: ignore[call-arg]
+        chosen, rejected = stored.to(policy.chosen.device).chunk(2)
+        return self.loss(policy, PairScores(chosen, rejected, policy.chosen_tokens, policy.rejected_tokens))
+
+
+class UnpairedObjective:
+    """KTO: desirable and undesirable completions; the KL term from the batch's mismatched rows, its mean over
+    every data-parallel rank."""
+
+    def __init__(self, loss: KTO, reference: Reference, engine: Engine) -> None:
+        self.loss, self.reference, self.engine = loss, reference, engine
+
+    def __call__(self, score: Scorer, batch: dict[str, torch.Tensor]) -> ObjectiveResult:
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        kl = None
+        if self.loss.needs_kl:
+            kl_ids, kl_labels = batch["kl_input_ids"], batch["kl_labels"]
+            policy_kl = score(kl_ids, kl_labels, grad=False).logps
+            reference_kl = self.reference.scores(score, kl_ids, kl_labels, batch.get("reference_kl_logps"))
+            local = (policy_kl - reference_kl.to(policy_kl.device)).mean()
+            kl = collectives.reduce(local, self.engine.mesh.dp_group, op="mean").clamp(min=0)
+        reference = self.reference.scores(score, input_ids, labels, batch.get("reference_logps"))
+        policy = score(input_ids, labels).logps
+        desirable = batch["desirable"].to(policy.device)
+        return self.loss(policy, reference.to(policy.device), desirable, kl)
+
+
+class PreferenceWindow:
+    """The step loss of preference training: runs `Engine.objective_step`, and gives the step's loss (mean over
+    every example of its micro-steps on every rank) and TRL's metrics over the same examples."""
+
+    def __init__(self, engine: Engine, objective: PairedObjective | UnpairedObjective) -> None:
+        self.engine, self.objective = engine, objective
+        self.sums: dict[str, list[torch.Tensor]] = {}
+
+    def step(self, batch: Any) -> torch.Tensor:
+        result = self.engine.objective_step(batch, self.objective)
+        items = torch.tensor(float(result.items))
+        self._add("loss", result.loss.detach().float().cpu() * items, items)  # (already a mean over every rank)
+        for name, (total, count) in result.metrics.items():
+            self._add(name, total.detach().float().cpu(), count.detach().float().cpu())
+        return result.loss
+
+    def _add(self, name: str, total: torch.Tensor, count: torch.Tensor) -> None:
+        pair = self.sums.setdefault(name, [torch.zeros(()), torch.zeros(())])
+        pair[0] += total
+        pair[1] += count
+
+    def add(self, loss: torch.Tensor, batch: Any) -> None:
+        pass  # (`step` keeps the sums)
+
+    def mean(self) -> float:
+        self._reduced = self._reduce()
+        return self._reduced.pop("loss")
+
+    def metrics(self) -> dict[str, float]:
+        return getattr(self, "_reduced", {})
+
+    def _reduce(self) -> dict[str, float]:
+        """Metric sums and counts over the data-parallel ranks (the loss is already every rank's mean)."""
+        names = sorted(self.sums)
+        loss_total, loss_count = self.sums.pop("loss")
+        names.remove("loss")
+        stacked = torch.stack([torch.stack(self.sums[name]) for name in names]) if names else torch.zeros((0, 2))
+        summed = collectives.reduce(stacked.to(self.engine.device), self.engine.mesh.dp_group, op="sum").cpu()
+        out = {"loss": float(loss_total / loss_count.clamp(min=1))}
+        for index, name in enumerate(names):
+            total, count = summed[index]
+            if count > 0:
+                out[name] = float(total / count)
+        if "rewards/chosen" in out and "rewards/rejected" in out and "rewards/margins" not in out:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]  # (KTO: as TRL logs it)
+        self.sums = {}
+        return out

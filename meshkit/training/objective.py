@@ -1,0 +1,55 @@
+"""An objective over whole sequences: what `Engine.objective_step` runs instead of the token loss.
+
+An objective reads the model through a `Scorer` — per sequence, the summed log-probability of its completion
+tokens (labels other than -100) and their count, computed in the run's layout — and returns an `ObjectiveResult`:
+the mean loss over this rank's examples, their count (gradients average over every rank's examples) and metric
+sums with their counts (a step's metric is the sum over ranks and micro-steps divided by the summed count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class SequenceScores:
+    """Per sequence: the summed log-probability of its completion tokens ([rows]) and their count ([rows])."""
+
+    logps: torch.Tensor
+    tokens: torch.Tensor
+    whole_logps: torch.Tensor | None = None  # over every real token, prompt included (when asked: `whole_mask`)
+    whole_tokens: torch.Tensor | None = None
+
+
+@dataclass
+class ObjectiveResult:
+    loss: torch.Tensor
+    items: int
+    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class Scorer(Protocol):
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        model: nn.Module | None = None,
+        context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        grad: bool = True,
+        whole_mask: torch.Tensor | None = None,
+    ) -> SequenceScores:
+        """`model`: another prepared module laid out like the policy (a frozen reference); `context`: entered
+        around the forward (e.g. adapters off); `grad=False` scores without a graph; `whole_mask` (the attention
+        mask): also score every real token, prompt included."""
+        ...
+
+
+class Objective(Protocol):
+    def __call__(self, score: Scorer, batch: Any) -> ObjectiveResult: ...

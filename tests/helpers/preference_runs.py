@@ -1,0 +1,112 @@
+"""Preference-training test material: a tiny Llama base with a tokenizer trained on the pairs, pair and KTO records,
+and the runs of TRL's trainers and of meshkit's objectives on the same batches.
+
+Batches are aligned by giving each step the whole dataset (4 pairs, micro-batch 4): whatever order a sampler
+draws, every step sees the same examples, and the losses and metrics are means over them."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORDS = ["apple", "river", "stone", "cloud", "garden", "silver", "window", "forest"]
+METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen")
+LR, STEPS, MAX_GRAD_NORM = 0.05, 3, 1.0
+
+
+def pair_records(count: int = 4) -> list[dict[str, str]]:
+    """Prompts end on a token boundary (":") and replies start with a space, so every trainer's tokenizing agrees."""
+    return [{"prompt": f"Shout {w}:", "chosen": f" {w.upper()}", "rejected": f" {w}"} for w in WORDS[:count]]
+
+
+def kto_records(count: int = 4) -> list[dict[str, Any]]:
+    pairs = pair_records(count)
+    return [
+        {"prompt": p["prompt"], "completion": p["chosen"] if i % 2 == 0 else p["rejected"], "label": i % 2 == 0}
+        for i, p in enumerate(pairs)
+    ]
+
+
+def make_preference_base(root: Path) -> Path:
+    from meshkit.recipes.tiny_model import make_tiny_base_model
+
+    texts = [p["prompt"] + p["chosen"] + p["rejected"] for p in pair_records(len(WORDS))] * 5
+    return make_tiny_base_model(root / "base", texts, vocab_size=300, hidden_size=32, layers=2, heads=4, kv_heads=2)
+
+
+def _trl_trainer(method: str, base: Path, out: Path, records: list[dict[str, Any]], **options: Any) -> Any:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager")
+    common = {
+        "output_dir": str(out), "per_device_train_batch_size": len(records), "max_steps": STEPS, "learning_rate": LR,
+        "lr_scheduler_type": "constant", "optim": "sgd", "logging_steps": 1, "report_to": [], "use_cpu": True,
+        "bf16": False, "seed": 0, "save_strategy": "no", "max_length": 64, "max_grad_norm": MAX_GRAD_NORM,
+    }  # fmt: skip
+    if method == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        args, trainer = DPOConfig(**common, **options), DPOTrainer
+    elif method == "kto":
+        from trl import KTOConfig, KTOTrainer
+
+        args, trainer = KTOConfig(**common, **options), KTOTrainer
+    elif method == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        args, trainer = ORPOConfig(**common, **options), ORPOTrainer
+    else:
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        args, trainer = CPOConfig(**common, **options), CPOTrainer
+    return trainer(model=model, args=args, train_dataset=Dataset.from_list(records), processing_class=tokenizer)
+
+
+def trl_metrics(method: str, base: Path, out: Path, records: list[dict[str, Any]], **options: Any) -> list[dict]:
+    """TRL's logged metrics of each step."""
+    trainer = _trl_trainer(method, base, out, records, **options)
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+
+
+def meshkit_metrics(base: Path, records: list[dict[str, Any]], loss: Any, reference: str = "copy") -> list[dict]:
+    """meshkit's metrics of each step: the objective over the same records (one process, SGD, the same lr)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from meshkit.data.preference_formats import PairText, UnpairedText
+    from meshkit.data.preference_tokens import PreferenceCollate, PreferenceTokenizer, with_kl_completions
+    from meshkit.engine.engine import Engine
+    from meshkit.recipes.preference import PairedObjective, PreferenceWindow, Reference, UnpairedObjective
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokens = PreferenceTokenizer(tokenizer)
+    paired = loss.paired
+    rows = [
+        tokens.pair(PairText(**r))
+        if paired
+        else tokens.unpaired(UnpairedText(r["prompt"], r["completion"], r["label"]))
+        for r in records
+    ]  # noqa: E501
+    if not paired:
+        from datasets import Dataset
+
+        rows = list(with_kl_completions(Dataset.from_list(rows), len(rows)))
+    batch = PreferenceCollate(tokenizer.pad_token_id, 64, paired=paired)(rows)
+    steps = []
+    with Engine(seed=0, max_grad_norm=MAX_GRAD_NORM) as engine:
+        policy = AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager")
+        frozen = copy.deepcopy(policy).eval().requires_grad_(False)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=LR)
+        policy, optimizer = engine.prepare(policy, optimizer)
+        ref = Reference(model=frozen) if reference == "copy" else None
+        objective = PairedObjective(loss, ref) if paired else UnpairedObjective(loss, ref, engine)
+        window = PreferenceWindow(engine, objective)
+        for _ in range(STEPS):
+            window.step(batch)
+            steps.append({"loss": window.mean(), **window.metrics()})
+    return steps
