@@ -116,3 +116,13 @@ class DatasetEntry(Section):
         """A record's role name -> the template's role."""
         table = {**DEFAULT_ROLES, **(self.roles or {})}
         return {source: target for target, sources in table.items() for source in sources}
+
+
+def is_preference_type(kind: str | CustomPrompt | PreferencePrompt) -> bool:
+    """A type of preference data (pairs or KTO's labelled completions), read only with `rl:`."""
+    if isinstance(kind, PreferencePrompt):
+        return True
+    if isinstance(kind, CustomPrompt):
+        return False
+    family, _, variant = kind.partition(".")
+    return family in PREFERENCE_TYPES or (family == "chat_template" and bool(variant))

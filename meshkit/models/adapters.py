@@ -9,6 +9,7 @@ adapter into its base weight for a merged export (W + scaling · B @ A).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -111,6 +112,22 @@ def _lora_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
 
 def has_adapters(model: nn.Module) -> bool:
     return next(_lora_layers(model), None) is not None
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The adapted layers run their base weights only (the base model, e.g. DPO's reference), leaving every
+    parameter's `requires_grad` as it is: peft's own `disable_adapter` switches the adapters' off and on again,
+    which a sharded model (FSDP2) does not follow between two forwards of one step."""
+    layers = [module for _, module in _lora_layers(model)]
+    before = [module._disable_adapters for module in layers]
+    for module in layers:
+        module._disable_adapters = True
+    try:
+        yield
+    finally:
+        for module, was in zip(layers, before, strict=True):
+            module._disable_adapters = was
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from meshkit.recipes.hf_base import generate_samples, prompt_ids, replace_direct
 from meshkit.recipes.instruction_data import prepare_data
 from meshkit.recipes.loop import LoopPlan, LoopRecord, run_steps, write_summary
 from meshkit.recipes.lora import continued_weights, save_adapter
+from meshkit.recipes.preference_run import train_preference
 from meshkit.recipes.report import print_summary
 from meshkit.recipes.schedules import build_schedule, warmup_steps
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
@@ -85,6 +86,8 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         engine.print(f"meshkit: {note}")
     check_layout(engine.config, engine.mesh.dims, job)
     base, tokenizer, attention = load_base(engine, job)
+    if s.rl is not None:
+        return train_preference(engine, job, base, tokenizer, attention, _write_outputs)
     data = prepare_data(engine, s, tokenizer)
     built = adapt(job, base, tokenizer, attention)
     steps = step_plan(engine, job, len(data.dataset))

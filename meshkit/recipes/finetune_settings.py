@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from meshkit.config.schema import Section
+from meshkit.data.dataset_entry import is_preference_type
 from meshkit.data.formats import DatasetEntry
 from meshkit.recipes.optimizers import OPTIMIZERS
 from meshkit.recipes.schedules import SCHEDULERS
@@ -114,6 +115,23 @@ class FinetuneSettings(Section):
     wandb_name: str | None = Field(None, description="wandb run name; null = output_dir's name")
     wandb_run_id: str | None = Field(None, description="wandb run id (resumes that run)")
     wandb_mode: str | None = Field(None, description="online | offline | disabled; null = online with credentials")
+    # preference training (TRL's definitions; null = TRL's default)
+    rl: Literal["dpo", "ipo", "kto", "orpo", "simpo"] | None = Field(
+        None, description="preference training instead of supervised fine-tuning"
+    )
+    rl_beta: float | None = Field(None, gt=0, description="beta of DPO/IPO/KTO/SimPO; null = 0.1")
+    dpo_loss_type: tuple[str, ...] | None = Field(None, description="TRL's DPO loss types, e.g. [sigmoid, sft]")
+    dpo_loss_weights: tuple[float, ...] | None = Field(None, description="a weight per dpo_loss_type")
+    dpo_label_smoothing: float | None = Field(None, ge=0, lt=1, description="robust / exo_pair / aot smoothing")
+    rpo_alpha: float | None = Field(None, ge=0, description="RPO: + alpha × the chosen replies' NLL")
+    orpo_alpha: float | None = Field(None, gt=0, description="ORPO's weight of the odds-ratio term; null = 0.1")
+    simpo_gamma: float | None = Field(None, description="SimPO's target reward margin; null = 0.5")
+    cpo_alpha: float | None = Field(None, ge=0, description="SimPO/CPO: weight of the chosen replies' NLL; null = 1")
+    kto_desirable_weight: float | None = Field(None, gt=0, description="KTO: weight of desirable completions")
+    kto_undesirable_weight: float | None = Field(None, gt=0, description="KTO: weight of undesirable completions")
+    precompute_ref_log_probs: bool = Field(
+        False, description="score the records with the untrained model once before training (no reference model)"
+    )
     # meshkit's own
     generation_samples: int = Field(3, ge=0, description="validation prompts answered (greedy) in the summary")
     generation_max_new_tokens: int = Field(24, ge=1, description="tokens generated per sample")
@@ -134,6 +152,7 @@ class FinetuneSettings(Section):
         "lora_modules_to_save",
         "unfrozen_parameters",
         "tokens",
+        "dpo_loss_type",
         mode="before",
     )
     @classmethod
@@ -165,6 +184,13 @@ class FinetuneSettings(Section):
             raise ValueError("DoRA over a quantized base is not supported yet: drop peft_use_dora or the quantization")
         if self.lora_model_dir is not None and self.adapter is None:
             raise ValueError("lora_model_dir continues an adapter: set adapter: lora (or qlora)")
+        if self.rl is None and any(is_preference_type(entry.type) for entry in self.datasets):
+            raise ValueError(
+                "preference data (chat_template.default, chatml.*, llama3.*, ...) needs rl: dpo (or ipo, kto, orpo, "
+                "simpo)"
+            )
+        if self.rl is not None and self.sample_packing:
+            raise ValueError(f"rl: {self.rl} runs unpacked rows (as TRL does): set sample_packing: false")
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("chat_template: jinja needs chat_template_jinja (the template, or a file holding it)")
         return self

@@ -32,6 +32,10 @@ class StepLoss(Protocol):
 
     def mean(self) -> float: ...
 
+    def metrics(self) -> dict[str, float]:
+        """The step's further metrics (logged beside the loss); called after `mean`."""
+        ...
+
 
 class MeanStepLoss:
     """The mean of the micro-steps' losses, averaged over the data-parallel ranks — or this rank's own where the
@@ -50,6 +54,9 @@ class MeanStepLoss:
         self.total.zero_()
         return value
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
 
 @dataclass(frozen=True)
 class LoopPlan:
@@ -64,6 +71,7 @@ class LoopPlan:
     watchdog: LossWatchdog | None = None
     early_stopping: EarlyStopping | None = None
     measure_activations: bool = False  # the first micro-step's activations, for the summary
+    step: Callable[[Any], torch.Tensor] | None = None  # a micro-step other than `engine.train_step`
 
 
 @dataclass
@@ -79,18 +87,21 @@ class LoopRecord:
     wall_s: float = 0.0
     activations: dict[str, Any] | None = None
     reports_stopping: bool = field(default=False, repr=False)
+    metrics: list[dict[str, float]] = field(default_factory=list)  # the step loss's further metrics, per step
 
     @classmethod
     def resumed_from(cls, extra: dict[str, Any] | None, tokens_per_step: float) -> LoopRecord:
         losses = list((extra or {}).get("losses", []))
-        return cls(losses, list((extra or {}).get("evals", [])), len(losses), tokens_per_step)
+        record = cls(losses, list((extra or {}).get("evals", [])), len(losses), tokens_per_step)
+        record.metrics = list((extra or {}).get("metrics", []))
+        return record
 
     @property
     def step(self) -> int:
         return len(self.losses)
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return {"losses": self.losses, "evals": self.evals}
+        return {"losses": self.losses, "evals": self.evals, "metrics": self.metrics}
 
     def rows(self, engine: Engine, layout_description: str) -> dict[str, Any]:
         """The rows every recipe's summary starts with."""
@@ -121,6 +132,7 @@ def run_steps(engine: Engine, loader: Iterable[Any], scheduler: Any, plan: LoopP
     record.reports_stopping = plan.early_stopping is not None
     engine.checkpoints.arm_preemption()  # save_checkpoint() ends every step: a signal in step 1 checkpoints too
     batches = endless(loader)
+    micro_step = plan.step or engine.train_step
     activations = engine.activation_report() if plan.measure_activations else None
     measuring: Any = activations if activations is not None else contextlib.nullcontext()
     start = time.perf_counter()
@@ -129,11 +141,14 @@ def run_steps(engine: Engine, loader: Iterable[Any], scheduler: Any, plan: LoopP
         while record.step < plan.total_steps and not record.stopped_early:
             batch = next(batches)
             with measuring:
-                loss.add(engine.train_step(batch), batch)
+                loss.add(micro_step(batch), batch)
             measuring = contextlib.nullcontext()  # the first micro-step only
             if not engine.sync_gradients:
                 continue
             record.losses.append(loss.mean())
+            further = loss.metrics()
+            if further:
+                record.metrics.append(further)
             _after_step(engine, scheduler, plan, record, progress, start)
     if record.stopped_early and plan.early_stopping is not None:
         engine.print(
@@ -158,6 +173,8 @@ def _after_step(
     tokens_per_s = (step - record.first_step) * plan.tokens_per_step / (time.perf_counter() - start)
     progress.update(step, loss, tokens_per_s)
     metrics = {"loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s}
+    if len(record.metrics) == step:  # (the step loss's own, e.g. preference rewards)
+        metrics.update(record.metrics[-1])
     if plan.evaluate is not None and plan.eval_every and (step % plan.eval_every == 0 or step == plan.total_steps):
         record.evals.append({"step": step, **plan.evaluate()})
         metrics.update(record.evals[-1])

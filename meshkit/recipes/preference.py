@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from meshkit.engine.engine import Engine
+from meshkit.models.adapters import adapters_disabled
 from meshkit.runtime import collectives
 from meshkit.training.objective import ObjectiveResult, Scorer
 from meshkit.training.preference import CPO, DPO, KTO, ORPO, PairScores, PreferenceError
@@ -80,9 +81,9 @@ class Reference:
         return "the base with adapters off" if self.context is not None else "a frozen copy laid out like the policy"
 
 
-def adapters_off(peft_model: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-    """peft's own switch: the adapted layers run their base weights only."""
-    return lambda: peft_model.disable_adapter()
+def adapters_off(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The adapted layers of `model` run their base weights only (the structure layer's switch)."""
+    return lambda: adapters_disabled(model)
 
 
 class PairedObjective:

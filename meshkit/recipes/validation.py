@@ -64,3 +64,6 @@ class WindowLoss:
         loss = float((torch.stack(self.losses) * tokens).sum() / tokens.sum().clamp(min=1))
         self.losses, self.tokens = [], []
         return loss
+
+    def metrics(self) -> dict[str, float]:
+        return {}

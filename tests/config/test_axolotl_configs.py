@@ -158,7 +158,9 @@ def test_axolotls_ray_keys_choose_the_ray_launch_backend(tmp_path, material) -> 
         ({"load_in_4bit": True, "load_in_8bit": True}, "two quantizations: keep one"),
         ({"peft_use_dora": True, "load_in_4bit": True}, "DoRA over a quantized base is not supported yet"),
         ({"processor_type": "AutoProcessor"}, "processor_type: 'AutoProcessor' .*multimodal processors"),
-        ({"rl": "dpo"}, "supervised fine-tuning"),
+        ({"rl": "grpo"}, "'rl'.*'dpo', 'ipo', 'kto', 'orpo' or 'simpo'"),
+        ({"reward_model": True}, "reward-model training is not supported yet"),
+        ({"rl": "dpo", "sample_packing": True}, "rl: dpo runs unpacked rows"),
         ({"fsdp": ["full_shard", "sharded_everything"]}, "'sharded_everything' is not an FSDP option"),
     ],
 )

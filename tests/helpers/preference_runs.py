@@ -110,3 +110,41 @@ def meshkit_metrics(base: Path, records: list[dict[str, Any]], loss: Any, refere
             window.step(batch)
             steps.append({"loss": window.mean(), **window.metrics()})
     return steps
+
+
+def write_preference_data(root: Path, count: int = 16) -> dict[str, Path]:
+    """Pairs as Axolotl's chat_template.default reads them (a conversation, a chosen and a rejected reply), and
+    KTO records as chatml.prompt_pairs reads them; the chosen reply shouts the word back."""
+    import json
+
+    pairs, kto = [], []
+    for index in range(count):
+        word = WORDS[index % len(WORDS)]
+        pairs.append({
+            "conversation": [{"role": "user", "content": f"Shout {word}"}],
+            "chosen": {"role": "assistant", "content": word.upper()},
+            "rejected": {"role": "assistant", "content": word},
+        })  # fmt: skip
+        kto.append(
+            {"prompt": f"Shout {word}", "completion": word.upper() if index % 2 else word, "label": bool(index % 2)}
+        )
+    out = {"pairs": root / "pairs.jsonl", "kto": root / "kto.jsonl"}
+    out["pairs"].write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    out["kto"].write_text("".join(json.dumps(r) + "\n" for r in kto))
+    return out
+
+
+def dpo_keys(data: dict[str, Path], method: str = "dpo", **extra: Any) -> dict[str, Any]:
+    """Recipe keys of a preference run on the tiny base (`write_config` adds the base and the step count)."""
+    if method == "kto":
+        datasets = [{"path": str(data["kto"]), "type": "chatml.prompt_pairs"}]
+    else:
+        datasets = [{"path": str(data["pairs"]), "type": "chat_template.default", "field_messages": "conversation"}]
+    return {
+        "rl": method,
+        "chat_template": "chatml",
+        "datasets": datasets,
+        "rl_beta": 0.5,
+        "learning_rate": 0.01,
+        **extra,
+    }

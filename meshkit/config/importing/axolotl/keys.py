@@ -136,8 +136,23 @@ _add(G, ("push_dataset_to_hub", "hf_use_auth_token"), noted(_NO_HUB))
 _add(G, "group_by_length", noted("batches are drawn shuffled; grouping by length would only save padding"))
 _add(G, ("pretraining_dataset", "streaming"),
      refused("streamed pretraining data is not read: use datasets with type: completion, or meshkit train"))
-_add(G, ("rl", "dpo_beta", "reward_model", "process_reward_model", "trl"),
-     refused("meshkit finetune does supervised fine-tuning; preference and RL training are not supported"))
+
+G = "preference training"
+_add(G, "rl", honoured("dpo, ipo, kto, orpo, simpo with TRL's definitions, in DDP, ZeRO-1/2/3, tp and cp (pp: not "
+                       "yet); the reference: adapters off (LoRA), a frozen copy (full), or precompute_ref_log_probs"))
+_add(G, ("rl_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing", "rpo_alpha", "orpo_alpha",
+         "simpo_gamma", "cpo_alpha", "kto_desirable_weight", "kto_undesirable_weight", "precompute_ref_log_probs"),
+     honoured("TRL's beta, loss_type, loss_weights, label_smoothing (robust/exo_pair/aot), RPO's sft weight, ORPO's "
+              "beta, SimPO's gamma and cpo_alpha, KTO's weights, the reference scored once before training"))
+_add(G, "dpo_beta", honoured("Axolotl's older name of rl_beta", "recipe.rl_beta"))
+_add(G, ("dpo_use_liger_kernel", "dpo_padding_free", "max_prompt_len", "remove_unused_columns",
+         "dpo_generate_during_eval", "dpo_use_logits_to_keep"),
+     noted("a GPU kernel / padding layout / column handling of TRL's; rows are cut to sequence_len as TRL does"))
+_add(G, "dpo_use_weighting", refused("WPO weighting is not supported: remove dpo_use_weighting"))
+_add(G, ("reward_model", "process_reward_model"),
+     refused("reward-model training is not supported yet: train the policy with rl: dpo (or kto, orpo, simpo)"))
+_add(G, "trl", refused("the trl: block configures online RL (GRPO, vLLM generation), which meshkit does not run; "
+                       "rl_beta sets beta"))
 
 G = "adapters"
 _add(G, "adapter", honoured("lora (peft); qlora: LoRA over the 4-bit base; empty for a full fine-tune"))

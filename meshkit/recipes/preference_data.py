@@ -1,0 +1,118 @@
+"""The preference fine-tune's data in the run's layout: records tokenized as TRL does, this rank's batches, and the
+reference log-probabilities scored once before training (`precompute_reference`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from meshkit.data.preference_tokens import (
+    PreferenceCollate,
+    PreferenceReport,
+    load_preference_records,
+    with_kl_completions,
+)
+from meshkit.data.sources import cpu_share
+from meshkit.engine.engine import Engine
+from meshkit.recipes.instruction_data import InstructionDataError
+from meshkit.runtime import collectives
+
+
+class PreferenceRows(Dataset):
+    """The tokenized records (an Arrow table), one dict of columns per record; the reference columns join the
+    table once scored."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return dict(self.table[index])
+
+
+@dataclass
+class PreferenceData:
+    rows: PreferenceRows
+    report: PreferenceReport
+    collate: PreferenceCollate
+    loader: DataLoader
+    paired: bool
+
+    @property
+    def per_item_tokens(self) -> float:
+        """Tokens one record puts through the model (both rows of a pair)."""
+        table = self.rows.table
+        prompts = sum(len(ids) for ids in table["prompt_ids"])
+        replies = ("chosen_ids", "rejected_ids") if self.paired else ("completion_ids",)
+        total = sum(len(ids) for name in replies for ids in table[name]) + prompts * len(replies)
+        return total / max(1, len(table))
+
+
+def prepare_preference_data(engine: Engine, settings: Any, tokenizer: Any, paired: bool) -> PreferenceData:
+    cfg = engine.config
+    with engine.local_main_process_first():
+        table, report = load_preference_records(
+            settings.datasets,
+            tokenizer,
+            paired=paired,
+            sequence_len=cfg.train.seq_len,
+            num_proc=settings.dataset_processes or cpu_share(engine.info.local_world_size),
+            keep_in_memory=settings.dataset_keep_in_memory,
+        )
+    per_window = cfg.train.global_micro_batch(engine.dp_size)
+    if len(table) < per_window:
+        raise InstructionDataError(
+            f"{len(table)} preference records are fewer than one global micro-batch ({per_window}): lower "
+            f"micro_batch_size, or add data ({report.prompt_too_long} prompts filled sequence_len={cfg.train.seq_len})"
+        )
+    if not paired:  # KTO's KL rows: completions rotated within each global micro-batch of records
+        table = with_kl_completions(table, per_window)
+    cp = engine.mesh.size("cp")
+    collate = PreferenceCollate(tokenizer.pad_token_id, cfg.train.seq_len, paired, multiple_of=2 * cp if cp > 1 else 1)
+    rows = PreferenceRows(table)
+    loader = DataLoader(
+        rows, batch_size=cfg.train.largest_micro_batch, shuffle=True, drop_last=True, collate_fn=collate
+    )
+    return PreferenceData(rows, report, collate, loader, paired)
+
+
+def precompute_reference(engine: Engine, model: torch.nn.Module, data: PreferenceData) -> None:
+    """Score every record with the untrained model (eval mode, no graph) once, in the run's layout: each
+    data-parallel rank scores its share, the scores are gathered, and every rank's table gains the columns
+    the objective reads instead of a reference model."""
+    from meshkit.engine.objective_step import LayoutScorer
+
+    table, size = data.rows.table, engine.config.train.largest_micro_batch
+    dp, rank = engine.dp_size, engine.dp_rank
+    mine = list(range(rank, len(table), dp))
+    rounds = math.ceil(math.ceil(len(table) / dp) / size)  # batches per rank: every rank runs as many forwards
+    score = LayoutScorer(engine.ctx)
+    found: dict[int, list[float]] = {}
+    model.eval()
+    for number in range(rounds):
+        chunk = mine[number * size : (number + 1) * size] or mine[-1:]
+        chunk = chunk + chunk[-1:] * (size - len(chunk))  # (a full batch: repeats are scored twice, kept once)
+        batch = data.collate([dict(table[i]) for i in chunk])
+        main = score(batch["input_ids"], batch["labels"], grad=False).logps.double().cpu()
+        extra = None
+        if "kl_input_ids" in batch:
+            extra = score(batch["kl_input_ids"], batch["kl_labels"], grad=False).logps.double().cpu()
+        for position, index in enumerate(chunk):
+            if data.paired:
+                found[index] = [float(main[position]), float(main[position + len(chunk)])]
+            else:
+                found[index] = [float(main[position]), float(extra[position]) if extra is not None else 0.0]
+    model.train()
+    merged: dict[int, list[float]] = {}
+    for part in collectives.gather_object(found, group=engine.mesh.dp_group):
+        merged.update(part)
+    names = ("reference_chosen", "reference_rejected") if data.paired else ("reference_logps", "reference_kl_logps")
+    for column, name in enumerate(names):
+        table = table.add_column(name, [merged[i][column] for i in range(len(table))])
+    data.rows.table = table

@@ -1,0 +1,123 @@
+"""`meshkit finetune` with `rl:` (dpo, ipo, kto, orpo, simpo): the fine-tune's set-up, the preference data and
+objective, the shared loop, and the same outputs (adapter, merged model, summary with TRL's metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from meshkit.engine.engine import Engine
+from meshkit.recipes.finetune_config import FinetuneJob
+from meshkit.recipes.finetune_setup import adapt, adapter_words, make_optimizer, rebuild_whole, step_plan
+from meshkit.recipes.loop import LoopPlan, run_steps, write_summary
+from meshkit.recipes.preference import (
+    KTO,
+    PairedObjective,
+    PreferenceWindow,
+    Reference,
+    UnpairedObjective,
+    adapters_off,
+    preference_loss,
+)
+from meshkit.recipes.preference_data import precompute_reference, prepare_preference_data
+from meshkit.recipes.report import print_summary
+from meshkit.recipes.schedules import build_schedule, warmup_steps
+from meshkit.recipes.stopping import LossWatchdog
+from meshkit.runtime import collectives
+
+SHOWN = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen", "kl")
+
+
+def train_preference(
+    engine: Engine, job: FinetuneJob, base: Any, tokenizer: Any, attention: Any, write_outputs: Callable[..., dict]
+) -> dict[str, Any]:
+    cfg, s = engine.config, job.settings
+    loss = preference_loss(s)
+    paired = not isinstance(loss, KTO)
+    if s.val_set_size or s.test_datasets:
+        engine.print(f"meshkit: rl: {s.rl} runs no evaluation yet: val_set_size / test_datasets are not held out")
+    data = prepare_preference_data(engine, s, tokenizer, paired)
+    built = adapt(job, base, tokenizer, attention)
+    steps = step_plan(engine, job, len(data.rows))
+    optimizer = make_optimizer(built.model, job, engine)
+    warmup = warmup_steps(cfg.train.warmup_steps, s.warmup_ratio, steps.total_steps)
+    scheduler = build_schedule(
+        s.lr_scheduler, optimizer, warmup=warmup, total=steps.total_steps, kwargs=s.lr_scheduler_kwargs,
+        min_lr_ratio=s.cosine_min_lr_ratio,
+    )  # fmt: skip
+    model_class = type(base).__name__
+    model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, data.loader, scheduler)
+    reference = None
+    if loss.uses_reference:
+        # LoRA: the base is the reference (adapters off); a full fine-tune scores the records once, untrained
+        if built.peft_model is not None and not s.precompute_ref_log_probs:
+            reference = Reference(context=adapters_off(built.peft_model))
+        else:
+            precompute_reference(engine, model, data)
+            reference = Reference(precomputed=True)
+    objective = PairedObjective(loss, reference) if paired else UnpairedObjective(loss, reference, engine)  # type: ignore[arg-type]
+    engine.print(
+        f"meshkit: {s.rl} on {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "
+        f"trainable{adapter_words(s)}) on {engine.num_processes} rank(s), layout {engine.mesh.dims.describe()}; "
+        f"{len(data.rows)} {'pairs' if paired else 'completions'}, {steps.total_steps} steps; reference: "
+        f"{reference.describe() if reference else 'none (reference-free loss)'}"
+    )
+    if data.report.prompt_too_long or data.report.truncated:
+        engine.print(
+            f"meshkit: dropped {data.report.prompt_too_long} records whose prompt fills sequence_len="
+            f"{cfg.train.seq_len}; cut {data.report.truncated} longer rows to it (TRL's keep_start)"
+        )
+    window = PreferenceWindow(engine, objective)
+    plan = LoopPlan(
+        steps.total_steps, data.per_item_tokens * steps.rows_per_step, save_every=steps.save_every,
+        watchdog=LossWatchdog(s.loss_watchdog_threshold, s.loss_watchdog_patience), step=window.step,
+    )  # fmt: skip
+    record = run_steps(engine, loader, scheduler, plan, window)
+    base.config.use_cache = True
+    outputs = write_outputs(engine, tokenizer, rebuild_whole(job, built))
+    rows = record.rows(engine, engine.mesh.dims.describe())
+    summary = rows | {
+        "rl": s.rl,
+        "reference": reference.describe() if reference else None,
+        "adapter": s.adapter,
+        "optimizer": s.optimizer,
+        "warmup_steps": warmup,
+        "parameters": built.parameters,
+        "trainable_parameters": built.trainable,
+        "records": len(data.rows),
+        "dropped_long_prompts": data.report.prompt_too_long,
+        "losses": record.losses,
+        "metrics": record.metrics,
+        "final_metrics": record.metrics[-1] if record.metrics else {},
+        "outputs": outputs,
+        "memory": collectives.gather_object(engine.memory_report(), group=None),
+    }
+    if engine.is_main_process:
+        curve = [
+            (step + 1, m["rewards/accuracies"]) for step, m in enumerate(record.metrics) if "rewards/accuracies" in m
+        ]
+        plot = write_summary(engine, summary, record.losses, None)
+        print_summary(summary, Path(cfg.logging.dir), plot)
+        _print(summary, curve)
+    return summary
+
+
+def _print(summary: dict[str, Any], curve: list[tuple[int, float]]) -> None:
+    table = Table(title=f"preference training ({summary['rl']})", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row("reference", str(summary["reference"]))
+    table.add_row("trainable", f"{summary['trainable_parameters']:,} of {summary['parameters']:,}")
+    final = summary["final_metrics"]
+    for name in SHOWN:
+        if name in final:
+            table.add_row(name, f"{final[name]:.4f}")
+    if curve:
+        table.add_row("accuracy over steps", " ".join(f"{value:.2f}" for _, value in curve[-8:]))
+    for name, path in summary["outputs"].items():
+        table.add_row(name, path)
+    Console().print(table)

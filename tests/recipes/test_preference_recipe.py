@@ -1,0 +1,87 @@
+"""`meshkit finetune` with Axolotl's `rl:` keys: DPO and KTO on chat data, LoRA (reference = adapters off) and
+full (reference scored once before training), in two ranks equal to one process on the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
+
+from tests.helpers.distributed import run_world  # noqa: E402
+from tests.helpers.finetune_runs import lora_keys, write_config  # noqa: E402
+from tests.helpers.preference_runs import dpo_keys, write_preference_data  # noqa: E402
+
+TIMEOUT = 180
+
+
+def run_preference(rank: int, config: str, assignments: list[str]) -> dict:
+    from meshkit.recipes.finetune import finetune
+    from meshkit.recipes.finetune_config import resolve_finetune
+
+    summary = finetune(resolve_finetune(config, assignments))
+    return {key: summary[key] for key in ("losses", "metrics", "reference", "outputs", "layout")}
+
+
+@pytest.fixture(scope="module")
+def pair_data(tmp_path_factory):
+    return write_preference_data(tmp_path_factory.mktemp("preference-data"))
+
+
+def _run(tmp_path, material, world: int, name: str, assignments: list[str], **keys) -> dict:
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    config = write_config(run_dir / "ft.yaml", material, **keys)
+    return run_world(run_preference, world, str(config), [f"output_dir={run_dir / 'out'}", *assignments],
+                     timeout=TIMEOUT)[0]  # fmt: skip
+
+
+def _close(got: dict, expected: dict) -> None:
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(got["metrics"], expected["metrics"], strict=True):
+        for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"):
+            if name in theirs:
+                assert ours[name] == pytest.approx(theirs[name], rel=1e-5, abs=1e-5), name
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, material, pair_data):
+    """One process on the global batch (4 pairs) of two ranks × 2: DPO with LoRA and full, KTO with LoRA."""
+    root = tmp_path_factory.mktemp("preference-reference")
+    return {
+        "lora": _run(root, material, 1, "lora", ["micro_batch_size=4"], **dpo_keys(pair_data), **lora_keys()),
+        "full": _run(root, material, 1, "full", ["micro_batch_size=4"], **dpo_keys(pair_data)),
+        "kto": _run(root, material, 1, "kto", ["micro_batch_size=4"], **dpo_keys(pair_data, "kto"), **lora_keys()),
+    }
+
+
+def test_dpo_learns_to_prefer_the_chosen_replies(references) -> None:
+    lora, full = references["lora"], references["full"]
+    assert lora["reference"] == "the base with adapters off"
+    assert full["reference"].startswith("precomputed reference log-probs")
+    for run in (lora, full):
+        first, last = run["metrics"][0], run["metrics"][-1]
+        assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
+        assert run["losses"][0] == pytest.approx(0.6931472, abs=1e-6)  # -log σ(0)
+        assert last["rewards/margins"] > 0 and run["losses"][-1] < run["losses"][0]
+    assert references["kto"]["metrics"][-1]["rewards/chosen"] > references["kto"]["metrics"][0]["rewards/chosen"]
+
+
+@pytest.mark.parametrize(("adapter", "zero_stage"), [("lora", 0), ("full", 0), ("lora", 3), ("full", 3)])
+def test_two_ranks_equal_one_process(tmp_path, material, pair_data, references, adapter, zero_stage) -> None:
+    keys = {**dpo_keys(pair_data), **(lora_keys() if adapter == "lora" else {})}
+    summary = _run(tmp_path, material, 2, "run", [f"zero_stage={zero_stage}"], **keys)
+    _close(summary, references[adapter])
+
+
+@pytest.mark.parametrize("layout", ["tp=2", "cp=2"])
+def test_model_parallel_equals_one_process(tmp_path, material, pair_data, references, layout) -> None:
+    # dp = 1: each rank holds the whole global batch of 4 pairs, as the reference did
+    summary = _run(tmp_path, material, 2, "run", [layout, "micro_batch_size=4"], **dpo_keys(pair_data), **lora_keys())
+    _close(summary, references["lora"])
+
+
+def test_kto_two_ranks_equal_one_process(tmp_path, material, pair_data, references) -> None:
+    summary = _run(tmp_path, material, 2, "run", [], **dpo_keys(pair_data, "kto"), **lora_keys())
+    _close(summary, references["kto"])
