@@ -104,6 +104,7 @@ class Engine:
     activation_report = Verb("weights", Weights.activation_report)
     save_model = Verb("weights", Weights.save_model)
     eval_token_loss = Verb("evaluation", Evaluation.eval_token_loss)
+    prepare_frozen = Verb("preparation", Preparation.prepare_frozen)
     # ------------------------------------------------------------------ Accelerate's verbs
     local_process_index = Attribute[int]("accelerate_verbs", AccelerateVerbs)
     is_last_process = Attribute[bool]("accelerate_verbs", AccelerateVerbs)

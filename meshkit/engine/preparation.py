@@ -118,6 +118,17 @@ class Preparation(EngineComponent):
                 gradients.counted_elsewhere |= tied.counted_elsewhere
         return done.model
 
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        """`model` laid out like the prepared model (split under tp, sharded under ZeRO-3, weights streamed from
+        `sharding.init_from` when on the meta device) for forward passes only: frozen, in eval mode, outside
+        the optimizer and the gradient reducers (a reference model)."""
+        ctx = self.ctx
+        model = bare_module(model, ctx.config.strategy).requires_grad_(False)
+        done = parallelize(model, ctx.mesh, ctx.config, ctx.placement.zero_stage, frozen=True)
+        if isinstance(done.model, PipelineModel):
+            raise EngineError("a frozen model under pipeline parallel is not supported yet: set pp=1")
+        return done.model.eval()
+
     def _optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         ctx, gradients = self.ctx, self._gradients()
         optimizer = rebind_params(optimizer, ctx.objects.renamed_params)

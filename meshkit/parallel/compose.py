@@ -45,12 +45,15 @@ class Parallelized:
     notice: str | None = None  # one line for the user about how the layout was applied
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_stage: int) -> Parallelized:
+def parallelize(
+    model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_stage: int, frozen: bool = False
+) -> Parallelized:
     """Place `model` on this rank's device and split and wrap it for the run's layout and precision.
 
     `zero_stage` is the stage in effect (0 when there is a single data-parallel rank). Stages 1 and 2 leave the
     model as it is: their sharding lives in the optimizer (`meshkit.parallel.zero.optimizer`). Under pipeline parallel
-    the model is first cut into this rank's stages, and each goes through the same chain.
+    the model is first cut into this rank's stages, and each goes through the same chain. `frozen`: a model that
+    only runs forward (a reference model): split and sharded alike, but no recomputation and no gradient wrapper.
     """
     structure = describe(model, config.blocks, config.structure)
     pp = mesh.size("pp")
@@ -64,7 +67,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_st
         autocast_forward(result.model, config.precision, mesh.device.type)  # autocast reaches its replica threads
         return result
     if pp == 1:
-        result = _parallelize_one(model, mesh, config, zero_stage, structure)
+        result = _parallelize_one(model, mesh, config, zero_stage, structure, frozen=frozen)
         result.notice = result.notice or notice
         return result
     chunks = chunks_per_rank(config.pipeline)
@@ -92,6 +95,7 @@ def _parallelize_one(
     structure: ModelStructure,
     in_pipeline: bool = False,
     autocast: bool = True,
+    frozen: bool = False,
 ) -> Parallelized:
     sharding = config.sharding
     on_meta = has_meta_tensors(model)
@@ -116,9 +120,10 @@ def _parallelize_one(
     if mesh.dims.ep > 1:
         ep_mesh, edp_mesh = mesh.expert_dim("ep"), mesh.expert_dim("edp")
         result.experts = apply_expert_parallel(model, ep_mesh, edp_mesh, config.moe.capacity_factor)
-    result.checkpointed = apply_activation_checkpointing(
-        model, config.activation_checkpointing, config.activation_offload, mesh.device, structure.blocks
-    )
+    if not frozen:  # (recomputation only pays where a backward runs)
+        result.checkpointed = apply_activation_checkpointing(
+            model, config.activation_checkpointing, config.activation_offload, mesh.device, structure.blocks
+        )
     model = apply_compile(model, config.compile, structure.blocks)
     if zero_stage == 3:
         model = apply_fsdp(model, mesh, sharding, config.precision, structure.blocks, result.experts)
@@ -132,7 +137,7 @@ def _parallelize_one(
             split_weights=result.split_weights,  # split while on meta: fused weights reordered as they stream in
             vocabulary=structure.vocabulary,
         )
-    if zero_stage == 0 and mesh.grad_size > 1 and config.strategy != "parameter_server":  # servers average
+    if zero_stage == 0 and mesh.grad_size > 1 and config.strategy != "parameter_server" and not frozen:
         # DDP cannot wrap DTensor parameters, and a pipeline schedule runs several backward passes per step
         # that DDP's bucket rebuild does not expect: those gradients are averaged once after the step instead.
         if tp > 1 or in_pipeline:

@@ -3,6 +3,7 @@ objective, the shared loop, and the same outputs (adapter, merged model, summary
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,15 +51,18 @@ def train_preference(
         min_lr_ratio=s.cosine_min_lr_ratio,
     )  # fmt: skip
     model_class = type(base).__name__
+    # a full fine-tune's reference: a frozen copy of the untrained model (still on the meta device when the
+    # weights stream in: the copy streams its own), laid out like the policy
+    twin = copy.deepcopy(built.model) if _keeps_a_copy(loss, built, s) else None
     model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, data.loader, scheduler)
     reference = None
-    if loss.uses_reference:
-        # LoRA: the base is the reference (adapters off); a full fine-tune scores the records once, untrained
-        if built.peft_model is not None and not s.precompute_ref_log_probs:
-            reference = Reference(context=adapters_off(built.peft_model))
-        else:
-            precompute_reference(engine, model, data)
-            reference = Reference(precomputed=True)
+    if twin is not None:
+        reference = Reference(model=engine.prepare_frozen(twin))
+    elif loss.uses_reference and built.peft_model is not None and not s.precompute_ref_log_probs:
+        reference = Reference(context=adapters_off(built.peft_model))  # LoRA: the base is the reference
+    elif loss.uses_reference:
+        precompute_reference(engine, model, data)  # scored once, untrained: no reference model kept
+        reference = Reference(precomputed=True)
     objective = PairedObjective(loss, reference) if paired else UnpairedObjective(loss, reference, engine)  # type: ignore[arg-type]
     engine.print(
         f"meshkit: {s.rl} on {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "
@@ -104,6 +108,10 @@ def train_preference(
         print_summary(summary, Path(cfg.logging.dir), plot)
         _print(summary, curve)
     return summary
+
+
+def _keeps_a_copy(loss: Any, built: Any, settings: Any) -> bool:
+    return loss.uses_reference and built.peft_model is None and not settings.precompute_ref_log_probs
 
 
 def _print(summary: dict[str, Any], curve: list[tuple[int, float]]) -> None:

@@ -93,11 +93,11 @@ def test_chat_template_default_maps_fields_and_roles(tokenizer) -> None:
     )  # fmt: skip
     assert text == PairText(IM.format(q="Shout river"), "RIVER<|im_end|>", "river<|im_end|>")
     argilla = {"chosen": record["bad"][:1] + [record["good"]], "rejected": record["bad"]}
-    same = _pair(tokenizer, "chat_template.argilla", argilla, message_property_mappings={"role": "from", "content": "value"},
-                 roles={"user": ["human"], "assistant": ["gpt"]}, chat_template="chatml")  # fmt: skip
+    mapped = {"message_property_mappings": {"role": "from", "content": "value"}, "chat_template": "chatml"}
+    same = _pair(tokenizer, "chat_template.argilla", argilla, roles={"user": ["human"], "assistant": ["gpt"]}, **mapped)
     assert same == text
-    one_string = _pair(tokenizer, "chat_template.default", {"messages": "Shout river", "chosen": "RIVER", "rejected": "x"},
-                       chat_template="chatml")  # fmt: skip
+    record = {"messages": "Shout river", "chosen": "RIVER", "rejected": "x"}
+    one_string = _pair(tokenizer, "chat_template.default", record, chat_template="chatml")
     assert one_string.prompt == IM.format(q="Shout river") and one_string.chosen == "RIVER<|im_end|>"
 
 

@@ -52,6 +52,15 @@ def references(tmp_path_factory, material, pair_data):
     return {
         "lora": _run(root, material, 1, "lora", ["micro_batch_size=4"], **dpo_keys(pair_data), **lora_keys()),
         "full": _run(root, material, 1, "full", ["micro_batch_size=4"], **dpo_keys(pair_data)),
+        "precomputed": _run(
+            root,
+            material,
+            1,
+            "precomputed",
+            ["micro_batch_size=4"],
+            **dpo_keys(pair_data),
+            precompute_ref_log_probs=True,
+        ),
         "kto": _run(root, material, 1, "kto", ["micro_batch_size=4"], **dpo_keys(pair_data, "kto"), **lora_keys()),
     }
 
@@ -59,7 +68,9 @@ def references(tmp_path_factory, material, pair_data):
 def test_dpo_learns_to_prefer_the_chosen_replies(references) -> None:
     lora, full = references["lora"], references["full"]
     assert lora["reference"] == "the base with adapters off"
-    assert full["reference"].startswith("precomputed reference log-probs")
+    assert full["reference"] == "a frozen copy laid out like the policy"
+    assert references["precomputed"]["reference"].startswith("precomputed reference log-probs")
+    _close(references["precomputed"], full)  # the same numbers without a second model
     for run in (lora, full):
         first, last = run["metrics"][0], run["metrics"][-1]
         assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
@@ -68,18 +79,24 @@ def test_dpo_learns_to_prefer_the_chosen_replies(references) -> None:
     assert references["kto"]["metrics"][-1]["rewards/chosen"] > references["kto"]["metrics"][0]["rewards/chosen"]
 
 
-@pytest.mark.parametrize(("adapter", "zero_stage"), [("lora", 0), ("full", 0), ("lora", 3), ("full", 3)])
+@pytest.mark.parametrize(
+    ("adapter", "zero_stage"), [("lora", 0), ("full", 0), ("lora", 3), ("full", 3), ("precomputed", 3)]
+)
 def test_two_ranks_equal_one_process(tmp_path, material, pair_data, references, adapter, zero_stage) -> None:
     keys = {**dpo_keys(pair_data), **(lora_keys() if adapter == "lora" else {})}
+    if adapter == "precomputed":
+        keys["precompute_ref_log_probs"] = True
     summary = _run(tmp_path, material, 2, "run", [f"zero_stage={zero_stage}"], **keys)
     _close(summary, references[adapter])
 
 
+@pytest.mark.parametrize("adapter", ["lora", "full"])
 @pytest.mark.parametrize("layout", ["tp=2", "cp=2"])
-def test_model_parallel_equals_one_process(tmp_path, material, pair_data, references, layout) -> None:
+def test_model_parallel_equals_one_process(tmp_path, material, pair_data, references, layout, adapter) -> None:
     # dp = 1: each rank holds the whole global batch of 4 pairs, as the reference did
-    summary = _run(tmp_path, material, 2, "run", [layout, "micro_batch_size=4"], **dpo_keys(pair_data), **lora_keys())
-    _close(summary, references["lora"])
+    keys = {**dpo_keys(pair_data), **(lora_keys() if adapter == "lora" else {})}
+    summary = _run(tmp_path, material, 2, "run", [layout, "micro_batch_size=4"], **keys)
+    _close(summary, references[adapter])
 
 
 def test_kto_two_ranks_equal_one_process(tmp_path, material, pair_data, references) -> None:
