@@ -101,9 +101,15 @@ class PairedObjective:
         whole = batch["attention_mask"] if self.loss.needs_whole else None
         policy = PairScores.of(score(input_ids, labels, whole_mask=whole))
         if stored is None:
+            if "valid" in batch:
+                policy = policy.select(batch["valid"].to(policy.chosen.device))
             return self.loss(policy)  # type: ignore[call-arg]
         chosen, rejected = stored.to(policy.chosen.device).chunk(2)
-        return self.loss(policy, PairScores(chosen, rejected, policy.chosen_tokens, policy.rejected_tokens))
+        reference = PairScores(chosen, rejected, policy.chosen_tokens, policy.rejected_tokens)
+        if "valid" in batch:  # an evaluation batch's filler pairs count nothing
+            keep = batch["valid"].to(policy.chosen.device)
+            policy, reference = policy.select(keep), reference.select(keep)
+        return self.loss(policy, reference)
 
 
 class UnpairedObjective:
@@ -115,17 +121,28 @@ class UnpairedObjective:
 
     def __call__(self, score: Scorer, batch: dict[str, torch.Tensor]) -> ObjectiveResult:
         input_ids, labels = batch["input_ids"], batch["labels"]
+        keep = batch.get("valid")
         kl = None
         if self.loss.needs_kl:
             kl_ids, kl_labels = batch["kl_input_ids"], batch["kl_labels"]
             policy_kl = score(kl_ids, kl_labels, grad=False).logps
             reference_kl = self.reference.scores(score, kl_ids, kl_labels, batch.get("reference_kl_logps"))
-            local = (policy_kl - reference_kl.to(policy_kl.device)).mean()
-            kl = collectives.reduce(local, self.engine.mesh.dp_group, op="mean").clamp(min=0)
+            gap = policy_kl - reference_kl.to(policy_kl.device)
+            if keep is None:
+                kl = collectives.reduce(gap.mean(), self.engine.mesh.dp_group, op="mean").clamp(min=0)
+            else:  # (evaluation: the mean over every rank's real rows)
+                kept = keep.to(gap.device)
+                sums = torch.stack((gap[kept].sum(), kept.sum().float()))
+                total = collectives.reduce(sums, self.engine.mesh.dp_group, op="sum")
+                kl = (total[0] / total[1].clamp(min=1)).clamp(min=0)
         reference = self.reference.scores(score, input_ids, labels, batch.get("reference_logps"))
         policy = score(input_ids, labels).logps
         desirable = batch["desirable"].to(policy.device)
-        return self.loss(policy, reference.to(policy.device), desirable, kl)
+        reference = reference.to(policy.device)
+        if keep is not None:
+            kept = keep.to(policy.device)
+            policy, reference, desirable = policy[kept], reference[kept], desirable[kept]
+        return self.loss(policy, reference, desirable, kl)
 
 
 class PreferenceWindow:
@@ -139,12 +156,12 @@ class PreferenceWindow:
     def step(self, batch: Any) -> torch.Tensor:
         result = self.engine.objective_step(batch, self.objective)
         items = torch.tensor(float(result.items))
-        self._add("loss", result.loss.detach().float().cpu() * items, items)  # (already a mean over every rank)
+        self.add_sums("loss", result.loss.detach().float().cpu() * items, items)  # (already a mean over every rank)
         for name, (total, count) in result.metrics.items():
-            self._add(name, total.detach().float().cpu(), count.detach().float().cpu())
+            self.add_sums(name, total.detach().float().cpu(), count.detach().float().cpu())
         return result.loss
 
-    def _add(self, name: str, total: torch.Tensor, count: torch.Tensor) -> None:
+    def add_sums(self, name: str, total: torch.Tensor, count: torch.Tensor) -> None:
         pair = self.sums.setdefault(name, [torch.zeros(()), torch.zeros(())])
         pair[0] += total
         pair[1] += count
@@ -175,3 +192,33 @@ class PreferenceWindow:
             out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]  # (KTO: as TRL logs it)
         self.sums = {}
         return out
+
+
+def evaluate_preference(
+    engine: Engine, model: nn.Module, objective: PairedObjective | UnpairedObjective, batches: list[dict[str, Any]]
+) -> dict[str, float]:
+    """The objective's loss and metrics over the validation records (eval mode, no graph), as TRL's `eval_*`."""
+    from meshkit.engine.objective_step import LayoutScorer
+
+    scorer = LayoutScorer(engine.ctx)
+
+    def forward_only(*args: Any, **options: Any) -> Any:
+        return scorer(*args, **{**options, "grad": False})
+
+    window = PreferenceWindow(engine, objective)
+    model.eval()
+    with torch.no_grad():
+        for batch in batches:
+            result = objective(forward_only, batch)
+            mean = result.loss.detach().float().cpu() if result.items else torch.zeros(())  # (a rank of fillers)
+            total = collectives.reduce(
+                torch.stack((mean * result.items, torch.tensor(float(result.items)))).to(engine.device),
+                engine.mesh.dp_group,
+                op="sum",
+            ).cpu()  # (the loss over every rank's records, as the training steps report it)
+            window.add_sums("loss", total[0], total[1])
+            for name, (value, count) in result.metrics.items():
+                window.add_sums(name, value.detach().float().cpu(), count.detach().float().cpu())
+    model.train()
+    loss = window.mean()
+    return {"eval_loss": loss, **{f"eval_{name}": value for name, value in window.metrics().items()}}

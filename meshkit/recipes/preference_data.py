@@ -4,6 +4,7 @@ reference log-probabilities scored once before training (`precompute_reference`)
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ class PreferenceData:
     collate: PreferenceCollate
     loader: DataLoader
     paired: bool
+    validation: Any = None  # the held-out records (an Arrow table), or None
 
     @property
     def per_item_tokens(self) -> float:
@@ -65,6 +67,14 @@ def prepare_preference_data(engine: Engine, settings: Any, tokenizer: Any, paire
             num_proc=settings.dataset_processes or cpu_share(engine.info.local_world_size),
             keep_in_memory=settings.dataset_keep_in_memory,
         )
+    validation = None
+    if settings.test_datasets:
+        with engine.local_main_process_first():
+            validation = load_preference_records(
+                settings.test_datasets, tokenizer, paired=paired, sequence_len=cfg.train.seq_len
+            )[0]
+    elif settings.val_set_size:
+        table, validation = _held_out(table, settings.val_set_size, cfg.seed)
     per_window = cfg.train.global_micro_batch(engine.dp_size)
     if len(table) < per_window:
         raise InstructionDataError(
@@ -73,13 +83,47 @@ def prepare_preference_data(engine: Engine, settings: Any, tokenizer: Any, paire
         )
     if not paired:  # KTO's KL rows: completions rotated within each global micro-batch of records
         table = with_kl_completions(table, per_window)
+        if validation is not None and len(validation):
+            validation = with_kl_completions(validation, per_window)
     cp = engine.mesh.size("cp")
     collate = PreferenceCollate(tokenizer.pad_token_id, cfg.train.seq_len, paired, multiple_of=2 * cp if cp > 1 else 1)
     rows = PreferenceRows(table)
     loader = DataLoader(
         rows, batch_size=cfg.train.largest_micro_batch, shuffle=True, drop_last=True, collate_fn=collate
     )
-    return PreferenceData(rows, report, collate, loader, paired)
+    return PreferenceData(rows, report, collate, loader, paired, validation)
+
+
+def _held_out(table: Any, size: float, seed: int) -> tuple[Any, Any]:
+    """(train, validation): `size` < 1 a share, >= 1 a count of the records, chosen by a seeded shuffle."""
+    count = int(size) if size >= 1 else int(round(size * len(table)))
+    if count >= len(table):
+        raise InstructionDataError(f"val_set_size={size} leaves no training records out of {len(table)}: lower it")
+    order = list(range(len(table)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:count])
+    return table.select([i for i in range(len(table)) if i not in held]), table.select(sorted(held))
+
+
+def eval_batches(engine: Engine, data: PreferenceData, size: int | None) -> list[dict[str, Any]]:
+    """This rank's validation batches: every record once over the data-parallel ranks; ranks with fewer records
+    fill up with copies marked `valid: false` (counted nowhere), so every rank runs as many forwards."""
+    table = data.validation
+    if table is None or not len(table):
+        return []
+    size, dp = size or engine.config.train.largest_micro_batch, engine.dp_size
+    mine = list(range(engine.dp_rank, len(table), dp))
+    batches = math.ceil(math.ceil(len(table) / dp) / size)
+    filler = batches * size - len(mine)
+    indices = mine + [0] * filler
+    out = []
+    for number in range(batches):
+        chunk = indices[number * size : (number + 1) * size]
+        batch = data.collate([dict(table[i]) for i in chunk])
+        valid = [position < len(mine) for position in range(number * size, (number + 1) * size)]
+        batch["valid"] = torch.tensor(valid)
+        out.append(batch)
+    return out
 
 
 def precompute_reference(engine: Engine, model: torch.nn.Module, data: PreferenceData) -> None:

@@ -22,12 +22,13 @@ from meshkit.recipes.preference import (
     Reference,
     UnpairedObjective,
     adapters_off,
+    evaluate_preference,
     preference_loss,
 )
-from meshkit.recipes.preference_data import precompute_reference, prepare_preference_data
+from meshkit.recipes.preference_data import eval_batches, precompute_reference, prepare_preference_data
 from meshkit.recipes.report import print_summary
 from meshkit.recipes.schedules import build_schedule, warmup_steps
-from meshkit.recipes.stopping import LossWatchdog
+from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 from meshkit.runtime import collectives
 
 SHOWN = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen", "kl")
@@ -39,8 +40,6 @@ def train_preference(
     cfg, s = engine.config, job.settings
     loss = preference_loss(s)
     paired = not isinstance(loss, KTO)
-    if s.val_set_size or s.test_datasets:
-        engine.print(f"meshkit: rl: {s.rl} runs no evaluation yet: val_set_size / test_datasets are not held out")
     data = prepare_preference_data(engine, s, tokenizer, paired)
     built = adapt(job, base, tokenizer, attention)
     steps = step_plan(engine, job, len(data.rows))
@@ -76,9 +75,13 @@ def train_preference(
             f"{cfg.train.seq_len}; cut {data.report.truncated} longer rows to it (TRL's keep_start)"
         )
     window = PreferenceWindow(engine, objective)
+    validation = eval_batches(engine, data, s.eval_batch_size)
     plan = LoopPlan(
-        steps.total_steps, data.per_item_tokens * steps.rows_per_step, save_every=steps.save_every,
-        watchdog=LossWatchdog(s.loss_watchdog_threshold, s.loss_watchdog_patience), step=window.step,
+        steps.total_steps, data.per_item_tokens * steps.rows_per_step,
+        evaluate=(lambda: evaluate_preference(engine, model, objective, validation)) if validation else None,
+        eval_every=steps.eval_every, save_every=steps.save_every,
+        watchdog=LossWatchdog(s.loss_watchdog_threshold, s.loss_watchdog_patience),
+        early_stopping=EarlyStopping(s.early_stopping_patience), step=window.step,
     )  # fmt: skip
     record = run_steps(engine, loader, scheduler, plan, window)
     base.config.use_cache = True
@@ -93,6 +96,8 @@ def train_preference(
         "parameters": built.parameters,
         "trainable_parameters": built.trainable,
         "records": len(data.rows),
+        "validation_records": len(data.validation) if data.validation is not None else 0,
+        "evals": record.evals,
         "dropped_long_prompts": data.report.prompt_too_long,
         "losses": record.losses,
         "metrics": record.metrics,
@@ -126,6 +131,14 @@ def _print(summary: dict[str, Any], curve: list[tuple[int, float]]) -> None:
             table.add_row(name, f"{final[name]:.4f}")
     if curve:
         table.add_row("accuracy over steps", " ".join(f"{value:.2f}" for _, value in curve[-8:]))
+    for evaluation in summary["evals"][-1:]:
+        shown = [f"loss {evaluation['eval_loss']:.4f}"]
+        shown += [
+            f"{name[5:]} {evaluation[name]:.4f}"
+            for name in ("eval_rewards/accuracies", "eval_rewards/margins")
+            if name in evaluation
+        ]  # noqa: E501
+        table.add_row("eval", ", ".join(shown))
     for name, path in summary["outputs"].items():
         table.add_row(name, path)
     Console().print(table)

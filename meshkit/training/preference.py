@@ -51,6 +51,15 @@ class PairScores:
             whole, whole_tokens = scores.whole_logps.chunk(2)[0], scores.whole_tokens.float().chunk(2)[0]
         return cls(chosen, rejected, chosen_tokens, rejected_tokens, whole, whole_tokens)
 
+    def select(self, keep: torch.Tensor) -> PairScores:
+        """The pairs where `keep` ([pairs] bool) is true (evaluation's filler pairs left out)."""
+        whole = None if self.whole_chosen is None else self.whole_chosen[keep]
+        whole_tokens = None if self.whole_chosen_tokens is None else self.whole_chosen_tokens[keep]
+        return PairScores(
+            self.chosen[keep], self.rejected[keep], self.chosen_tokens[keep], self.rejected_tokens[keep], whole,
+            whole_tokens,
+        )  # fmt: skip
+
     def mean_per_token(self) -> PairScores:
         """The average log-probability per completion token (SimPO, ORPO, CPO's `average_log_prob`)."""
         return PairScores(

@@ -14,6 +14,7 @@ from tests.helpers.finetune_runs import lora_keys, write_config  # noqa: E402
 from tests.helpers.preference_runs import dpo_keys, write_preference_data  # noqa: E402
 
 TIMEOUT = 180
+EVALUATED = {"val_set_size": 3, "eval_steps": 2}  # 3 held-out records: two ranks hold 2 and 1 (+ a filler)
 
 
 def run_preference(rank: int, config: str, assignments: list[str]) -> dict:
@@ -21,7 +22,7 @@ def run_preference(rank: int, config: str, assignments: list[str]) -> dict:
     from meshkit.recipes.finetune_config import resolve_finetune
 
     summary = finetune(resolve_finetune(config, assignments))
-    return {key: summary[key] for key in ("losses", "metrics", "reference", "outputs", "layout")}
+    return {key: summary[key] for key in ("losses", "metrics", "reference", "outputs", "layout", "evals")}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,16 @@ def _run(tmp_path, material, world: int, name: str, assignments: list[str], **ke
 
 def _close(got: dict, expected: dict) -> None:
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6)
-    for ours, theirs in zip(got["metrics"], expected["metrics"], strict=True):
-        for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"):
+    assert len(got["evals"]) == len(expected["evals"])
+    for ours, theirs in zip(got["metrics"] + got["evals"], expected["metrics"] + expected["evals"], strict=True):
+        for name in (
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/margins",
+            "logps/chosen",
+            "eval_loss",
+            "eval_rewards/margins",
+        ):  # noqa: E501
             if name in theirs:
                 assert ours[name] == pytest.approx(theirs[name], rel=1e-5, abs=1e-5), name
 
@@ -50,7 +59,9 @@ def references(tmp_path_factory, material, pair_data):
     """One process on the global batch (4 pairs) of two ranks × 2: DPO with LoRA and full, KTO with LoRA."""
     root = tmp_path_factory.mktemp("preference-reference")
     return {
-        "lora": _run(root, material, 1, "lora", ["micro_batch_size=4"], **dpo_keys(pair_data), **lora_keys()),
+        "lora": _run(
+            root, material, 1, "lora", ["micro_batch_size=4"], **dpo_keys(pair_data), **lora_keys(), **EVALUATED
+        ),
         "full": _run(root, material, 1, "full", ["micro_batch_size=4"], **dpo_keys(pair_data)),
         "precomputed": _run(
             root,
@@ -61,7 +72,9 @@ def references(tmp_path_factory, material, pair_data):
             **dpo_keys(pair_data),
             precompute_ref_log_probs=True,
         ),
-        "kto": _run(root, material, 1, "kto", ["micro_batch_size=4"], **dpo_keys(pair_data, "kto"), **lora_keys()),
+        "kto": _run(
+            root, material, 1, "kto", ["micro_batch_size=4"], **dpo_keys(pair_data, "kto"), **lora_keys(), **EVALUATED
+        ),
     }
 
 
@@ -77,13 +90,15 @@ def test_dpo_learns_to_prefer_the_chosen_replies(references) -> None:
         assert run["losses"][0] == pytest.approx(0.6931472, abs=1e-6)  # -log σ(0)
         assert last["rewards/margins"] > 0 and run["losses"][-1] < run["losses"][0]
     assert references["kto"]["metrics"][-1]["rewards/chosen"] > references["kto"]["metrics"][0]["rewards/chosen"]
+    evals = lora["evals"]
+    assert [e["step"] for e in evals] == [2, 4] and evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"]
 
 
 @pytest.mark.parametrize(
     ("adapter", "zero_stage"), [("lora", 0), ("full", 0), ("lora", 3), ("full", 3), ("precomputed", 3)]
 )
 def test_two_ranks_equal_one_process(tmp_path, material, pair_data, references, adapter, zero_stage) -> None:
-    keys = {**dpo_keys(pair_data), **(lora_keys() if adapter == "lora" else {})}
+    keys = {**dpo_keys(pair_data), **(lora_keys(**EVALUATED) if adapter == "lora" else {})}
     if adapter == "precomputed":
         keys["precompute_ref_log_probs"] = True
     summary = _run(tmp_path, material, 2, "run", [f"zero_stage={zero_stage}"], **keys)
@@ -94,11 +109,11 @@ def test_two_ranks_equal_one_process(tmp_path, material, pair_data, references, 
 @pytest.mark.parametrize("layout", ["tp=2", "cp=2"])
 def test_model_parallel_equals_one_process(tmp_path, material, pair_data, references, layout, adapter) -> None:
     # dp = 1: each rank holds the whole global batch of 4 pairs, as the reference did
-    keys = {**dpo_keys(pair_data), **(lora_keys() if adapter == "lora" else {})}
+    keys = {**dpo_keys(pair_data), **(lora_keys(**EVALUATED) if adapter == "lora" else {})}
     summary = _run(tmp_path, material, 2, "run", [layout, "micro_batch_size=4"], **keys)
     _close(summary, references[adapter])
 
 
 def test_kto_two_ranks_equal_one_process(tmp_path, material, pair_data, references) -> None:
-    summary = _run(tmp_path, material, 2, "run", [], **dpo_keys(pair_data, "kto"), **lora_keys())
+    summary = _run(tmp_path, material, 2, "run", [], **dpo_keys(pair_data, "kto"), **lora_keys(), **EVALUATED)
     _close(summary, references["kto"])
