@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 # pytest workers (pytest-xdist): two keep a 2-core machine busy; each test file runs whole on one of them
 TEST_WORKERS ?= 2
 
-.PHONY: install demo finetune-demo test test-quick test-fast lint docs bench clean
+.PHONY: install demo finetune-demo dpo-demo test test-quick test-fast lint docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ examples/finetune/base/config.json: $(STAMP)
 
 finetune-demo: examples/finetune/base/config.json
 	$(BIN)/meshkit finetune examples/finetune/lora.yaml
+
+dpo-demo: examples/finetune/base/config.json
+	$(BIN)/meshkit finetune examples/finetune/dpo.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15

@@ -191,10 +191,14 @@ def _after_step(
 
 
 def write_summary(
-    engine: Engine, summary: dict[str, Any], losses: list[float], curve: list[tuple[float, float]] | None = None
+    engine: Engine,
+    summary: dict[str, Any],
+    losses: list[float],
+    curve: list[tuple[float, float]] | None = None,
+    shares: dict[str, list[tuple[float, float]]] | None = None,
 ) -> Path | None:
     """summary.json and loss.png in the run directory (main reporting rank only); returns the plot's path."""
     run_dir = Path(engine.config.logging.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return plot_losses(losses, run_dir / "loss.png", curve)
+    return plot_losses(losses, run_dir / "loss.png", curve, shares)

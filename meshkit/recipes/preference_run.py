@@ -106,10 +106,11 @@ def train_preference(
         "memory": collectives.gather_object(engine.memory_report(), group=None),
     }
     if engine.is_main_process:
-        curve = [
+        curve: list[tuple[float, float]] = [
             (step + 1, m["rewards/accuracies"]) for step, m in enumerate(record.metrics) if "rewards/accuracies" in m
         ]
-        plot = write_summary(engine, summary, record.losses, None)
+        evals = [(e["step"], e["eval_loss"]) for e in record.evals]
+        plot = write_summary(engine, summary, record.losses, evals, {"rewards/accuracies": curve} if curve else None)
         print_summary(summary, Path(cfg.logging.dir), plot)
         _print(summary, curve)
     return summary
@@ -119,7 +120,7 @@ def _keeps_a_copy(loss: Any, built: Any, settings: Any) -> bool:
     return loss.uses_reference and built.peft_model is None and not settings.precompute_ref_log_probs
 
 
-def _print(summary: dict[str, Any], curve: list[tuple[int, float]]) -> None:
+def _print(summary: dict[str, Any], curve: list[tuple[float, float]]) -> None:
     table = Table(title=f"preference training ({summary['rl']})", show_header=False)
     table.add_column("", style="bold")
     table.add_column("")
@@ -130,7 +131,8 @@ def _print(summary: dict[str, Any], curve: list[tuple[int, float]]) -> None:
         if name in final:
             table.add_row(name, f"{final[name]:.4f}")
     if curve:
-        table.add_row("accuracy over steps", " ".join(f"{value:.2f}" for _, value in curve[-8:]))
+        picks = sorted({round(i * (len(curve) - 1) / 7) for i in range(8)})  # 8 steps from first to last
+        table.add_row("accuracy at step", "  ".join(f"{curve[i][0]:.0f}: {curve[i][1]:.2f}" for i in picks))
     for evaluation in summary["evals"][-1:]:
         shown = [f"loss {evaluation['eval_loss']:.4f}"]
         shown += [

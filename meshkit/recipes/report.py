@@ -48,9 +48,14 @@ class TrainingProgress:
             self._progress.stop()
 
 
-def plot_losses(losses: list[float], path: Path, evals: list[tuple[float, float]] | None = None) -> Path | None:
-    """Loss per step (and the evaluation loss at its steps) as a PNG; None when matplotlib is not installed
-    (pip install 'meshkit[plot]')."""
+def plot_losses(
+    losses: list[float],
+    path: Path,
+    evals: list[tuple[float, float]] | None = None,
+    shares: dict[str, list[tuple[float, float]]] | None = None,
+) -> Path | None:
+    """Loss per step (and the evaluation loss at its steps) as a PNG, with `shares` (curves between 0 and 1,
+    e.g. preference accuracy) on a second axis; None when matplotlib is not installed (pip install 'meshkit[plot]')."""
     try:
         import matplotlib
 
@@ -63,6 +68,13 @@ def plot_losses(losses: list[float], path: Path, evals: list[tuple[float, float]
     if evals:
         axes.plot([step for step, _ in evals], [loss for _, loss in evals], marker="o", linewidth=1.2, label="eval")
         axes.legend()
+    if shares:
+        second = axes.twinx()
+        for name, points in shares.items():
+            second.plot([x for x, _ in points], [y for _, y in points], linestyle="--", linewidth=1.0, label=name)
+        second.set_ylim(-0.05, 1.05)
+        second.set_ylabel(", ".join(shares))
+        second.legend(loc="center right")
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss (mean over dp ranks)")
     axes.set_title("meshkit training loss")
