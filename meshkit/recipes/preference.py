@@ -22,7 +22,7 @@ from torch import nn
 from meshkit.engine.engine import Engine
 from meshkit.models.adapters import adapters_disabled
 from meshkit.runtime import collectives
-from meshkit.training.objective import ObjectiveResult, Scorer
+from meshkit.training.objective import ObjectiveResult, Scorer, SequenceScores
 from meshkit.training.preference import CPO, DPO, KTO, ORPO, PairScores, PreferenceError
 
 PairedLoss = DPO | ORPO | CPO
@@ -87,62 +87,78 @@ def adapters_off(model: nn.Module) -> Callable[[], contextlib.AbstractContextMan
 
 
 class PairedObjective:
-    """DPO, IPO, ORPO and SimPO over a paired batch: chosen and rejected rows run in one forward."""
+    """DPO, IPO, ORPO and SimPO over a paired batch: chosen and rejected rows run in one forward.
+
+    In two phases, so a pipeline can run the second on its last stage: `references` scores what needs no graph
+    (the reference) into per-row tensors; `loss_of` turns the policy's scores of those rows into the result."""
 
     def __init__(self, loss: PairedLoss, reference: Reference | None) -> None:
         self.loss, self.reference = loss, reference
+        self.needs_whole = loss.needs_whole
+        self.pairs_together = True  # a micro-batch holds both rows of each of its pairs
 
-    def __call__(self, score: Scorer, batch: dict[str, torch.Tensor]) -> ObjectiveResult:
-        input_ids, labels = batch["input_ids"], batch["labels"]
-        stored = None
+    def references(self, score: Scorer, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows = batch["input_ids"].shape[0]
+        extras = {"valid": batch["valid"].repeat(2) if "valid" in batch else torch.ones(rows, dtype=torch.bool)}
         if self.loss.uses_reference:
             assert self.reference is not None
-            stored = self.reference.scores(score, input_ids, labels, batch.get("reference_logps"))
-        whole = batch["attention_mask"] if self.loss.needs_whole else None
-        policy = PairScores.of(score(input_ids, labels, whole_mask=whole))
-        if stored is None:
-            if "valid" in batch:
-                policy = policy.select(batch["valid"].to(policy.chosen.device))
-            return self.loss(policy)  # type: ignore[call-arg]
-        chosen, rejected = stored.to(policy.chosen.device).chunk(2)
+            stored = batch.get("reference_logps")
+            extras["reference"] = self.reference.scores(score, batch["input_ids"], batch["labels"], stored)
+        return extras
+
+    def loss_of(self, policy_rows: SequenceScores, extras: dict[str, torch.Tensor]) -> ObjectiveResult:
+        policy = PairScores.of(policy_rows)
+        device = policy.chosen.device
+        keep = extras["valid"].to(device).chunk(2)[0]  # an evaluation batch's filler pairs count nothing
+        if "reference" not in extras:
+            return self.loss(policy.select(keep))  # type: ignore[call-arg]
+        chosen, rejected = extras["reference"].to(device).float().chunk(2)
         reference = PairScores(chosen, rejected, policy.chosen_tokens, policy.rejected_tokens)
-        if "valid" in batch:  # an evaluation batch's filler pairs count nothing
-            keep = batch["valid"].to(policy.chosen.device)
-            policy, reference = policy.select(keep), reference.select(keep)
-        return self.loss(policy, reference)
+        return self.loss(policy.select(keep), reference.select(keep))
+
+    def __call__(self, score: Scorer, batch: dict[str, torch.Tensor]) -> ObjectiveResult:
+        extras = self.references(score, batch)
+        whole = batch["attention_mask"] if self.needs_whole else None
+        return self.loss_of(score(batch["input_ids"], batch["labels"], whole_mask=whole), extras)
 
 
 class UnpairedObjective:
     """KTO: desirable and undesirable completions; the KL term from the batch's mismatched rows, its mean over
-    every data-parallel rank."""
+    every data-parallel rank. Two phases, as `PairedObjective`."""
 
     def __init__(self, loss: KTO, reference: Reference, engine: Engine) -> None:
         self.loss, self.reference, self.engine = loss, reference, engine
+        self.needs_whole = False
+        self.pairs_together = False
 
-    def __call__(self, score: Scorer, batch: dict[str, torch.Tensor]) -> ObjectiveResult:
+    def references(self, score: Scorer, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         input_ids, labels = batch["input_ids"], batch["labels"]
-        keep = batch.get("valid")
-        kl = None
+        rows = input_ids.shape[0]
+        keep = batch["valid"] if "valid" in batch else torch.ones(rows, dtype=torch.bool)
+        extras = {"valid": keep, "desirable": batch["desirable"]}
+        extras["reference"] = self.reference.scores(score, input_ids, labels, batch.get("reference_logps")).float()
         if self.loss.needs_kl:
             kl_ids, kl_labels = batch["kl_input_ids"], batch["kl_labels"]
             policy_kl = score(kl_ids, kl_labels, grad=False).logps
             reference_kl = self.reference.scores(score, kl_ids, kl_labels, batch.get("reference_kl_logps"))
             gap = policy_kl - reference_kl.to(policy_kl.device)
-            if keep is None:
-                kl = collectives.reduce(gap.mean(), self.engine.mesh.dp_group, op="mean").clamp(min=0)
-            else:  # (evaluation: the mean over every rank's real rows)
-                kept = keep.to(gap.device)
-                sums = torch.stack((gap[kept].sum(), kept.sum().float()))
-                total = collectives.reduce(sums, self.engine.mesh.dp_group, op="sum")
-                kl = (total[0] / total[1].clamp(min=1)).clamp(min=0)
-        reference = self.reference.scores(score, input_ids, labels, batch.get("reference_logps"))
-        policy = score(input_ids, labels).logps
-        desirable = batch["desirable"].to(policy.device)
-        reference = reference.to(policy.device)
-        if keep is not None:
-            kept = keep.to(policy.device)
-            policy, reference, desirable = policy[kept], reference[kept], desirable[kept]
-        return self.loss(policy, reference, desirable, kl)
+            kept = keep.to(gap.device)  # the mean over every rank's real rows
+            sums = torch.stack((gap[kept].sum(), kept.sum().float()))
+            total = collectives.reduce(sums, self.engine.mesh.dp_group, op="sum")
+            extras["kl"] = (total[0] / total[1].clamp(min=1)).clamp(min=0).expand(rows)
+        return extras
+
+    def loss_of(self, policy_rows: SequenceScores, extras: dict[str, torch.Tensor]) -> ObjectiveResult:
+        policy = policy_rows.logps
+        kept = extras["valid"].to(policy.device)
+        reference = extras["reference"].to(policy.device)[kept]
+        desirable = extras["desirable"].to(policy.device)[kept]
+        kl = extras["kl"].to(policy.device)[0] if "kl" in extras and len(extras["kl"]) else None
+        return self.loss(policy[kept], reference, desirable, kl)
+
+    def __call__(self, score: Scorer, batch: dict[str, torch.Tensor]) -> ObjectiveResult:
+        extras = self.references(score, batch)
+        return self.loss_of(score(batch["input_ids"], batch["labels"]), extras)
 
 
 class PreferenceWindow:
