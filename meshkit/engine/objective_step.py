@@ -4,7 +4,9 @@ The objective asks the `LayoutScorer` for per-sequence completion log-probabilit
 the run's layout: the sequence split over context-parallel ranks (each rank's sums are added over the cp group,
 differentiably, so every cp rank holds the whole sequences' values), the head's logits vocab-parallel under tensor
 parallel (log-probabilities from `loss_parallel`, never gathering the logits), parameters sharded by ZeRO-3 and
-gathered by FSDP for each forward. Pipelines run the token loss only: their schedule owns the forward.
+gathered by FSDP for each forward. Under pipeline parallel a forward without a graph runs the schedule forward
+only and the last stage's scores are broadcast; the training step runs the objective's loss on the last stage
+(`meshkit.engine.pipelined_objective`).
 """
 
 from __future__ import annotations
@@ -14,17 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed.nn.functional as distributed_autograd
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshkit.engine.context import EngineContext
 from meshkit.engine.gradients import GradientSync
+from meshkit.engine.pipelined_objective import pipeline_scores, pipelined_objective_step
 from meshkit.engine.prepared import EngineError
+from meshkit.engine.sequence_scores import row_scores, scoring_targets
 from meshkit.parallel.fsdp import reshard
 from meshkit.runtime import collectives
-from meshkit.training.loss import IGNORE_INDEX, logits_of, split_causal_lm_batch
+from meshkit.training.loss import logits_of
 from meshkit.training.objective import Objective, ObjectiveResult, SequenceScores
 
 
@@ -46,18 +47,15 @@ class LayoutScorer:
         whole_mask: torch.Tensor | None = None,
     ) -> SequenceScores:
         ctx = self.ctx
-        module = model if model is not None else ctx.objects.only_model()
         device = ctx.mesh.device
-        input_ids, labels = input_ids.to(device), labels.to(device)
-        inputs, targets = split_causal_lm_batch({"input_ids": input_ids, "labels": labels})
-        completion = targets != IGNORE_INDEX
-        if whole_mask is not None:  # every real token's target; the completion's are among them
-            targets = split_causal_lm_batch(
-                {"input_ids": input_ids, "labels": input_ids.masked_fill(whole_mask.to(device) == 0, IGNORE_INDEX)}
-            )[1]  # noqa: E501
-        rows = targets.shape[0]
-        cp = ctx.mesh.size("cp")
-        if cp > 1:
+        if ctx.objects.pipeline is not None and model is None:
+            if grad:
+                raise EngineError("under pipeline parallel the policy's scores exist on the last stage only")
+            with context() if context is not None else contextlib.nullcontext():
+                return pipeline_scores(ctx, input_ids.to(device), labels.to(device), whole_mask)
+        module = model if model is not None else ctx.objects.only_model()
+        inputs, targets, completion = scoring_targets(input_ids.to(device), labels.to(device), whole_mask)
+        if ctx.mesh.size("cp") > 1:
             inputs, targets, completion = ctx.shard_sequence((inputs, targets, completion))
         with contextlib.ExitStack() as stack:
             if not grad:
@@ -66,31 +64,10 @@ class LayoutScorer:
                 stack.enter_context(context())
             with ctx.loss_parallel():
                 logits = logits_of(module(**{**ctx.objects.training_inputs, **inputs}))
-                per_token = -F.cross_entropy(
-                    logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-                )
-            if isinstance(per_token, DTensor):
-                per_token = per_token.full_tensor()
-            per_token = per_token.view(rows, -1)  # [rows, seq]; ignored targets count 0
-            sums = [per_token.masked_fill(~completion, 0).sum(-1)]
-            counts = [completion.sum(-1).float()]
-            if whole_mask is not None:
-                sums.append(per_token.sum(-1))
-                counts.append((targets != IGNORE_INDEX).sum(-1).float())
-            logps, tokens = torch.stack(sums), torch.stack(counts)
-            if cp > 1:  # each cp rank holds two chunks of every row: the whole rows' sums on every cp rank
-                group = ctx.mesh.group("cp")
-                logps = (
-                    distributed_autograd.all_reduce(logps, group=group)
-                    if grad
-                    else collectives.reduce(logps, group, op="sum")
-                )
-                tokens = collectives.reduce(tokens, group, op="sum")
+                scores = row_scores(ctx, logits, targets, completion, whole_mask is not None, grad)
         if not grad and ctx.placement.zero_stage == 3:
             reshard(module)  # (a forward without backward leaves FSDP's gathered parameters in place)
-        if whole_mask is None:
-            return SequenceScores(logps[0], tokens[0])
-        return SequenceScores(logps[0], tokens[0], logps[1], tokens[1])
+        return scores
 
 
 def objective_micro_step(
@@ -99,10 +76,7 @@ def objective_micro_step(
     """One micro-step: the objective's loss, backward weighted by its example count over every rank; returns
     the result with `loss` the mean over every rank's examples of this micro-step."""
     if ctx.objects.pipeline is not None:
-        raise EngineError(
-            "an objective over whole sequences (preference training) does not run under pipeline parallel yet: set "
-            "pp=1 (dp, ZeRO, tp and cp all run it)"
-        )
+        return pipelined_objective_step(ctx, objective, batch, gradients, LayoutScorer(ctx))
     result = objective(LayoutScorer(ctx), batch)
     loss = result.loss
     # the loss sum and example count over every rank, summed while backward runs

@@ -22,6 +22,7 @@ from torch import nn
 from meshkit.engine.engine import Engine
 from meshkit.models.adapters import adapters_disabled
 from meshkit.runtime import collectives
+from meshkit.training.loss import IGNORE_INDEX
 from meshkit.training.objective import ObjectiveResult, Scorer, SequenceScores
 from meshkit.training.preference import CPO, DPO, KTO, ORPO, PairScores, PreferenceError
 
@@ -92,14 +93,22 @@ class PairedObjective:
     In two phases, so a pipeline can run the second on its last stage: `references` scores what needs no graph
     (the reference) into per-row tensors; `loss_of` turns the policy's scores of those rows into the result."""
 
-    def __init__(self, loss: PairedLoss, reference: Reference | None) -> None:
-        self.loss, self.reference = loss, reference
+    def __init__(self, loss: PairedLoss, reference: Reference | None, engine: Engine | None = None) -> None:
+        self.loss, self.reference, self.engine = loss, reference, engine
         self.needs_whole = loss.needs_whole
         self.pairs_together = True  # a micro-batch holds both rows of each of its pairs
 
     def references(self, score: Scorer, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         rows = batch["input_ids"].shape[0]
-        extras = {"valid": batch["valid"].repeat(2) if "valid" in batch else torch.ones(rows, dtype=torch.bool)}
+        valid = batch["valid"] if "valid" in batch else torch.ones(rows // 2, dtype=torch.bool)
+        extras = {"valid": valid.repeat(2)}
+        if self.engine is not None:  # the NLL terms' denominators: every rank's chosen tokens and pairs
+            counted = batch["attention_mask"] if self.needs_whole else batch["labels"] != IGNORE_INDEX
+            tokens = counted[: rows // 2, 1:].sum(-1).float()  # (next-token targets of the chosen rows)
+            kept = valid.to(tokens.device)
+            local = torch.stack((tokens[kept].sum(), kept.sum().float())).to(self.engine.device)
+            total = collectives.reduce(local, self.engine.mesh.dp_group, op="sum").cpu()
+            extras["nll_tokens"], extras["nll_pairs"] = total[0].expand(rows), total[1].expand(rows)
         if self.loss.uses_reference:
             assert self.reference is not None
             stored = batch.get("reference_logps")
@@ -110,6 +119,8 @@ class PairedObjective:
         policy = PairScores.of(policy_rows)
         device = policy.chosen.device
         keep = extras["valid"].to(device).chunk(2)[0]  # an evaluation batch's filler pairs count nothing
+        if "nll_tokens" in extras:
+            policy = policy.with_totals((extras["nll_tokens"][0].to(device), extras["nll_pairs"][0].to(device)))
         if "reference" not in extras:
             return self.loss(policy.select(keep))  # type: ignore[call-arg]
         chosen, rejected = extras["reference"].to(device).float().chunk(2)

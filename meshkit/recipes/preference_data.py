@@ -86,7 +86,10 @@ def prepare_preference_data(engine: Engine, settings: Any, tokenizer: Any, paire
         if validation is not None and len(validation):
             validation = with_kl_completions(validation, per_window)
     cp = engine.mesh.size("cp")
-    collate = PreferenceCollate(tokenizer.pad_token_id, cfg.train.seq_len, paired, multiple_of=2 * cp if cp > 1 else 1)
+    fixed = cfg.train.seq_len if engine.mesh.size("pp") > 1 else None  # (a pipeline's stages take fixed shapes)
+    collate = PreferenceCollate(
+        tokenizer.pad_token_id, cfg.train.seq_len, paired, multiple_of=2 * cp if cp > 1 else 1, width=fixed
+    )
     rows = PreferenceRows(table)
     loader = DataLoader(
         rows, batch_size=cfg.train.largest_micro_batch, shuffle=True, drop_last=True, collate_fn=collate

@@ -52,7 +52,7 @@ def train_preference(
     model_class = type(base).__name__
     # a full fine-tune's reference: a frozen copy of the untrained model (still on the meta device when the
     # weights stream in: the copy streams its own), laid out like the policy
-    twin = copy.deepcopy(built.model) if _keeps_a_copy(loss, built, s) else None
+    twin = copy.deepcopy(built.model) if _keeps_a_copy(loss, built, s, engine.mesh.size("pp")) else None
     model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, data.loader, scheduler)
     reference = None
     if twin is not None:
@@ -62,7 +62,7 @@ def train_preference(
     elif loss.uses_reference:
         precompute_reference(engine, model, data)  # scored once, untrained: no reference model kept
         reference = Reference(precomputed=True)
-    objective = PairedObjective(loss, reference) if paired else UnpairedObjective(loss, reference, engine)  # type: ignore[arg-type]
+    objective = PairedObjective(loss, reference, engine) if paired else UnpairedObjective(loss, reference, engine)  # type: ignore[arg-type]
     engine.print(
         f"meshkit: {s.rl} on {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "
         f"trainable{adapter_words(s)}) on {engine.num_processes} rank(s), layout {engine.mesh.dims.describe()}; "
@@ -116,8 +116,10 @@ def train_preference(
     return summary
 
 
-def _keeps_a_copy(loss: Any, built: Any, settings: Any) -> bool:
-    return loss.uses_reference and built.peft_model is None and not settings.precompute_ref_log_probs
+def _keeps_a_copy(loss: Any, built: Any, settings: Any, pp: int) -> bool:
+    """A full fine-tune keeps a frozen copy as its reference, but under pipeline parallel (no frozen pipeline
+    yet) it scores the records once before training instead (the same numbers)."""
+    return loss.uses_reference and built.peft_model is None and not settings.precompute_ref_log_probs and pp == 1
 
 
 def _print(summary: dict[str, Any], curve: list[tuple[float, float]]) -> None:

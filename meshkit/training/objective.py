@@ -52,4 +52,15 @@ class Scorer(Protocol):
 
 
 class Objective(Protocol):
+    """`__call__` runs the whole objective through a scorer; a pipeline runs it in two phases instead:
+    `references` (per-row tensors scored without a graph, `valid` among them) before the schedule, and `loss_of`
+    on the last stage for each micro-batch's rows."""
+
+    needs_whole: bool  # the policy's scores of every real token too (ORPO's NLL)
+    pairs_together: bool  # rows are [chosen..., rejected...]: a micro-batch must hold both rows of its pairs
+
     def __call__(self, score: Scorer, batch: Any) -> ObjectiveResult: ...
+
+    def references(self, score: Scorer, batch: Any) -> dict[str, torch.Tensor]: ...
+
+    def loss_of(self, policy_rows: SequenceScores, extras: dict[str, torch.Tensor]) -> ObjectiveResult: ...

@@ -12,6 +12,7 @@ with their counts, so the metrics of a step are means over every example of ever
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -40,6 +41,9 @@ class PairScores:
     rejected_tokens: torch.Tensor
     whole_chosen: torch.Tensor | None = None  # [pairs] over every real token, prompt included (ORPO's NLL)
     whole_chosen_tokens: torch.Tensor | None = None
+    # (chosen tokens, pairs) of the micro-step on every data-parallel rank: the NLL terms are token means over
+    # all of them, so that ranks, micro-batches and one process agree; None: this batch's own
+    nll_totals: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, scores: SequenceScores) -> PairScores:
@@ -57,21 +61,29 @@ class PairScores:
         whole_tokens = None if self.whole_chosen_tokens is None else self.whole_chosen_tokens[keep]
         return PairScores(
             self.chosen[keep], self.rejected[keep], self.chosen_tokens[keep], self.rejected_tokens[keep], whole,
-            whole_tokens,
+            whole_tokens, self.nll_totals,
         )  # fmt: skip
+
+    def with_totals(self, totals: tuple[torch.Tensor, torch.Tensor] | None) -> PairScores:
+        return dataclasses.replace(self, nll_totals=totals)
 
     def mean_per_token(self) -> PairScores:
         """The average log-probability per completion token (SimPO, ORPO, CPO's `average_log_prob`)."""
-        return PairScores(
-            self.chosen / self.chosen_tokens.clamp(min=1),
-            self.rejected / self.rejected_tokens.clamp(min=1),
-            self.chosen_tokens,
-            self.rejected_tokens,
-        )
+        chosen = self.chosen / self.chosen_tokens.clamp(min=1)
+        return dataclasses.replace(self, chosen=chosen, rejected=self.rejected / self.rejected_tokens.clamp(min=1))
 
-    def chosen_nll(self) -> torch.Tensor:
-        """The token-mean negative log-likelihood of the chosen completions (the SFT term of RPO, ORPO, CPO)."""
-        return -self.chosen.sum() / self.chosen_tokens.sum().clamp(min=1)
+    def chosen_nll(self, whole: bool = False) -> torch.Tensor:
+        """The token-mean negative log-likelihood of the chosen completions (the SFT term of RPO and CPO; with
+        `whole`, of the whole chosen rows: ORPO's). With `nll_totals` this batch's share of the mean over every
+        rank's tokens, scaled by pairs / these pairs: weighted by its pairs, as the other terms are, the shares
+        add up to the mean."""
+        logps, tokens = (self.whole_chosen, self.whole_chosen_tokens) if whole else (self.chosen, self.chosen_tokens)
+        if logps is None or tokens is None:
+            raise PreferenceError("this NLL term reads the whole chosen rows: score them with whole_mask")
+        if self.nll_totals is None:
+            return -logps.sum() / tokens.sum().clamp(min=1)
+        token_total, pair_total = self.nll_totals
+        return -logps.sum() / token_total.clamp(min=1) * pair_total / max(1, logps.numel())
 
 
 def _mean_metric(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,9 +256,7 @@ class ORPO:
     paired = True
 
     def __call__(self, policy: PairScores, reference: PairScores | None = None) -> ObjectiveResult:
-        if policy.whole_chosen is None or policy.whole_chosen_tokens is None:
-            raise PreferenceError("ORPO's NLL term reads the whole chosen rows: score them with whole_mask")
-        nll = -policy.whole_chosen.sum() / policy.whole_chosen_tokens.sum().clamp(min=1)  # prompt included (TRL)
+        nll = policy.chosen_nll(whole=True)  # prompt included (TRL)
         average = policy.mean_per_token()
         chosen, rejected = average.chosen.float(), average.rejected.float()
         log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))

@@ -106,7 +106,7 @@ def test_two_ranks_equal_one_process(tmp_path, material, pair_data, references, 
 
 
 @pytest.mark.parametrize("adapter", ["lora", "full"])
-@pytest.mark.parametrize("layout", ["tp=2", "cp=2"])
+@pytest.mark.parametrize("layout", ["tp=2", "cp=2", "pp=2"])
 def test_model_parallel_equals_one_process(tmp_path, material, pair_data, references, layout, adapter) -> None:
     # dp = 1: each rank holds the whole global batch of 4 pairs, as the reference did
     keys = {**dpo_keys(pair_data), **(lora_keys(**EVALUATED) if adapter == "lora" else {})}
@@ -117,3 +117,25 @@ def test_model_parallel_equals_one_process(tmp_path, material, pair_data, refere
 def test_kto_two_ranks_equal_one_process(tmp_path, material, pair_data, references) -> None:
     summary = _run(tmp_path, material, 2, "run", [], **dpo_keys(pair_data, "kto"), **lora_keys(), **EVALUATED)
     _close(summary, references["kto"])
+
+
+@pytest.mark.parametrize("method", ["kto", "orpo", "simpo"])
+def test_kto_and_orpo_under_pipeline_parallel_equal_one_process(tmp_path, material, pair_data, references, method):
+    """KTO's KL rows, ORPO's whole-row NLL and SimPO's completion NLL reach the last stage as extras and targets;
+    the NLL terms are token means over the whole micro-step, whatever the micro-batches."""
+    keys = {**dpo_keys(pair_data, method), **lora_keys(), **(EVALUATED if method == "kto" else {})}
+    expected = (
+        references[method]
+        if method in references
+        else _run(tmp_path, material, 1, "one", ["micro_batch_size=4"], **keys)
+    )  # noqa: E501
+    summary = _run(tmp_path, material, 2, "run", ["pp=2", "micro_batch_size=4"], **keys)
+    _close(summary, expected)
+    assert summary["losses"][-1] < summary["losses"][0]
+
+
+def test_rpo_nll_term_is_a_token_mean_over_every_rank(tmp_path, material, pair_data) -> None:
+    """DPO + rpo_alpha: the chosen replies' NLL is a mean over every rank's tokens, so two ranks equal one."""
+    keys = {**dpo_keys(pair_data), **lora_keys(), "rpo_alpha": 1.0}
+    expected = _run(tmp_path, material, 1, "one", ["micro_batch_size=4"], **keys)
+    _close(_run(tmp_path, material, 2, "two", ["zero_stage=3"], **keys), expected)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,11 +50,39 @@ class PipelineRunner:
             for chunk, index in zip(model.chunks, model.stage_list, strict=True)
         ]
         stage_arg = self.stages[0] if cfg.schedule in SINGLE_STAGE else self.stages
-        self.schedule = schedule_class(cfg.schedule)(stage_arg, n_microbatches=self.microbatches, loss_fn=loss_fn)
+        # (the schedule calls `_loss`, so `swapped_loss` can run another loss for a step)
+        self.schedule = schedule_class(cfg.schedule)(stage_arg, n_microbatches=self.microbatches, loss_fn=self._loss)
         owner = next(r for r in range(pp) if model.stages - 1 in stage_ids(r, pp, len(model.stage_list), cfg.schedule))
         self.last_stage_rank = dist.get_global_rank(self.group, owner)
         self.balancing: PipelineBalancing | None = None  # the router's balancing loss of an MoE model
         self.balancing_group: dist.ProcessGroup | None = None
+
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target)
+
+    @contextlib.contextmanager
+    def swapped_loss(self, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> Iterator[None]:
+        """The last stage runs `loss_fn(output, micro-batch target)` instead of the runner's loss meanwhile."""
+        before = self.loss_fn
+        self.loss_fn = loss_fn
+        try:
+            yield
+        finally:
+            self.loss_fn = before
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> list[torch.Tensor]:
+        """One pass of the schedule over every micro-batch (forward only, or forward and backward); what the loss
+        function computes on the last stage is its own business (`swapped_loss`). Returns the losses the schedule
+        kept, one per micro-batch (on the last stage; none elsewhere)."""
+        if forward_only:
+            refusal = forward_only_refusal(self.schedule_name, "a forward-only pass (reference scores, evaluation)")
+            if refusal is not None:
+                raise PipelineError(refusal)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.model.has_first_stage else ()
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.model.has_last_stage else {}
+        (self.schedule.eval if forward_only else self.schedule.step)(*args, **kwargs)
+        return losses
 
     def add_balancing(self, balancing: PipelineBalancing, group: dist.ProcessGroup | None) -> None:
         """Add the router's balancing loss to every step, its statistics taken over `group` (None: this rank)."""

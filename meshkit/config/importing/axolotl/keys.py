@@ -138,8 +138,8 @@ _add(G, ("pretraining_dataset", "streaming"),
      refused("streamed pretraining data is not read: use datasets with type: completion, or meshkit train"))
 
 G = "preference training"
-_add(G, "rl", honoured("dpo, ipo, kto, orpo, simpo with TRL's definitions, in DDP, ZeRO-1/2/3, tp and cp (pp: not "
-                       "yet); the reference: adapters off (LoRA), a frozen copy (full), or precompute_ref_log_probs"))
+_add(G, "rl", honoured("dpo, ipo, kto, orpo, simpo with TRL's definitions, in DDP, ZeRO-1/2/3, tp, cp and pp; the "
+                       "reference: adapters off (LoRA), a frozen copy (full), or precompute_ref_log_probs"))
 _add(G, ("rl_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing", "rpo_alpha", "orpo_alpha",
          "simpo_gamma", "cpo_alpha", "kto_desirable_weight", "kto_undesirable_weight", "precompute_ref_log_probs"),
      honoured("TRL's beta, loss_type, loss_weights, label_smoothing (robust/exo_pair/aot), RPO's sft weight, ORPO's "
