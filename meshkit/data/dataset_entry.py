@@ -75,6 +75,9 @@ class DatasetEntry(Section):
     roles: dict[str, list[str]] | None = Field(None, description="{user: [human, user], assistant: [gpt], ...}")
     roles_to_train: tuple[str, ...] | None = Field(None, description="roles whose turns train; null = [assistant]")
     train_on_eos: Literal["turn", "all", "last", "none"] | None = Field(None, description="which EOS train")
+    train_on_eot: Literal["turn", "all", "last", "none"] | None = Field(
+        None, description="which end-of-turn tokens (eot_tokens) train; null = as train_on_eos"
+    )
     drop_system_message: bool = Field(False, description="leave system turns out")
     chat_template: str | None = Field(None, description="this dataset's chat template (a name, or jinja)")
     chat_template_jinja: str | None = Field(None, description="the template for chat_template: jinja")

@@ -44,6 +44,22 @@ ALPACA_VARIANT_PROMPTS["alpaca_chat"] = ALPACA_VARIANT_PROMPTS["alpaca:chat"]
 ALPACA_VARIANT_PROMPTS["alpaca_phi"] = ALPACA_VARIANT_PROMPTS["alpaca:phi"]
 
 
+def end_of_turn_ids(tokenizer: Any, tokens: Sequence[str] | None) -> set[int]:
+    """Token ids of Axolotl's `eot_tokens` (each must be one token of the tokenizer); without them, the EOS."""
+    if not tokens:
+        return {tokenizer.eos_token_id} - {None}
+    ids = set()
+    for token in tokens:
+        encoded = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if len(encoded) != 1:
+            raise DataFormatError(
+                f"eot_tokens: {token!r} is {len(encoded)} tokens of this tokenizer, not one: add it with tokens: "
+                "(or special_tokens:), or remove it from eot_tokens"
+            )
+        ids.add(encoded[0])
+    return ids
+
+
 @dataclass(frozen=True)
 class TokenizedSample:
     input_ids: tuple[int, ...]
@@ -58,6 +74,7 @@ class Formatter:
         self.train_on_inputs = train_on_inputs
         self.entry = entry
         self.default_system_message: str | None = chat.get("default_system_message")
+        self.eot_ids = end_of_turn_ids(tokenizer, chat.get("eot_tokens"))
         self.template: str | None = None
         if entry is not None and (entry.chat_template or entry.chat_template_jinja):
             self.template = chat_template(entry.chat_template, entry.chat_template_jinja, tokenizer)
@@ -165,18 +182,21 @@ class Formatter:
             pieces.append((after[len(before) :], message["role"] in trained_roles))
             rendered = after
         sample = self._sample([p for p in pieces if p[0]], bos=False, eos=False)
-        return self._train_on_eos(sample, entry.train_on_eos if entry else None)
+        on_eos = entry.train_on_eos if entry else None
+        sample = self._train_on_ends(sample, {self.tokenizer.eos_token_id} - {None}, on_eos)
+        on_eot = (entry.train_on_eot if entry else None) or on_eos  # (Axolotl: train_on_eos when unset)
+        return self._train_on_ends(sample, self.eot_ids - {self.tokenizer.eos_token_id}, on_eot)
 
-    def _train_on_eos(self, sample: TokenizedSample, mode: str | None) -> TokenizedSample:
-        """`turn` (default): the EOS ending a trained turn trains; `all`: every EOS; `last`: only the last one;
-        `none`: no EOS."""
-        eos = self.tokenizer.eos_token_id
-        if mode in (None, "turn") or eos is None:
+    def _train_on_ends(self, sample: TokenizedSample, ends: set[int], mode: str | None) -> TokenizedSample:
+        """Which of the `ends` tokens (EOS, or end-of-turn tokens) train: `turn` (default): those ending a trained
+        turn; `all`: every one; `last`: only the last one; `none`: none."""
+        if mode in (None, "turn") or not ends:
             return sample
         labels = list(sample.labels)
-        positions = [i for i, token in enumerate(sample.input_ids) if token == eos]
+        positions = [i for i, token in enumerate(sample.input_ids) if token in ends]
         for i in positions:
-            labels[i] = eos if mode == "all" or (mode == "last" and i == positions[-1]) else IGNORE_INDEX
+            trained = mode == "all" or (mode == "last" and i == positions[-1])
+            labels[i] = sample.input_ids[i] if trained else IGNORE_INDEX
         return TokenizedSample(sample.input_ids, tuple(labels))
 
     def _render(self, messages: list[dict[str, Any]], where: object, generation_prompt: bool) -> str:

@@ -50,7 +50,39 @@ class RecordSource:
 
 
 def load_source(entry: DatasetEntry, keep_in_memory: bool = False) -> RecordSource:
-    """The records of `entry`'s split; every failure is one line naming the dataset and what to do."""
+    """The records of `entry`'s split — `datasets`' slicing included (`train[:20%]`, `train[10:100]`,
+    `train[:10%]+train[-5%:]`); every failure is one line naming the dataset and what to do."""
+    name, sliced = split_name(entry.split)
+    whole = entry.model_copy(update={"split": name}) if sliced else entry
+    source = _load_split(whole, keep_in_memory)
+    return _sliced(source, entry.split) if sliced else source
+
+
+def split_name(split: str) -> tuple[str, bool]:
+    """(the split's name, whether a slice follows it): `train[:20%]` -> ("train", True)."""
+    name = split.split("[", 1)[0].split("+", 1)[0].strip()
+    return name, name != split.strip()
+
+
+def _sliced(source: RecordSource, split: str) -> RecordSource:
+    """`datasets`' own reading of the slice syntax, applied to the split's records."""
+    from datasets import ReadInstruction, concatenate_datasets
+
+    name = split_name(split)[0]
+    try:
+        parts = ReadInstruction.from_spec(split).to_absolute({name: len(source.dataset)})
+    except (ValueError, AssertionError) as err:
+        raise DataFormatError(
+            f"dataset '{source.label}': split '{split}' is not datasets' slice syntax ({err}): e.g. train[:20%]"
+        ) from None
+    if any(part.splitname != name for part in parts):
+        raise DataFormatError(f"dataset '{source.label}': split '{split}' combines several splits: read one")
+    pieces = [source.dataset.select(range(part.from_, part.to)) for part in parts]
+    records = pieces[0] if len(pieces) == 1 else concatenate_datasets(pieces)
+    return RecordSource(f"{source.label} [{split}]", records)  # (rows numbered within the slice)
+
+
+def _load_split(entry: DatasetEntry, keep_in_memory: bool) -> RecordSource:
     local = Path(entry.path).expanduser()
     if local.exists():
         return _local(entry, local, keep_in_memory)

@@ -45,6 +45,7 @@ class TokenizeOptions:
     sequence_len: int
     train_on_inputs: bool
     default_system_message: str | None = None
+    eot_tokens: tuple[str, ...] | None = None  # end-of-turn tokens (Axolotl's eot_tokens); None: the EOS
 
 
 class TokenizedRows(Sequence[TokenizedSample]):
@@ -148,7 +149,11 @@ def tokenize_entry(
     if target is not None and (target / "state.json").is_file():
         return load_from_disk(str(target), keep_in_memory=keep_in_memory), True
     formatter = Formatter(
-        tokenizer, options.train_on_inputs, entry, default_system_message=options.default_system_message
+        tokenizer,
+        options.train_on_inputs,
+        entry,
+        default_system_message=options.default_system_message,
+        eot_tokens=options.eot_tokens,
     )
     records = source.dataset
     processes = max(1, min(num_proc or 1, len(records) // ROWS_PER_PROCESS))
@@ -186,6 +191,7 @@ def load_samples(
     sequence_len: int,
     train_on_inputs: bool,
     default_system_message: str | None = None,
+    eot_tokens: tuple[str, ...] | None = None,
     prepared: Path | None = None,
     num_proc: int | None = None,
     keep_in_memory: bool = False,
@@ -194,7 +200,7 @@ def load_samples(
     dropped and counted."""
     from datasets import concatenate_datasets
 
-    options = TokenizeOptions(sequence_len, train_on_inputs, default_system_message)
+    options = TokenizeOptions(sequence_len, train_on_inputs, default_system_message, eot_tokens)
     report, tables = LoadReport(), []
     for item in datasets:
         entry = _entry(item)

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from meshkit.config.layout import Layout
 from meshkit.config.schema import RunConfig
+from meshkit.data.formats import end_of_turn_ids
 from meshkit.engine.engine import Engine
 from meshkit.parallel.pipeline.schedule import forward_only_refusal
 from meshkit.recipes.finetune_config import FinetuneJob, resolve_finetune
@@ -176,7 +177,8 @@ def _summary(
 def _answers(samples: list[Any], outputs: dict[str, str], tokenizer: Any, s: Any) -> list[dict[str, Any]]:
     """Greedy answers of the exported model to validation prompts, each beside the answer it was trained for."""
     prompts = [prompt_ids(x.input_ids, x.labels, IGNORE_INDEX) for x in samples]
-    answers = generate_samples(Path(outputs["merged"]), tokenizer, prompts, s.generation_max_new_tokens)
+    stop = end_of_turn_ids(tokenizer, s.eot_tokens)
+    answers = generate_samples(Path(outputs["merged"]), tokenizer, prompts, s.generation_max_new_tokens, stop)
     for answer, sample in zip(answers, samples, strict=True):
         trained = [t for t, label in zip(sample.input_ids, sample.labels, strict=True) if label != IGNORE_INDEX]
         answer["expected"] = tokenizer.decode(trained, skip_special_tokens=True)

@@ -34,6 +34,9 @@ class FinetuneSettings(Section):
         None, description="a Jinja chat template, or the path of a file holding one"
     )
     default_system_message: str | None = Field(None, description="system turn put first where a chat has none")
+    eot_tokens: tuple[str, ...] | None = Field(
+        None, description="end-of-turn tokens of the chat template: trained as train_on_eot says; stop generation"
+    )
     # data
     datasets: tuple[DatasetEntry, ...] = Field(min_length=1, description="[{path, type, ...}]")
     test_datasets: tuple[DatasetEntry, ...] | None = Field(None, description="validation data (instead of a split)")
@@ -152,6 +155,7 @@ class FinetuneSettings(Section):
         "lora_modules_to_save",
         "unfrozen_parameters",
         "tokens",
+        "eot_tokens",
         "dpo_loss_type",
         mode="before",
     )

@@ -202,9 +202,10 @@ def prompt_ids(input_ids: tuple[int, ...], labels: tuple[int, ...], ignore_index
 
 
 def generate_samples(
-    model_dir: Path, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int
+    model_dir: Path, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, stop: set[int] | None = None
 ) -> list[dict[str, Any]]:
-    """Greedy answers of the exported model to a few tokenized prompts (one process, CPU)."""
+    """Greedy answers of the exported model to a few tokenized prompts (one process, CPU); `stop`: token ids
+    that end an answer besides the EOS (end-of-turn tokens)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
@@ -219,6 +220,7 @@ def generate_samples(
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
+                **({"eos_token_id": sorted(stop | {tokenizer.eos_token_id} - {None})} if stop else {}),
             )
         out.append(
             {

@@ -196,3 +196,19 @@ def test_a_finetune_reads_parquet_and_keeps_its_prepared_data(tmp_path, material
     assert first.returncode == 0, first.stderr
     assert "tokenizing" in first.stderr + first.stdout and "reusing" not in first.stdout
     assert len([table for table in (tmp_path / "prepared").iterdir() if (table / "state.json").is_file()]) == 1
+
+
+def test_split_slices_as_datasets_reads_them(tmp_path, tokenizer) -> None:
+    """Axolotl's examples write `split: train[:20%]`: datasets' own slice syntax selects the records."""
+    path = write_jsonl(tmp_path / "d.jsonl", RECORDS)  # 12 records
+    whole, _ = _load([{"path": path, "type": "alpaca"}], tokenizer)
+    for split, picked in (("train[:25%]", slice(0, 3)), ("train[4:7]", slice(4, 7)), ("train[-2:]", slice(10, 12))):
+        rows, report = _load([{"path": path, "type": "alpaca", "split": split}], tokenizer)
+        assert _ids(rows) == _ids(whole)[picked] and report.kept == picked.stop - picked.start, split
+    both, _ = _load([{"path": path, "type": "alpaca", "split": "train[:2]+train[-1:]"}], tokenizer)
+    assert _ids(both) == _ids(whole)[:2] + _ids(whole)[-1:]
+    with pytest.raises(DataFormatError, match=r"split 'train\[:x%\]' is not datasets' slice syntax") as caught:
+        _load([{"path": path, "type": "alpaca", "split": "train[:x%]"}], tokenizer)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(DataFormatError, match="has no split 'test'"):
+        _load([{"path": path, "type": "alpaca", "split": "test[:10%]"}], tokenizer)

@@ -89,6 +89,8 @@ _add(G, ("model_type", "tokenizer_type"),
      honoured("AutoModelForCausalLM or a causal-LM class; AutoTokenizer or a class"))
 _add(G, "tokenizer_use_fast", honoured("the fast (tokenizers) tokenizer, or the slow one"))
 _add(G, "overrides_of_model_config", honoured("config.json values replaced before the model is built"))
+_add(G, "model_config", honoured("Axolotl's older name of overrides_of_model_config",
+                                 "recipe.overrides_of_model_config"))
 _add(G, "attn_implementation", honoured("the model's attention; a kernel not installed here (flash) runs sdpa, noted"))
 _add(G, "sdp_attention", honoured("attn_implementation: sdpa", "recipe.attn_implementation", _attention("sdpa")))
 _add(G, "flash_attention", honoured("attn_implementation: flash_attention_2 (sdpa where flash-attn is missing, "
@@ -102,6 +104,8 @@ _add(G, ("special_tokens", "tokens"),
               "at the mean of the others; saved with the outputs"))
 _add(G, ("chat_template", "chat_template_jinja", "default_system_message"),
      honoured("the tokenizer's chat template: tokenizer_default, a built-in one by Axolotl's name, or jinja"))
+_add(G, "eot_tokens", honoured("end-of-turn tokens: trained as the dataset's train_on_eot says (default: as "
+                               "train_on_eos), and they end the summary's generated answers"))
 _add(G, "trust_remote_code", noted("transformers' own model classes load the model; no remote code runs"))
 _add(G, ("is_llama_derived_model", "is_mistral_derived_model", "is_qwen_derived_model", "is_falcon_derived_model",
          "model_config_type"), noted("the model family is read from config.json"))
