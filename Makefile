@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/finetune.py --nproc 2
 	$(BIN)/python bench/finetune_quantized.py --nproc 2
+	$(BIN)/python bench/preference.py
 	$(BIN)/python bench/ps.py
 	$(BIN)/python bench/peers_deepspeed.py
 	$(BIN)/python bench/plan_published.py

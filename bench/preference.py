@@ -1,7 +1,7 @@
 """Preference training's cost by reference-model choice: DPO with LoRA (reference = the base with adapters off),
 full DPO with a frozen copy, full DPO with the reference scored once before training, against SFT of the same
-pairs' chosen replies — tokens/s (every token a step puts through the policy, both rows of a pair) and peak RSS
-per rank, through `meshkit finetune` at world 2 (DDP).
+pairs' chosen replies (twice the micro-batch: as many rows per forward as a pair batch) — tokens/s (every token a
+step puts through the policy, both rows of a pair) and peak RSS per rank, through `meshkit finetune` at world 2.
 
 A Llama-style base (made offline, random init, BPE tokenizer trained on the example data) and the example pairs
 (examples/finetune/pairs.jsonl). The runs go one after another on the same machine; compare the ratios.
@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 PAIRS = HERE.parent / "examples/finetune/pairs.jsonl"
 HIDDEN, LAYERS, SEQ_LEN, MICRO_BATCH = 768, 6, 128, 4
 RUNS = {  # name -> recipe keys over the common ones
-    "sft (chosen replies)": {"datasets": "sft"},
+    "sft (chosen replies)": {"datasets": "sft", "micro_batch_size": 2 * MICRO_BATCH},  # (as many rows per forward)
     "dpo, LoRA (adapters off)": {
         "rl": "dpo",
         "adapter": "lora",

@@ -24,7 +24,15 @@ import torch
 if __package__ in (None, ""):  # run as `python bench/report.py`: its sections sit beside it in `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report_compare import against_commit, moe, peak_memory, peers_deepspeed, plan_vs_measured, ring_window
+from bench.report_compare import (
+    against_commit,
+    moe,
+    peak_memory,
+    peers_deepspeed,
+    plan_vs_measured,
+    preference,
+    ring_window,
+)
 from bench.report_table import table as _table
 
 
@@ -241,6 +249,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("Checkpoint save and load", "checkpoint.json", "python bench/checkpoint.py", checkpoint),
     ("Collectives", "comm-w2.json", "meshkit bench comm --nproc-per-node 2", comm),
     ("LoRA fine-tune throughput", "finetune-w2.json", "python bench/finetune.py --nproc 2", finetune),
+    ("Preference training by reference model, world 2", "preference-w2.json", "python bench/preference.py", preference),
     ("Parameter server against DDP with slow ranks", "ps-w4.json", "python bench/ps.py", parameter_server),
     (
         "ZeRO and pipelines against DeepSpeed, world 4",

@@ -131,3 +131,19 @@ def ring_window(data: dict[str, Any]) -> str:
         "out, their gradients back). A window no wider than a chunk needs only the neighbouring ranks' blocks.\n\n"
         + _table(["window", "fwd + bwd", "vs full", "sent MB", "vs full"], rows)
     )
+
+
+def preference(data: dict[str, Any]) -> str:
+    rows = [
+        [name, f"{run['tokens_per_s']:,.0f}", f"{run['tokens_per_s_vs_sft']:.2f}", f"{run['peak_rss_mb']:,.0f}",
+         f"{run['peak_rss_vs_sft']:.2f}"]
+        for name, run in data["runs"].items()
+    ]  # fmt: skip
+    return (
+        f"World {data['world_size']} (DDP), {data['steps']} steps each, a Llama-style model (hidden {data['hidden']}, "
+        f"{data['layers']} layers), {data['micro_batch']} pairs per micro-batch (SFT: as many rows), sequences up to "
+        f"{data['sequence_len']} tokens; tokens/s counts every token through the policy (both rows of a pair), peak "
+        "RSS is the highest rank's. The frozen copy costs one more model's weights; the precomputed reference none; "
+        "LoRA's reference is the base it already holds.\n\n"
+        + _table(["run", "tokens/s", "vs SFT", "peak RSS MB", "vs SFT"], rows)
+    )

@@ -13,7 +13,7 @@ from meshkit.config.section import Section
 
 ALPACA_VARIANTS = ("alpaca", "alpaca:chat", "alpaca_chat", "alpaca:phi", "alpaca_phi", "alpaca_w_system")
 DATASET_TYPES: tuple[str, ...] = (*ALPACA_VARIANTS, "chat_template", "sharegpt", "completion", "input_output")
-PREFERENCE_TYPES = ("chatml", "llama3", "zephyr", "user_defined", "passthrough")  # besides chat_template.*
+PREFERENCE_TYPES = ("chatml", "llama3", "zephyr", "user_defined", "passthrough", "bradley_terry")  # + chat_template.*
 DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant", "model"], "system": ["system"]}
 
 

@@ -15,6 +15,8 @@ desirable). The types:
   `field_completion`, `field_label`) and `prompt_format` / `chosen_format` / `rejected_format` /
   `completion_format`.
 - `passthrough`: the record already holds `prompt`, `chosen`, `rejected` (KTO: `prompt`, `completion`, `label`).
+- `bradley_terry.chat_template` (reward models): `system`, `input`, `chosen`, `rejected`, each reply rendered as a
+  whole conversation.
 """
 
 from __future__ import annotations
@@ -132,6 +134,22 @@ class PreferenceFormatter:
         question = _QUESTION_FIELD.get(variant, "prompt")
         prompt = self._markup_prompt(record, where, family, question)
         return UnpairedText(prompt, str(record_field(record, "completion", where)) + end, desirable)
+
+    def reward_pair(self, record: dict[str, Any], where: object) -> tuple[str, bool, str, bool]:
+        """A reward model's pair: (chosen text, rendered by a chat template?, rejected text, rendered?).
+        `bradley_terry.chat_template`: the record's `system`, `input` and each reply as a conversation, rendered
+        whole; the other pair types: prompt + reply."""
+        kind = self.entry.type
+        if isinstance(kind, str) and kind.split(".", 1)[0] == "bradley_terry":
+            head = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+            head.append({"role": "user", "content": record_field(record, "input", where)})
+            texts = [
+                self._render([*head, {"role": "assistant", "content": record_field(record, name, where)}], where, False)
+                for name in ("chosen", "rejected")
+            ]
+            return texts[0], True, texts[1], True
+        text = self.pair(record, where)
+        return text.prompt + text.chosen, False, text.prompt + text.rejected, False
 
     # ------------------------------------------------------------------ paired types
     def _markup_pair(self, record: dict[str, Any], where: object, family: str, variant: str) -> PairText:

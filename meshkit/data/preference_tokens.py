@@ -61,6 +61,15 @@ class PreferenceTokenizer:
         return {"prompt_ids": prompt[:start], "completion_ids": whole[start:], "label": text.desirable}
 
 
+def reward_ids(tokenizer: Any, text: str, rendered: bool) -> list[int]:
+    """A reward model's row as TRL tokenizes it: a rendered conversation as the chat template wrote it (no
+    special tokens added); plain text with the tokenizer's special tokens and an EOS."""
+    if rendered:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    eos = tokenizer.eos_token
+    return list(tokenizer(text if not eos or text.endswith(eos) else text + eos)["input_ids"])
+
+
 @dataclass
 class PreferenceReport:
     kept: int = 0
@@ -70,12 +79,19 @@ class PreferenceReport:
 
 
 class _Tokenize:
-    def __init__(self, formatter: PreferenceFormatter, paired: bool, source: Any) -> None:
-        self.formatter, self.paired, self.source = formatter, paired, source
+    def __init__(self, formatter: PreferenceFormatter, paired: bool, source: Any, reward: bool = False) -> None:
+        self.formatter, self.paired, self.source, self.reward = formatter, paired, source, reward
         self.tokens = PreferenceTokenizer(formatter.tokenizer)
 
     def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
         where = self.source.where(index)
+        if self.reward:
+            chosen, chosen_rendered, rejected, rejected_rendered = self.formatter.reward_pair(record, where)
+            tokenizer = self.formatter.tokenizer
+            return {
+                "chosen_ids": reward_ids(tokenizer, chosen, chosen_rendered),
+                "rejected_ids": reward_ids(tokenizer, rejected, rejected_rendered),
+            }
         if self.paired:
             return self.tokens.pair(self.formatter.pair(record, where))
         return self.tokens.unpaired(self.formatter.unpaired(record, where))
@@ -90,6 +106,7 @@ def load_preference_records(
     template: str | None = None,
     num_proc: int | None = None,
     keep_in_memory: bool = False,
+    reward: bool = False,
 ) -> tuple[Any, PreferenceReport]:
     """Every dataset's records tokenized (an Arrow table: prompt_ids, chosen_ids, rejected_ids — or KTO's
     prompt_ids, completion_ids, label), in dataset then record order; records whose prompt fills `sequence_len`
@@ -102,13 +119,22 @@ def load_preference_records(
         formatter = PreferenceFormatter(tokenizer, entry, template)
         records = source.dataset
         table = records.map(
-            _Tokenize(formatter, paired, source),
+            _Tokenize(formatter, paired, source, reward),
             with_indices=True,
             remove_columns=records.column_names,
             num_proc=num_proc if num_proc and num_proc > 1 and len(records) >= 1024 else None,
             desc=f"meshkit: tokenizing {source.label}",
             keep_in_memory=keep_in_memory,
         )
+        if reward:  # TRL's RewardTrainer drops pairs longer than max_length (cutting would move the scored token)
+            fits = [
+                max(len(c), len(r)) <= sequence_len
+                for c, r in zip(table["chosen_ids"], table["rejected_ids"], strict=True)
+            ]  # noqa: E501
+            report.prompt_too_long += fits.count(False)
+            report.per_file[entry.path] = fits.count(True)
+            tables.append(table if all(fits) else table.select([i for i, ok in enumerate(fits) if ok]))
+            continue
         prompts = [len(ids) for ids in table["prompt_ids"]]
         keep = [i for i, length in enumerate(prompts) if length < sequence_len]
         report.prompt_too_long += len(prompts) - len(keep)
@@ -194,3 +220,21 @@ def with_kl_completions(table: Any, group: int) -> Any:
         chunk = completions[start : start + group]
         rotated.extend([chunk[-1], *chunk[:-1]])
     return table.add_column("kl_completion_ids", rotated)
+
+
+@dataclass(frozen=True)
+class RewardCollate:
+    """Reward pairs -> [chosen rows..., rejected rows...] right-padded with `pad_token_id` (the head scores each
+    row's last token that is not padding), with the attention mask."""
+
+    pad_token_id: int
+
+    def __call__(self, records: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        rows = [list(r["chosen_ids"]) for r in records] + [list(r["rejected_ids"]) for r in records]
+        width = max(len(ids) for ids in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for index, ids in enumerate(rows):
+            input_ids[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[index, : len(ids)] = 1
+        return {"input_ids": input_ids, "attention_mask": mask}

@@ -33,8 +33,9 @@ class LayoutScorer:
     """Per-sequence summed completion log-probabilities of the prepared model (or another module laid out the same
     way), in the run's layout."""
 
-    def __init__(self, ctx: EngineContext) -> None:
+    def __init__(self, ctx: EngineContext, forward_only: bool = False) -> None:
         self.ctx = ctx
+        self.forward_only = forward_only  # every score without a graph (evaluation)
 
     def __call__(
         self,
@@ -47,6 +48,7 @@ class LayoutScorer:
         whole_mask: torch.Tensor | None = None,
     ) -> SequenceScores:
         ctx = self.ctx
+        grad = grad and not self.forward_only
         device = ctx.mesh.device
         if ctx.objects.pipeline is not None and model is None:
             if grad:
@@ -68,6 +70,22 @@ class LayoutScorer:
         if not grad and ctx.placement.zero_stage == 3:
             reshard(module)  # (a forward without backward leaves FSDP's gathered parameters in place)
         return scores
+
+    def outputs(self, inputs: dict[str, torch.Tensor], grad: bool = True) -> torch.Tensor:
+        ctx = self.ctx
+        grad = grad and not self.forward_only
+        if ctx.objects.pipeline is not None or ctx.mesh.size("cp") > 1 or ctx.mesh.size("tp") > 1:
+            raise EngineError(
+                "a model's whole outputs (a reward model's scores) are read in DDP and ZeRO layouts: set tp, cp and "
+                "pp to 1"
+            )
+        module = ctx.objects.only_model()
+        moved = {name: value.to(ctx.mesh.device) for name, value in inputs.items()}
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            logits = logits_of(module(**moved))
+        if not grad and ctx.placement.zero_stage == 3:
+            reshard(module)
+        return logits
 
 
 def objective_micro_step(

@@ -87,7 +87,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         engine.print(f"meshkit: {note}")
     check_layout(engine.config, engine.mesh.dims, job)
     base, tokenizer, attention = load_base(engine, job)
-    if s.rl is not None:
+    if s.rl is not None or s.reward_model:
         return train_preference(engine, job, base, tokenizer, attention, _write_outputs)
     data = prepare_data(engine, s, tokenizer)
     built = adapt(job, base, tokenizer, attention)

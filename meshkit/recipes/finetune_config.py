@@ -194,11 +194,11 @@ def resolve_finetune(
         raise ConfigError(f"'{key}' ({where}): {reason}") from None
     _exclusive(settings, {**from_file.meshkit, **from_args.meshkit})
     weights = weights_file(settings.base_model)
-    # a quantized base is loaded (and quantized) by transformers; a plain one streams into this rank's shards
-    derived = {**RECIPE_DEFAULTS, **({} if settings.quantization else {"sharding.init_from": str(weights)})}
+    # a quantized base (or a reward model's) is loaded by transformers; a plain one streams into this rank's shards
+    derived = {**RECIPE_DEFAULTS, **({} if settings.loads_whole else {"sharding.init_from": str(weights)})}
     file_values = {**derived, **from_file.meshkit}
     file_labels = {**{key: "finetune default" for key in RECIPE_DEFAULTS}, **from_file.labels}
-    if not settings.quantization:
+    if not settings.loads_whole:
         file_labels.setdefault("sharding.init_from", f"{sources['base_model']} (base_model)")
     flags, labels = launch_flags_from_env(env)
     flags.update(from_args.meshkit)

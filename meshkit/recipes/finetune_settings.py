@@ -135,9 +135,21 @@ class FinetuneSettings(Section):
     precompute_ref_log_probs: bool = Field(
         False, description="score the records with the untrained model once before training (no reference model)"
     )
+    # reward models
+    reward_model: bool = Field(False, description="train a reward model (Bradley-Terry over preference pairs)")
+    num_labels: int | None = Field(None, ge=1, description="outputs of a sequence-classification head; reward: 1")
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="pull the rewards' mean towards 0 (TRL's center_rewards_coefficient)"
+    )
     # meshkit's own
     generation_samples: int = Field(3, ge=0, description="validation prompts answered (greedy) in the summary")
     generation_max_new_tokens: int = Field(24, ge=1, description="tokens generated per sample")
+
+    @property
+    def loads_whole(self) -> bool:
+        """The base loads whole through transformers (quantized, or a reward model whose new head the base lacks)
+        instead of streaming into this rank's shards."""
+        return bool(self.quantization or self.reward_model)
 
     @property
     def quantization(self) -> Literal["8bit", "4bit", "gptq"] | None:
@@ -193,6 +205,13 @@ class FinetuneSettings(Section):
                 "preference data (chat_template.default, chatml.*, llama3.*, ...) needs rl: dpo (or ipo, kto, orpo, "
                 "simpo)"
             )
+        if self.reward_model and (self.rl is not None or self.adapter or self.sample_packing):
+            raise ValueError(
+                "reward_model: true trains a whole sequence-classification model on unpacked pairs: drop rl, adapter "
+                "(LoRA reward models are not supported yet) and sample_packing"
+            )
+        if self.num_labels not in (None, 1) and self.reward_model:
+            raise ValueError("a reward model has one output: num_labels: 1 (or leave it unset)")
         if self.rl is not None and self.sample_packing:
             raise ValueError(f"rl: {self.rl} runs unpacked rows (as TRL does): set sample_packing: false")
         if self.chat_template == "jinja" and not self.chat_template_jinja:

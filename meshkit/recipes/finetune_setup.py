@@ -20,6 +20,7 @@ from meshkit.recipes.hf_base import (
     attention_implementation,
     build_meta_model,
     grow_vocabulary,
+    load_model,
     load_tokenizer,
 )
 from meshkit.recipes.lora import apply_lora
@@ -60,10 +61,19 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
     if attention_note:
         engine.print(f"meshkit: {attention_note}")
     check_quantized_layout(s, engine.zero_stage, engine.mesh.size("tp"), engine.mesh.size("pp"), cfg.precision)
-    base = load_quantized_base(s, attention, engine.device) if s.quantization else build_meta_model(s, attention)
+    if s.quantization:
+        base = load_quantized_base(s, attention, engine.device)
+    elif s.reward_model:  # the base's head is not the reward head: transformers loads it and starts the new one
+        torch.manual_seed(cfg.seed)  # (the same new head on every rank)
+        base = load_model(s, attention, engine.device)
+    else:
+        base = build_meta_model(s, attention)
     if s.quantization == "8bit":
         engine.print(f"meshkit: {INT8_CAST_NOTE}")
     tokenizer = load_tokenizer(s)
+    if s.reward_model:  # (the head reads each row's last token that is not padding)
+        config: Any = base.config
+        config.pad_token_id = tokenizer.pad_token_id
     added = add_tokens(tokenizer, s)
     rows = grow_vocabulary(base, len(tokenizer))
     if added:

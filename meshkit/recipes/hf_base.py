@@ -142,6 +142,9 @@ def model_recipe(settings: Any, attention: str | None = "sdpa") -> tuple[Any, An
     config._attn_implementation = attention
     config.use_cache = False  # training: packed rows keep attention inside each sample
     kind = settings.model_type
+    if getattr(settings, "reward_model", False):  # a sequence-classification head with one output
+        kind = kind if kind.endswith("ForSequenceClassification") else "AutoModelForSequenceClassification"
+        config.num_labels = 1
     model_class = getattr(transformers, kind, None)
     if model_class is None or not hasattr(model_class, "from_pretrained"):
         raise BaseModelError(f"model_type '{kind}' is not a transformers model class (e.g. AutoModelForCausalLM)")
@@ -150,7 +153,10 @@ def model_recipe(settings: Any, attention: str | None = "sdpa") -> tuple[Any, An
 
 def _causal_lm(model: Any, settings: Any) -> nn.Module:
     model.config.use_cache = False
-    if not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+    heads = (
+        ("ForSequenceClassification",) if getattr(settings, "reward_model", False) else ("ForCausalLM", "LMHeadModel")
+    )  # noqa: E501
+    if not type(model).__name__.endswith(heads):
         directory = settings.base_model_config or settings.base_model
         raise BaseModelError(f"meshkit finetune trains causal LMs; '{directory}' builds {type(model).__name__}")
     return model

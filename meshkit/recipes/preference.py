@@ -227,11 +227,7 @@ def evaluate_preference(
     """The objective's loss and metrics over the validation records (eval mode, no graph), as TRL's `eval_*`."""
     from meshkit.engine.objective_step import LayoutScorer
 
-    scorer = LayoutScorer(engine.ctx)
-
-    def forward_only(*args: Any, **options: Any) -> Any:
-        return scorer(*args, **{**options, "grad": False})
-
+    forward_only = LayoutScorer(engine.ctx, forward_only=True)
     window = PreferenceWindow(engine, objective)
     model.eval()
     with torch.no_grad():

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from meshkit.data.preference_tokens import (
     PreferenceCollate,
     PreferenceReport,
+    RewardCollate,
     load_preference_records,
     with_kl_completions,
 )
@@ -41,7 +42,7 @@ class PreferenceRows(Dataset):
 class PreferenceData:
     rows: PreferenceRows
     report: PreferenceReport
-    collate: PreferenceCollate
+    collate: PreferenceCollate | RewardCollate
     loader: DataLoader
     paired: bool
     validation: Any = None  # the held-out records (an Arrow table), or None
@@ -50,13 +51,16 @@ class PreferenceData:
     def per_item_tokens(self) -> float:
         """Tokens one record puts through the model (both rows of a pair)."""
         table = self.rows.table
-        prompts = sum(len(ids) for ids in table["prompt_ids"])
+        prompts = sum(len(ids) for ids in table["prompt_ids"]) if "prompt_ids" in table.column_names else 0
         replies = ("chosen_ids", "rejected_ids") if self.paired else ("completion_ids",)
         total = sum(len(ids) for name in replies for ids in table[name]) + prompts * len(replies)
         return total / max(1, len(table))
 
 
-def prepare_preference_data(engine: Engine, settings: Any, tokenizer: Any, paired: bool) -> PreferenceData:
+def prepare_preference_data(
+    engine: Engine, settings: Any, tokenizer: Any, paired: bool, reward: bool = False
+) -> PreferenceData:
+    """Pairs (or KTO's completions, or a reward model's pairs when `reward`) in this rank's batches."""
     cfg = engine.config
     with engine.local_main_process_first():
         table, report = load_preference_records(
@@ -66,12 +70,13 @@ def prepare_preference_data(engine: Engine, settings: Any, tokenizer: Any, paire
             sequence_len=cfg.train.seq_len,
             num_proc=settings.dataset_processes or cpu_share(engine.info.local_world_size),
             keep_in_memory=settings.dataset_keep_in_memory,
+            reward=reward,
         )
     validation = None
     if settings.test_datasets:
         with engine.local_main_process_first():
             validation = load_preference_records(
-                settings.test_datasets, tokenizer, paired=paired, sequence_len=cfg.train.seq_len
+                settings.test_datasets, tokenizer, paired=paired, sequence_len=cfg.train.seq_len, reward=reward
             )[0]
     elif settings.val_set_size:
         table, validation = _held_out(table, settings.val_set_size, cfg.seed)
@@ -87,8 +92,12 @@ def prepare_preference_data(engine: Engine, settings: Any, tokenizer: Any, paire
             validation = with_kl_completions(validation, per_window)
     cp = engine.mesh.size("cp")
     fixed = cfg.train.seq_len if engine.mesh.size("pp") > 1 else None  # (a pipeline's stages take fixed shapes)
-    collate = PreferenceCollate(
-        tokenizer.pad_token_id, cfg.train.seq_len, paired, multiple_of=2 * cp if cp > 1 else 1, width=fixed
+    collate: PreferenceCollate | RewardCollate = (
+        RewardCollate(tokenizer.pad_token_id)
+        if reward
+        else PreferenceCollate(
+            tokenizer.pad_token_id, cfg.train.seq_len, paired, multiple_of=2 * cp if cp > 1 else 1, width=fixed
+        )
     )
     rows = PreferenceRows(table)
     loader = DataLoader(

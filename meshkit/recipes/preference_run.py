@@ -27,20 +27,32 @@ from meshkit.recipes.preference import (
 )
 from meshkit.recipes.preference_data import eval_batches, precompute_reference, prepare_preference_data
 from meshkit.recipes.report import print_summary
+from meshkit.recipes.reward import RewardObjective
 from meshkit.recipes.schedules import build_schedule, warmup_steps
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 from meshkit.runtime import collectives
+from meshkit.training.preference import BradleyTerry
 
-SHOWN = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen", "kl")
+SHOWN = (
+    "rewards/accuracies",
+    "rewards/margins",
+    "rewards/chosen",
+    "rewards/rejected",
+    "logps/chosen",
+    "kl",
+    "accuracy",
+    "margin",
+    "mean_reward",
+)
 
 
 def train_preference(
     engine: Engine, job: FinetuneJob, base: Any, tokenizer: Any, attention: Any, write_outputs: Callable[..., dict]
 ) -> dict[str, Any]:
     cfg, s = engine.config, job.settings
-    loss = preference_loss(s)
+    loss: Any = BradleyTerry(s.center_rewards_coefficient) if s.reward_model else preference_loss(s)
     paired = not isinstance(loss, KTO)
-    data = prepare_preference_data(engine, s, tokenizer, paired)
+    data = prepare_preference_data(engine, s, tokenizer, paired, reward=s.reward_model)
     built = adapt(job, base, tokenizer, attention)
     steps = step_plan(engine, job, len(data.rows))
     optimizer = make_optimizer(built.model, job, engine)
@@ -52,22 +64,30 @@ def train_preference(
     model_class = type(base).__name__
     # a full fine-tune's reference: a frozen copy of the untrained model (still on the meta device when the
     # weights stream in: the copy streams its own), laid out like the policy
-    twin = copy.deepcopy(built.model) if _keeps_a_copy(loss, built, s, engine.mesh.size("pp")) else None
+    uses_reference = getattr(loss, "uses_reference", False)
+    twin = copy.deepcopy(built.model) if _keeps_a_copy(uses_reference, built, s, engine.mesh.size("pp")) else None
     model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, data.loader, scheduler)
     reference = None
     if twin is not None:
         reference = Reference(model=engine.prepare_frozen(twin))
-    elif loss.uses_reference and built.peft_model is not None and not s.precompute_ref_log_probs:
+    elif uses_reference and built.peft_model is not None and not s.precompute_ref_log_probs:
         reference = Reference(context=adapters_off(built.peft_model))  # LoRA: the base is the reference
-    elif loss.uses_reference:
+    elif uses_reference:
         precompute_reference(engine, model, data)  # scored once, untrained: no reference model kept
         reference = Reference(precomputed=True)
-    objective = PairedObjective(loss, reference, engine) if paired else UnpairedObjective(loss, reference, engine)  # type: ignore[arg-type]
+    objective: Any
+    if s.reward_model:
+        objective = RewardObjective(loss)
+    elif paired:
+        objective = PairedObjective(loss, reference, engine)
+    else:
+        objective = UnpairedObjective(loss, reference, engine)  # type: ignore[arg-type]
+    method = s.rl or "reward model"
     engine.print(
-        f"meshkit: {s.rl} on {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "
+        f"meshkit: {method} on {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "
         f"trainable{adapter_words(s)}) on {engine.num_processes} rank(s), layout {engine.mesh.dims.describe()}; "
         f"{len(data.rows)} {'pairs' if paired else 'completions'}, {steps.total_steps} steps; reference: "
-        f"{reference.describe() if reference else 'none (reference-free loss)'}"
+        f"{reference.describe() if reference else 'none'}"
     )
     if data.report.prompt_too_long or data.report.truncated:
         engine.print(
@@ -88,7 +108,7 @@ def train_preference(
     outputs = write_outputs(engine, tokenizer, rebuild_whole(job, built))
     rows = record.rows(engine, engine.mesh.dims.describe())
     summary = rows | {
-        "rl": s.rl,
+        "rl": s.rl or "reward_model",
         "reference": reference.describe() if reference else None,
         "adapter": s.adapter,
         "optimizer": s.optimizer,
@@ -106,20 +126,21 @@ def train_preference(
         "memory": collectives.gather_object(engine.memory_report(), group=None),
     }
     if engine.is_main_process:
+        accuracy = "accuracy" if s.reward_model else "rewards/accuracies"
         curve: list[tuple[float, float]] = [
-            (step + 1, m["rewards/accuracies"]) for step, m in enumerate(record.metrics) if "rewards/accuracies" in m
+            (step + 1, m[accuracy]) for step, m in enumerate(record.metrics) if accuracy in m
         ]
         evals = [(e["step"], e["eval_loss"]) for e in record.evals]
-        plot = write_summary(engine, summary, record.losses, evals, {"rewards/accuracies": curve} if curve else None)
+        plot = write_summary(engine, summary, record.losses, evals, {accuracy: curve} if curve else None)
         print_summary(summary, Path(cfg.logging.dir), plot)
         _print(summary, curve)
     return summary
 
 
-def _keeps_a_copy(loss: Any, built: Any, settings: Any, pp: int) -> bool:
+def _keeps_a_copy(uses_reference: bool, built: Any, settings: Any, pp: int) -> bool:
     """A full fine-tune keeps a frozen copy as its reference, but under pipeline parallel (no frozen pipeline
     yet) it scores the records once before training instead (the same numbers)."""
-    return loss.uses_reference and built.peft_model is None and not settings.precompute_ref_log_probs and pp == 1
+    return uses_reference and built.peft_model is None and not settings.precompute_ref_log_probs and pp == 1
 
 
 def _print(summary: dict[str, Any], curve: list[tuple[float, float]]) -> None:
@@ -139,7 +160,7 @@ def _print(summary: dict[str, Any], curve: list[tuple[float, float]]) -> None:
         shown = [f"loss {evaluation['eval_loss']:.4f}"]
         shown += [
             f"{name[5:]} {evaluation[name]:.4f}"
-            for name in ("eval_rewards/accuracies", "eval_rewards/margins")
+            for name in ("eval_rewards/accuracies", "eval_rewards/margins", "eval_accuracy", "eval_margin")
             if name in evaluation
         ]  # noqa: E501
         table.add_row("eval", ", ".join(shown))

@@ -50,6 +50,10 @@ class Scorer(Protocol):
         mask): also score every real token, prompt included."""
         ...
 
+    def outputs(self, inputs: dict[str, torch.Tensor], grad: bool = True) -> torch.Tensor:
+        """The prepared model's logits for `inputs` (a sequence-classification head: [rows, labels])."""
+        ...
+
 
 class Objective(Protocol):
     """`__call__` runs the whole objective through a scorer; a pipeline runs it in two phases instead:

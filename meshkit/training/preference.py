@@ -319,3 +319,26 @@ class CPO:
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 − exp(x)) for x < 0, stable on both sides of −ln 2."""
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+@dataclass(frozen=True)
+class BradleyTerry:
+    """TRL's RewardTrainer: −log σ(r_chosen − r_rejected) (minus a margin when the data gives one), plus
+    center_rewards_coefficient × the mean squared reward; metrics accuracy, margin and mean_reward."""
+
+    center_rewards_coefficient: float | None = None
+
+    def __call__(
+        self, chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None
+    ) -> ObjectiveResult:  # noqa: E501
+        gap = chosen - rejected - (margin if margin is not None else 0.0)
+        loss = -F.logsigmoid(gap).mean()
+        if self.center_rewards_coefficient is not None:
+            loss = loss + self.center_rewards_coefficient * torch.mean((chosen + rejected) ** 2)
+        pairs = int(chosen.numel())
+        metrics = {
+            "accuracy": _mean_metric((chosen > rejected).float()),
+            "margin": _mean_metric(chosen - rejected),
+            "mean_reward": _mean_metric(torch.cat((chosen, rejected))),
+        }
+        return ObjectiveResult(loss, pairs, metrics)

@@ -153,8 +153,13 @@ _add(G, ("dpo_use_liger_kernel", "dpo_padding_free", "max_prompt_len", "remove_u
          "dpo_generate_during_eval", "dpo_use_logits_to_keep"),
      noted("a GPU kernel / padding layout / column handling of TRL's; rows are cut to sequence_len as TRL does"))
 _add(G, "dpo_use_weighting", refused("WPO weighting is not supported: remove dpo_use_weighting"))
-_add(G, ("reward_model", "process_reward_model"),
-     refused("reward-model training is not supported yet: train the policy with rl: dpo (or kto, orpo, simpo)"))
+_add(G, ("reward_model", "num_labels", "center_rewards_coefficient"),
+     honoured("a reward model: a sequence-classification head (1 label) trained with TRL's Bradley-Terry loss on "
+              "bradley_terry.chat_template (or any pair type) data, full fine-tune in DDP and ZeRO; merged/ loads "
+              "with AutoModelForSequenceClassification"))
+_add(G, "process_reward_model",
+     refused("process reward models (token classification on step labels) are not supported yet: train an outcome "
+             "reward model with reward_model: true"))
 _add(G, "trl", refused("the trl: block configures online RL (GRPO, vLLM generation), which meshkit does not run; "
                        "rl_beta sets beta"))
 
