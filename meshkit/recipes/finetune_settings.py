@@ -200,10 +200,10 @@ class FinetuneSettings(Section):
             raise ValueError("DoRA over a quantized base is not supported yet: drop peft_use_dora or the quantization")
         if self.lora_model_dir is not None and self.adapter is None:
             raise ValueError("lora_model_dir continues an adapter: set adapter: lora (or qlora)")
-        if self.rl is None and any(is_preference_type(entry.type) for entry in self.datasets):
+        if self.rl is None and not self.reward_model and any(is_preference_type(e.type) for e in self.datasets):
             raise ValueError(
-                "preference data (chat_template.default, chatml.*, llama3.*, ...) needs rl: dpo (or ipo, kto, orpo, "
-                "simpo)"
+                "preference data (chat_template.default, chatml.*, llama3.*, bradley_terry.*, ...) needs rl: dpo (or "
+                "ipo, kto, orpo, simpo) or reward_model: true"
             )
         if self.reward_model and (self.rl is not None or self.adapter or self.sample_packing):
             raise ValueError(

@@ -148,3 +148,50 @@ def dpo_keys(data: dict[str, Path], method: str = "dpo", **extra: Any) -> dict[s
         "learning_rate": 0.01,
         **extra,
     }
+
+
+def bradley_terry_records(count: int = 4) -> list[dict[str, str]]:
+    return [{"input": f"Shout {w}", "chosen": w.upper(), "rejected": w} for w in WORDS[:count]]
+
+
+def make_reward_base(root: Path) -> Path:
+    """The tiny base as a sequence-classification model with one label (its score head seeded), saved whole."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    base = make_preference_base(root)
+    config = AutoConfig.from_pretrained(base)
+    config.num_labels = 1
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(base, config=config)
+    out = root / "reward-base"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return out
+
+
+def trl_reward_metrics(base: Path, out: Path, records: list[dict[str, str]]) -> list[dict]:
+    """TRL's RewardTrainer on the same pairs as conversations (its chat template renders them)."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, attn_implementation="eager")
+    model.config.pad_token_id = tokenizer.pad_token_id
+    conversations = [
+        {
+            "chosen": [{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["chosen"]}],
+            "rejected": [{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["rejected"]}],
+        }
+        for r in records
+    ]
+    args = RewardConfig(
+        output_dir=str(out), per_device_train_batch_size=len(records), max_steps=STEPS, learning_rate=LR,
+        lr_scheduler_type="constant", optim="sgd", logging_steps=1, report_to=[], use_cpu=True, bf16=False, seed=0,
+        save_strategy="no", max_length=64, max_grad_norm=MAX_GRAD_NORM,
+    )  # fmt: skip
+    trainer = RewardTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list(conversations), processing_class=tokenizer
+    )  # noqa: E501
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
