@@ -12,7 +12,14 @@ from pydantic import Field, field_validator, model_validator
 from meshkit.config.section import Section
 
 ALPACA_VARIANTS = ("alpaca", "alpaca:chat", "alpaca_chat", "alpaca:phi", "alpaca_phi", "alpaca_w_system")
-DATASET_TYPES: tuple[str, ...] = (*ALPACA_VARIANTS, "chat_template", "sharegpt", "completion", "input_output")
+DATASET_TYPES: tuple[str, ...] = (
+    *ALPACA_VARIANTS,
+    "chat_template",
+    "sharegpt",
+    "completion",
+    "input_output",
+    "pretrain",
+)
 PREFERENCE_TYPES = ("chatml", "llama3", "zephyr", "user_defined", "passthrough", "bradley_terry")  # + chat_template.*
 DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant", "model"], "system": ["system"]}
 
@@ -66,6 +73,8 @@ class DatasetEntry(Section):
     )
     revision: str | None = Field(None, description="the hub dataset's revision")
     field: str | None = Field(None, description="completion: the field holding the text; null = text")
+    text_column: str | None = Field(None, description="pretraining_dataset: the field holding the text; null = text")
+    skip: int | None = Field(None, ge=0, description="pretraining_dataset: records skipped at the stream's start")
     field_messages: str | None = Field(None, description="chat_template: the field holding the turns; null = messages")
     field_chosen: str | None = Field(None, description="preference data: the field of the chosen reply; null = chosen")
     field_rejected: str | None = Field(None, description="preference data: the rejected reply's; null = rejected")

@@ -128,6 +128,11 @@ class Formatter:
         text = record_field(record, (self.entry.field if self.entry else None) or "text", where)
         return self._sample([(text, True)], bos=True, eos=True)
 
+    def pretrain(self, record: dict[str, Any], where: object) -> TokenizedSample:
+        """Plain text (`text_column`, default text); every token trained."""
+        text = record_field(record, (self.entry.text_column if self.entry else None) or "text", where)
+        return self._sample([(text, True)], bos=True, eos=True)
+
     def input_output(self, record: dict[str, Any], where: object) -> TokenizedSample:
         segments = record_field(record, "segments", where, kind=list)
         pieces = []

@@ -65,7 +65,7 @@ class ShardedLoader:
         return uneven if isinstance(uneven, UnevenBatchSampler) else self.loader.sampler
 
     def __iter__(self) -> Iterator[Any]:
-        for sampler in (self.loader.sampler, self.loader.batch_sampler):
+        for sampler in (self.loader.sampler, self.loader.batch_sampler, self.loader.dataset):
             set_epoch = getattr(sampler, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(self.epoch)
@@ -161,7 +161,7 @@ def shard_dataloader(
     if isinstance(loader.sampler, DistributedSampler):
         return ShardedLoader(loader, device, state)  # already sharded by the user
     if isinstance(loader.dataset, IterableDataset):
-        if dp_size > 1:
+        if dp_size > 1 and not getattr(loader.dataset, "sharded_by_rank", False):
             warnings.warn(
                 "prepare(): an IterableDataset is not sharded automatically; every rank reads the same "
                 "stream unless the dataset splits it by engine.dp_rank / engine.dp_size itself",

@@ -40,6 +40,7 @@ from meshkit.recipes.preference_run import train_preference
 from meshkit.recipes.report import print_summary
 from meshkit.recipes.schedules import build_schedule, warmup_steps
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
+from meshkit.recipes.streaming_data import prepare_stream
 from meshkit.recipes.validation import WindowLoss, eval_batches, evaluate
 from meshkit.runtime import collectives
 from meshkit.training.loss import IGNORE_INDEX
@@ -51,6 +52,10 @@ def check_layout(cfg: RunConfig, dims: Layout, job: FinetuneJob) -> None:
     """What this recipe's data cannot do in the layout `dims`, said before any work (the launcher asks too, for
     every layout the job may have, before any worker starts)."""
     packing, cp, pp, tp = job.settings.sample_packing, dims.cp, dims.pp, dims.tp
+    if job.settings.streams and not job.steps_given():
+        raise FinetuneError(
+            "streamed data (streaming: true, pretraining_dataset) needs max_steps: a stream's length is not known"
+        )
     if cfg.strategy != "auto":  # its evaluation, exports and generations meet every rank in collectives
         raise FinetuneError(
             f"meshkit finetune runs the layouts of strategy=auto (DDP, ZeRO, tp, pp, cp), not strategy={cfg.strategy}: "
@@ -89,9 +94,11 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     base, tokenizer, attention = load_base(engine, job)
     if s.rl is not None or s.reward_model:
         return train_preference(engine, job, base, tokenizer, attention, _write_outputs)
-    data = prepare_data(engine, s, tokenizer)
+    data: Any = (
+        prepare_stream(engine, s, tokenizer, cfg.train.steps) if s.streams else prepare_data(engine, s, tokenizer)
+    )
     built = adapt(job, base, tokenizer, attention)
-    steps = step_plan(engine, job, len(data.dataset))
+    steps = step_plan(engine, job, data.row_count)
     optimizer = make_optimizer(built.model, job, engine)
     warmup = warmup_steps(cfg.train.warmup_steps, s.warmup_ratio, steps.total_steps)
     scheduler = build_schedule(
@@ -132,8 +139,8 @@ def _announce(engine: Engine, job: FinetuneJob, built: FinetuneModel, data: Any,
     engine.print(
         f"meshkit: fine-tuning {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "
         f"trainable{adapter_words(s)}) on {engine.num_processes} rank(s), layout "
-        f"{engine.mesh.dims.describe()}; {len(data.train)} train / {len(data.validation)} validation samples"
-        f"{f' packed into {len(data.dataset)} rows' if s.sample_packing else ''}, {steps} steps"
+        f"{engine.mesh.dims.describe()}; {_data_words(s, data, cfg.train.seq_len)}"
+        f"{f' packed into {data.row_count} rows' if s.sample_packing and not s.streams else ''}, {steps} steps"
     )
     if data.report.reused:
         engine.print(f"meshkit: reusing tokenized {', '.join(data.report.reused)} from {s.dataset_prepared_path}")
@@ -142,6 +149,13 @@ def _announce(engine: Engine, job: FinetuneJob, built: FinetuneModel, data: Any,
             f"meshkit: dropped {data.report.too_long} samples longer than sequence_len={cfg.train.seq_len} and "
             f"{data.report.nothing_to_train} with no token to train on"
         )
+
+
+def _data_words(s: Any, data: Any, sequence_len: int) -> str:
+    if s.streams:
+        what = "pretraining text" if s.pretraining_dataset else "records"
+        return f"{what} streamed, each rank its share, packed into rows of {sequence_len} tokens"
+    return f"{len(data.train)} train / {len(data.validation)} validation samples"
 
 
 def _summary(
@@ -158,7 +172,7 @@ def _summary(
     s = job.settings
     rows = record.rows(engine, engine.mesh.dims.describe())
     # passes over the data the steps made (a step may read more rows than a small packed dataset holds)
-    rows["epochs"] = record.step * steps.rows_per_step / max(1, len(data.dataset))
+    rows["epochs"] = record.step * steps.rows_per_step / max(1, data.row_count)
     return rows | {
         "adapter": s.adapter,
         "optimizer": s.optimizer,
@@ -166,7 +180,7 @@ def _summary(
         "parameters": built.parameters,
         "trainable_parameters": built.trainable,
         "samples": {"train": len(data.train), "validation": len(data.validation), "too_long": data.report.too_long},
-        "packed_rows": len(data.dataset) if s.sample_packing else None,
+        "packed_rows": data.row_count if s.sample_packing or s.streams else None,
         "losses": record.losses,
         "evals": record.evals,
         "outputs": outputs,

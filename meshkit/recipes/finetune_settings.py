@@ -38,7 +38,12 @@ class FinetuneSettings(Section):
         None, description="end-of-turn tokens of the chat template: trained as train_on_eot says; stop generation"
     )
     # data
-    datasets: tuple[DatasetEntry, ...] = Field(min_length=1, description="[{path, type, ...}]")
+    datasets: tuple[DatasetEntry, ...] = Field((), description="[{path, type, ...}]")
+    pretraining_dataset: tuple[DatasetEntry, ...] | None = Field(
+        None, description="plain text streamed for continued pretraining: [{path, name, split, text_column, skip}]"
+    )
+    streaming: bool = Field(False, description="stream the datasets (read lazily, packed as they come; max_steps)")
+    streaming_multipack_buffer_size: int = Field(10_000, ge=1, description="samples packed together when streamed")
     test_datasets: tuple[DatasetEntry, ...] | None = Field(None, description="validation data (instead of a split)")
     val_set_size: float = Field(0.0, ge=0, description="held-out share (< 1) or count (>= 1) of the samples")
     sample_packing: bool = Field(False, description="pack samples into sequence_len rows (no cross-sample attention)")
@@ -146,6 +151,11 @@ class FinetuneSettings(Section):
     generation_max_new_tokens: int = Field(24, ge=1, description="tokens generated per sample")
 
     @property
+    def streams(self) -> bool:
+        """The training data is streamed (`streaming: true`, or `pretraining_dataset`)."""
+        return self.streaming or bool(self.pretraining_dataset)
+
+    @property
     def loads_whole(self) -> bool:
         """The base loads whole through transformers (quantized, or a reward model whose new head the base lacks)
         instead of streaming into this rank's shards."""
@@ -160,6 +170,14 @@ class FinetuneSettings(Section):
         if self.load_in_4bit or self.adapter == "qlora":
             return "4bit"
         return "gptq" if self.gptq else None
+
+    @field_validator("pretraining_dataset", mode="before")
+    @classmethod
+    def _pretraining_type(cls, value: Any) -> Any:
+        """Axolotl's pretraining entries leave `type` out: plain text (`pretrain`)."""
+        if isinstance(value, (list, tuple)):
+            return [{"type": "pretrain", **entry} if isinstance(entry, dict) else entry for entry in value]
+        return value
 
     @field_validator(
         "lora_target_modules",
@@ -200,6 +218,14 @@ class FinetuneSettings(Section):
             raise ValueError("DoRA over a quantized base is not supported yet: drop peft_use_dora or the quantization")
         if self.lora_model_dir is not None and self.adapter is None:
             raise ValueError("lora_model_dir continues an adapter: set adapter: lora (or qlora)")
+        if not self.datasets and not self.pretraining_dataset:
+            raise ValueError("no training data: set datasets (or pretraining_dataset)")
+        if self.streams and (self.rl is not None or self.reward_model):
+            raise ValueError(
+                "streamed data trains supervised: rl / reward_model read prepared datasets (drop streaming)"
+            )
+        if self.streams and (self.val_set_size or self.test_datasets):
+            raise ValueError("a stream holds no validation split: drop val_set_size / test_datasets, or streaming")
         if self.rl is None and not self.reward_model and any(is_preference_type(e.type) for e in self.datasets):
             raise ValueError(
                 "preference data (chat_template.default, chatml.*, llama3.*, bradley_terry.*, ...) needs rl: dpo (or "

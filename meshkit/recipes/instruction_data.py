@@ -56,6 +56,10 @@ class InstructionData:
     def per_item_tokens(self) -> float:
         return self.dataset.real_tokens / len(self.dataset)
 
+    @property
+    def row_count(self) -> int:
+        return len(self.dataset)
+
 
 def prepare_data(engine: Engine, settings: Any, tokenizer: Any) -> InstructionData:
     cfg = engine.config

@@ -138,8 +138,13 @@ _add(G, ("shuffle_merged_datasets", "dataset_keep_in_memory"),
 _add(G, "skip_prepare_dataset", noted("datasets are tokenized once at start (and kept at dataset_prepared_path)"))
 _add(G, ("push_dataset_to_hub", "hf_use_auth_token"), noted(_NO_HUB))
 _add(G, "group_by_length", noted("batches are drawn shuffled; grouping by length would only save padding"))
-_add(G, ("pretraining_dataset", "streaming"),
-     refused("streamed pretraining data is not read: use datasets with type: completion, or meshkit train"))
+_add(G, ("pretraining_dataset", "streaming", "streaming_multipack_buffer_size"),
+     honoured("streamed through datasets: each rank reads its share, tokenizes as it reads and packs each buffer of "
+              "streaming_multipack_buffer_size samples into sequence_len rows; resumes where it stopped; needs "
+              "max_steps"))
+_add(G, "pretrain_multipack_buffer_size", honoured("Axolotl's older name of streaming_multipack_buffer_size",
+                                                   "recipe.streaming_multipack_buffer_size"))
+_add(G, "pretrain_multipack_attn", noted("packed samples never attend to each other here (positions restart)"))
 
 G = "preference training"
 _add(G, "rl", honoured("dpo, ipo, kto, orpo, simpo with TRL's definitions, in DDP, ZeRO-1/2/3, tp, cp and pp; the "
