@@ -75,6 +75,7 @@ class Formatter:
         self.entry = entry
         self.default_system_message: str | None = chat.get("default_system_message")
         self.eot_ids = end_of_turn_ids(tokenizer, chat.get("eot_tokens"))
+        self.template_kwargs: dict[str, Any] = dict(chat.get("chat_template_kwargs") or {})
         self.template: str | None = None
         if entry is not None and (entry.chat_template or entry.chat_template_jinja):
             self.template = chat_template(entry.chat_template, entry.chat_template_jinja, tokenizer)
@@ -210,7 +211,11 @@ class Formatter:
         try:
             return str(
                 self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=self.template
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=generation_prompt,
+                    chat_template=self.template,
+                    **self.template_kwargs,
                 )
             )
         except Exception as err:  # jinja raises its own errors for templates that reject a conversation

@@ -85,9 +85,12 @@ class PreferenceFormatter:
     """Turns the records of one dataset entry into `PairText` / `UnpairedText` with one tokenizer (for the chat
     template types)."""
 
-    def __init__(self, tokenizer: Any, entry: DatasetEntry, template: str | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, entry: DatasetEntry, template: str | None = None, template_kwargs: Any = None
+    ) -> None:
         self.tokenizer, self.entry = tokenizer, entry
         self.template = template
+        self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         if entry.chat_template or entry.chat_template_jinja:
             self.template = chat_template(entry.chat_template, entry.chat_template_jinja, tokenizer)
 
@@ -231,7 +234,11 @@ class PreferenceFormatter:
         try:
             return str(
                 self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=self.template
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=generation_prompt,
+                    chat_template=self.template,
+                    **self.template_kwargs,
                 )
             )
         except Exception as err:  # jinja raises its own errors for templates that reject a conversation

@@ -107,6 +107,7 @@ def load_preference_records(
     num_proc: int | None = None,
     keep_in_memory: bool = False,
     reward: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Any, PreferenceReport]:
     """Every dataset's records tokenized (an Arrow table: prompt_ids, chosen_ids, rejected_ids — or KTO's
     prompt_ids, completion_ids, label), in dataset then record order; records whose prompt fills `sequence_len`
@@ -116,7 +117,7 @@ def load_preference_records(
     report, tables = PreferenceReport(), []
     for entry in datasets:
         source = load_source(entry, keep_in_memory)
-        formatter = PreferenceFormatter(tokenizer, entry, template)
+        formatter = PreferenceFormatter(tokenizer, entry, template, template_kwargs)
         records = source.dataset
         table = records.map(
             _Tokenize(formatter, paired, source, reward),

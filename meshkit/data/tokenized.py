@@ -46,6 +46,7 @@ class TokenizeOptions:
     train_on_inputs: bool
     default_system_message: str | None = None
     eot_tokens: tuple[str, ...] | None = None  # end-of-turn tokens (Axolotl's eot_tokens); None: the EOS
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # the chat template's arguments (hashable)
 
 
 class TokenizedRows(Sequence[TokenizedSample]):
@@ -154,6 +155,7 @@ def tokenize_entry(
         entry,
         default_system_message=options.default_system_message,
         eot_tokens=options.eot_tokens,
+        chat_template_kwargs=dict(options.chat_template_kwargs),
     )
     records = source.dataset
     processes = max(1, min(num_proc or 1, len(records) // ROWS_PER_PROCESS))
@@ -192,6 +194,7 @@ def load_samples(
     train_on_inputs: bool,
     default_system_message: str | None = None,
     eot_tokens: tuple[str, ...] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
     prepared: Path | None = None,
     num_proc: int | None = None,
     keep_in_memory: bool = False,
@@ -200,7 +203,8 @@ def load_samples(
     dropped and counted."""
     from datasets import concatenate_datasets
 
-    options = TokenizeOptions(sequence_len, train_on_inputs, default_system_message, eot_tokens)
+    template_kwargs = tuple(sorted((chat_template_kwargs or {}).items()))
+    options = TokenizeOptions(sequence_len, train_on_inputs, default_system_message, eot_tokens, template_kwargs)
     report, tables = LoadReport(), []
     for item in datasets:
         entry = _entry(item)

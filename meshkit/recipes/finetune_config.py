@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from meshkit.config.importing.axolotl.further_keys import DATASET_KEY_RULES
 from meshkit.config.importing.axolotl.keys import AXOLOTL_KEYS, is_empty, is_off
 from meshkit.config.importing.axolotl.layout import Sink
 from meshkit.config.importing.result import ImportingError
@@ -39,6 +40,10 @@ from meshkit.recipes.finetune_settings import FinetuneSettings
 from meshkit.recipes.hf_base import weights_file
 
 RECIPE_KEYS = frozenset(FinetuneSettings.model_fields)
+DATASET_LISTS = ("datasets", "test_datasets", "pretraining_dataset")
+# gradient_checkpointing: true with selective_checkpointing: true asks for selective recomputation
+REFINED = {("activation_checkpointing.mode", "full", "selective")}
+REFINED_TO = {"activation_checkpointing.mode": "selective"}
 RECIPE_DEFAULTS: Mapping[str, Any] = {
     "train.seq_len": 512,
     "train.micro_batch_size": 2,
@@ -98,6 +103,8 @@ class _Split:
             except ImportingError as err:
                 raise ConfigError(f"{err} ({self.source})") from None
         elif rule.to == "recipe" or (rule.to or "").startswith("recipe."):
+            if name in DATASET_LISTS:
+                value = self._dataset_entries(name, value)
             converted = rule.convert(value) if rule.convert else value
             if converted is not None:
                 self.recipe[name if rule.to == "recipe" else str(rule.to).removeprefix("recipe.")] = converted
@@ -105,6 +112,28 @@ class _Split:
             converted = rule.convert(value) if rule.convert else value
             if converted is not None:
                 self._set(str(rule.to), converted, f"{self.source} ({name})")
+
+    def _dataset_entries(self, name: str, value: Any) -> Any:
+        """A dataset list's entries without the keys meshkit notes (one line each) or refuses (one error)."""
+        if not isinstance(value, list):
+            return value
+        entries = []
+        for index, entry in enumerate(value):
+            if isinstance(entry, Mapping):
+                kept = {}
+                for key, item in entry.items():
+                    rule = DATASET_KEY_RULES.get(str(key))
+                    if rule is None or is_empty(item):
+                        kept[key] = item
+                        continue
+                    shown = f"{name}[{index}].{key}: {brief(item, 40)} ({self.source})"
+                    if rule.kind == "refused" and not is_off(item):
+                        raise ConfigError(f"Axolotl key {shown} is not supported: {rule.effect}")
+                    if rule.kind == "noted" and not is_off(item):
+                        self.notes.append(f"{shown} has no effect here: {rule.effect}")
+                entry = kept
+            entries.append(entry)
+        return entries
 
     def finish(self) -> None:
         """What nested files set joins below the keys set directly; trackers asked for join logging.trackers."""
@@ -119,6 +148,9 @@ class _Split:
         self.notes.extend(self.nested.notes)
 
     def _set(self, key: str, value: Any, label: str) -> None:
+        if (key, self.meshkit.get(key), value) in REFINED or (key, value, self.meshkit.get(key)) in REFINED:
+            self.meshkit[key], self.labels[key] = REFINED_TO[key], label  # (one Axolotl key refines another's)
+            return
         if key in self.meshkit and self.labels[key] != label and self.meshkit[key] != value:
             raise ConfigError(f"'{key}' is set twice ({self.labels[key]} and {label}): keep one")
         self.meshkit[key], self.labels[key] = value, label

@@ -34,6 +34,9 @@ class FinetuneSettings(Section):
         None, description="a Jinja chat template, or the path of a file holding one"
     )
     default_system_message: str | None = Field(None, description="system turn put first where a chat has none")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="arguments of the chat template (e.g. enable_thinking: false)"
+    )
     eot_tokens: tuple[str, ...] | None = Field(
         None, description="end-of-turn tokens of the chat template: trained as train_on_eot says; stop generation"
     )

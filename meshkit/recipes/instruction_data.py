@@ -68,6 +68,7 @@ def prepare_data(engine: Engine, settings: Any, tokenizer: Any) -> InstructionDa
         "train_on_inputs": settings.train_on_inputs,
         "default_system_message": settings.default_system_message,
         "eot_tokens": settings.eot_tokens,
+        "chat_template_kwargs": settings.chat_template_kwargs,
         "prepared": Path(settings.dataset_prepared_path) if settings.dataset_prepared_path else None,
         "num_proc": settings.dataset_processes or cpu_share(engine.info.local_world_size),
         "keep_in_memory": settings.dataset_keep_in_memory,

@@ -71,6 +71,7 @@ def prepare_preference_data(
             num_proc=settings.dataset_processes or cpu_share(engine.info.local_world_size),
             keep_in_memory=settings.dataset_keep_in_memory,
             reward=reward,
+            template_kwargs=settings.chat_template_kwargs,
         )
     validation = None
     if settings.test_datasets:

@@ -311,3 +311,46 @@ def test_axolotl_parallel_sizes_train_at_world_eight_as_one_process(tmp_path, ma
     one = _train(tmp_path, material, 1, "one", micro_batch_size=2 * dp, **keys)
     got = _train(tmp_path, material, 8, "eight", **keys, **sizes)
     _close(got["losses"], one["losses"], 1e-4)
+
+
+def test_every_field_of_axolotls_schema_has_a_row() -> None:
+    """Top-level keys: a row of the key table (honoured, noted or refused); dataset-entry keys: a field of meshkit's
+    entry or a row of its own (noted or refused)."""
+    from meshkit.config.importing.axolotl.further_keys import DATASET_KEY_RULES
+    from meshkit.data.dataset_entry import CustomPrompt, DatasetEntry, PreferencePrompt
+    from tests.config.axolotl_schema_fields import DATASET_ENTRY, TOP_LEVEL
+
+    assert len(TOP_LEVEL) > 380 and len(DATASET_ENTRY) > 50
+    assert [name for name in TOP_LEVEL if name not in AXOLOTL_KEYS] == []
+    entry_fields = {*DatasetEntry.model_fields, *CustomPrompt.model_fields, *PreferencePrompt.model_fields}
+    assert [name for name in DATASET_ENTRY if name not in entry_fields | set(DATASET_KEY_RULES)] == []
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ({"field_tools": "tools"}, "datasets\\[0\\].field_tools: 'tools' .* is not supported"),
+        ({"conversation": "x"}, None),
+    ],
+)
+def test_dataset_entry_keys_are_noted_or_refused_in_one_line(tmp_path, material, entry, expected) -> None:
+    datasets = [{"path": str(material["alpaca"]), "type": "alpaca", **entry}]
+    path = _write(tmp_path / "d.yml", axolotl_lora(material, tmp_path, datasets=datasets))
+    if expected is None:
+        job = resolve_finetune(path, [], env={})
+        assert any("datasets[0].conversation" in note and "no effect here" in note for note in job.notes)
+        return
+    with pytest.raises(ConfigError, match=expected) as caught:
+        resolve_finetune(path, [], env={})
+    assert "\n" not in str(caught.value)
+
+
+def test_older_names_and_more_honoured_keys(tmp_path, material) -> None:
+    keys = {"type_of_model": "LlamaForCausalLM", "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "selective_checkpointing": True, "chat_template_kwargs": {"enable_thinking": False},
+            "model_config": {"rms_norm_eps": 1e-5}}  # fmt: skip
+    job = resolve_finetune(_write(tmp_path / "o.yml", axolotl_lora(material, tmp_path, **keys)), [], env={})
+    s = job.settings
+    assert s.model_type == "LlamaForCausalLM" and s.chat_template_kwargs == {"enable_thinking": False}
+    assert s.overrides_of_model_config == {"rms_norm_eps": 1e-5} or "rope_scaling" in s.overrides_of_model_config
+    assert job.resolved.config.activation_checkpointing.mode == "selective"

@@ -13,24 +13,11 @@ them equal.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from meshkit.config.importing.axolotl import layout
-
-Kind = Literal["honoured", "noted", "refused"]
-Reader = Callable[[str, Any, layout.Sink], None]
-
-
-@dataclass(frozen=True)
-class KeyRule:
-    kind: Kind
-    effect: str  # what meshkit does with the key (the words of the docs' key table)
-    to: str | None = None  # meshkit key, "recipe" (the recipe setting of the same name) or "recipe.<name>"
-    convert: Callable[[Any], Any] | None = None  # the key's value -> the target's; None from it sets nothing
-    reader: Reader | None = None  # keys that set several settings
-    group: str = ""
-    off: tuple[Any, ...] = ()  # further values that ask for nothing (a size of 1)
+from meshkit.config.importing.axolotl.further_keys import FURTHER_RULES
+from meshkit.config.importing.axolotl.rules import KeyRule, Rules, add_rule, honoured, noted, refused
 
 
 def _on(value: Any) -> bool:
@@ -62,24 +49,11 @@ _NO_HUB = "no hub access here: the outputs stay in output_dir (merged/ holds the
 _TRACKER = "metrics go to jsonl, and to tensorboard / wandb when asked; this tracker is not one of them"
 
 # fmt: off
-_RULES: list[tuple[str, tuple[str, ...], KeyRule]] = []
+_RULES: Rules = []
 
 
 def _add(group: str, names: tuple[str, ...] | str, rule: KeyRule) -> None:
-    _RULES.append((group, (names,) if isinstance(names, str) else names, KeyRule(**{**rule.__dict__, "group": group})))
-
-
-def honoured(effect: str, to: str | None = "recipe", convert: Callable[[Any], Any] | None = None,
-             reader: Reader | None = None) -> KeyRule:
-    return KeyRule("honoured", effect, to if reader is None else None, convert, reader)
-
-
-def noted(effect: str) -> KeyRule:
-    return KeyRule("noted", effect)
-
-
-def refused(effect: str) -> KeyRule:
-    return KeyRule("refused", effect)
+    add_rule(_RULES, group, names, rule)
 
 
 G = "model and tokenizer"
@@ -287,6 +261,7 @@ _add(G, ("generation_samples", "generation_max_new_tokens"),
 _add(G, "meshkit", honoured("a block of meshkit keys (top-level meshkit keys work too)", None))
 # fmt: on
 
+_RULES.extend(FURTHER_RULES)  # (the keys of features meshkit runs otherwise, or not at all)
 AXOLOTL_KEYS: Mapping[str, KeyRule] = {name: rule for _, names, rule in _RULES for name in names}
 
 

@@ -1,0 +1,137 @@
+"""The rest of Axolotl's config schema: keys of features meshkit runs another way (noted: one line, the run goes on)
+or does not have (refused: one line naming what to do), and the few more it honours. With `keys` every field of
+Axolotl's schema has a row (a test checks it against the schema's field names), top level and dataset entries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshkit.config.importing.axolotl import layout
+from meshkit.config.importing.axolotl.rules import KeyRule, Rules, add_rule, honoured, noted, refused
+
+FURTHER_RULES: Rules = []
+
+
+def _add(group: str, names: tuple[str, ...] | str, rule: KeyRule) -> None:
+    add_rule(FURTHER_RULES, group, names, rule)
+
+
+def _attention(implementation: str) -> Any:
+    return lambda value: implementation if value in (True, "true", "True") else None
+
+
+def _rope_scaling(name: str, value: Any, sink: layout.Sink) -> None:
+    """Into overrides_of_model_config (an explicit overrides_of_model_config written beside it wins)."""
+    sink.recipe.setdefault("overrides_of_model_config", {})["rope_scaling"] = value
+
+
+def _selective(value: Any) -> Any:
+    return "selective" if value in (True, "true", "True") else None
+
+
+_SPEED = "a speed or memory option of a GPU kernel; the model's own modules run here (the same loss)"
+_HOUSEKEEPING = "housekeeping of Axolotl's trainer; meshkit's loop has its own (no effect on the result)"
+
+# fmt: off
+G = "further model and tokenizer keys"
+_add(G, "type_of_model", honoured("Axolotl's older name of model_type", "recipe.model_type"))
+_add(G, "eager_attention", honoured("attn_implementation: eager", "recipe.attn_implementation", _attention("eager")))
+_add(G, "flex_attention", honoured("attn_implementation: flex_attention", "recipe.attn_implementation",
+                                   _attention("flex_attention")))
+_add(G, "rope_scaling", honoured("into overrides_of_model_config (rope_scaling)", reader=_rope_scaling))
+_add(G, "chat_template_kwargs", honoured("arguments of the chat template (e.g. enable_thinking: false)"))
+_add(G, ("flash_attn_d512", "flash_optimum", "fused_attn_kernel", "sage_attention", "sdpa_varlen", "lora_mlp_kernel",
+         "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "use_kernels", "experts_implementation",
+         "large_head_attention", "gemma4_hybrid_attn_impl", "flex_attn_compile_kwargs", "scaling_softmax",
+         "scaling_softmax_factor", "scaling_softmax_bias", "llama4_linearized_experts", "use_onebitllms",
+         "chunked_cross_entropy", "chunked_cross_entropy_num_chunks", "tiled_mlp", "tiled_mlp_num_shards",
+         "tiled_mlp_use_original_mlp", "deepcompile", "torch_compile_options", "fp8_enable_fsdp_float8_all_gather",
+         "embeddings_skip_upcast", "fp32_norms", "fp32_norm_classes", "float32"), noted(_SPEED))
+_add(G, ("device", "device_map", "model_kwargs", "overrides_of_model_kwargs", "cls_model_config",
+         "experimental_skip_move_to_device", "qlora_sharded_model_loading", "torchdistx_path", "quantize_moe_experts",
+         "peft_autocast_adapter_dtype", "peft_ensure_weight_tying", "tokenizer_save_jinja_files",
+         "mean_resizing_embeddings", "shrink_embeddings", "freeze_mm_modules"),
+     noted("loading details: meshkit places each weight for the layout, new embedding rows start at the mean"))
+_add(G, ("model_quantization_config", "model_quantization_config_kwargs"),
+     refused("quantize the base with load_in_4bit / load_in_8bit (bitsandbytes) or gptq: true"))
+_add(G, ("reinit_weights", "added_tokens_overrides", "tokenizer_use_mistral_common", "fix_untrained_tokens",
+         "processor_kwargs"),
+     refused("not supported: start from a base that holds the weights and tokens you want, then remove the key"))
+
+G = "further adapter keys"
+_add(G, ("peft", "peft_layers_pattern", "peft_trainable_token_indices", "lora_alpha_pattern", "lora_rank_pattern"),
+     refused("not supported yet: one LoRA rank and alpha for every targeted layer (lora_r, lora_alpha)"))
+_add(G, ("relora_cpu_offload", "relora_prune_method", "relora_prune_ratio"),
+     refused("ReLoRA is not supported: remove the relora keys"))
+
+G = "further data keys"
+_add(G, ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_prefetch_factor", "dataloader_drop_last",
+         "shuffle_before_merging_datasets", "sample_packing_eff_est", "sample_packing_mp_start_method",
+         "max_packed_sequence_len", "pad_to_multiple_of", "pretraining_sample_concatenation", "total_num_tokens",
+         "total_supervised_tokens", "is_preprocess", "preprocess_iterable", "num_dataset_shards_to_save",
+         "eval_sequence_len", "min_sample_len", "excess_length_strategy"),
+     noted("data loading details: meshkit reads tokenized rows in the training process, packs first-fit, drops "
+           "samples longer than sequence_len and evaluates at sequence_len"))
+_add(G, ("dataset_shard_num", "dataset_shard_idx"),
+     refused("dataset shards are not read: select records with split slicing (split: train[:10%])"))
+_add(G, ("curriculum_sampling", "dataset_exact_deduplication", "role_boundaries"),
+     refused("not supported: deduplicate / order the records before training, then remove the key"))
+_add(G, ("use_pose", "pose_max_context_len", "pose_num_chunks", "pose_split_on_token_ids"),
+     refused("PoSE position skipping is not supported: remove the pose keys"))
+
+G = "further training keys"
+_add(G, ("gc_steps", "gc_collect_steps", "torch_empty_cache_steps", "profiler_steps", "profiler_steps_start",
+         "include_tkps", "auto_find_batch_size", "world_size", "ddp", "accelerator_config", "axolotl_config_path",
+         "fsdp_final_state_dict_type", "layer_offloading"), noted(_HOUSEKEEPING))
+_add(G, "selective_checkpointing", honoured("`activation_checkpointing.mode: selective`",
+                                            "activation_checkpointing.mode", _selective))
+_add(G, "batch_size", refused("Axolotl's older batch key: set micro_batch_size and gradient_accumulation_steps"))
+_add(G, ("adam_beta3", "adam_epsilon2"), noted("parameters of the CAME optimizer, which meshkit does not run"))
+_add(G, ("embedding_lr", "embedding_lr_scale", "lr_groups", "lr_div_factor", "cosine_constant_lr_ratio",
+         "jagged_restart_steps", "jagged_restart_warmup_steps", "jagged_restart_anneal_steps"),
+     refused("per-group learning rates and these schedules are not supported: one learning_rate, lr_scheduler from "
+             "transformers' get_scheduler or one_cycle"))
+_add(G, ("dion_lr", "dion_momentum", "dion_rank_fraction", "dion_rank_multiple_of", "qgalore_rank",
+         "qgalore_update_proj_gap", "qgalore_scale", "qgalore_proj_type", "qgalore_proj_quant", "qgalore_proj_bits",
+         "qgalore_proj_group_size", "qgalore_cos_threshold", "qgalore_gamma_proj", "qgalore_queue_size"),
+     refused("the Dion and Q-GaLore optimizers are not supported: choose another optimizer"))
+_add(G, ("lisa_n_layers", "lisa_step_interval", "lisa_layers_attribute"),
+     refused("LISA layer sampling is not supported: remove the lisa keys"))
+_add(G, ("use_eaft", "eaft_alpha", "eaft_k", "ebft", "dpo_norm_loss"),
+     refused("not supported: remove the key (for preference training use rl:)"))
+_add(G, ("qat", "quantization"), refused("quantization-aware training and post-training quantization are not "
+                                         "supported: quantize the exported merged/ model with your quantizer"))
+_add(G, ("trainer_cls", "dynamic_checkpoint"),
+     refused("meshkit runs its own loop: checkpoints follow save_steps and preemption signals; remove the key"))
+
+G = "further evaluation and output keys"
+_add(G, ("generate_samples", "num_generation_samples", "generation_do_sample", "generation_temperature",
+         "generation_top_k", "generation_top_p", "generation_prompt_ratio"),
+     noted("the summary holds greedy answers to generation_samples validation prompts"))
+_add(G, ("load_best_model_at_end", "metric_for_best_model", "greater_is_better"),
+     noted("the last model is exported; every checkpoint kept holds its own (early_stopping_patience stops)"))
+_add(G, ("do_bench_eval", "bench_dataset", "bench_split"), refused("benchmark evaluation is not supported: "
+                                                                   "evaluate merged/ with your evaluation harness"))
+_add(G, ("gradio_title", "gradio_share", "gradio_server_name", "gradio_server_port", "gradio_max_new_tokens",
+         "gradio_temperature"), noted("no web demo here: merged/ loads with from_pretrained"))
+_add(G, ("hub_revision", "vllm"), noted("no hub upload and no vLLM server here: the outputs stay in output_dir"))
+_add(G, ("use_trackio", "trackio_project_name", "trackio_run_name", "trackio_space_id", "comet_workspace",
+         "comet_experiment_key", "comet_mode", "comet_online", "comet_experiment_config", "otel_metrics_host",
+         "otel_metrics_port", "hf_mlflow_log_artifacts"),
+     noted("metrics go to jsonl, and to tensorboard / wandb when asked; this tracker is not one of them"))
+# fmt: on
+
+# Keys of a dataset entry that DatasetEntry does not hold: noted (dropped with a notice) or refused
+DATASET_KEY_RULES: dict[str, KeyRule] = {
+    **dict.fromkeys(
+        ("conversation", "input_format", "input_transform", "max_completion_length", "trust_remote_code",
+         "preprocess_shards"),
+        noted("no effect here: the entry's type and fields say how records become tokens"),
+    ),
+    **dict.fromkeys(
+        ("field_human", "field_model", "field_thinking", "template_thinking_key", "split_thinking", "field_tools",
+         "message_field_training", "message_field_training_detail", "logprobs_field", "temperature", "shards",
+         "shards_idx", "step_separator", "train_on_last_step_only"),
+        refused("not supported in a dataset entry yet: map the records to messages (role, content) first"),
+    ),
+}  # fmt: skip
