@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                 "tokens_per_s": summary["tokens_per_s"],
                 "peak_rss_mb": max(peaks),
                 "final_loss": summary["final_loss"],
-                "accuracy": summary.get("final_metrics", {}).get("rewards/accuracies", float("nan")),
+                "accuracy": summary.get("final_metrics", {}).get("rewards/accuracies"),
             }
             print(f"{name:28s} {rows[name]['tokens_per_s']:10,.0f} tok/s  peak RSS {rows[name]['peak_rss_mb']:8.1f} MB")
     sft = rows["sft (chosen replies)"]
