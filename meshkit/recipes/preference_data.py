@@ -140,36 +140,41 @@ def eval_batches(engine: Engine, data: PreferenceData, size: int | None) -> list
 
 
 def precompute_reference(engine: Engine, model: torch.nn.Module, data: PreferenceData) -> None:
-    """Score every record with the untrained model (eval mode, no graph) once, in the run's layout: each
-    data-parallel rank scores its share, the scores are gathered, and every rank's table gains the columns
-    the objective reads instead of a reference model."""
+    """Score every record (training and held out) with the untrained model (eval mode, no graph) once, in the
+    run's layout: each data-parallel rank scores its share, the scores are gathered, and every rank's tables gain
+    the columns the objective reads instead of a reference model."""
+    model.eval()
+    data.rows.table = _with_reference_columns(engine, data, data.rows.table)
+    if data.validation is not None and len(data.validation):
+        data.validation = _with_reference_columns(engine, data, data.validation)
+    model.train()
+
+
+def _with_reference_columns(engine: Engine, data: PreferenceData, table: Any) -> Any:
     from meshkit.engine.objective_step import LayoutScorer
 
-    table, size = data.rows.table, engine.config.train.largest_micro_batch
-    dp, rank = engine.dp_size, engine.dp_rank
+    size, dp, rank = engine.config.train.largest_micro_batch, engine.dp_size, engine.dp_rank
     mine = list(range(rank, len(table), dp))
     rounds = math.ceil(math.ceil(len(table) / dp) / size)  # batches per rank: every rank runs as many forwards
-    score = LayoutScorer(engine.ctx)
+    score = LayoutScorer(engine.ctx, forward_only=True)
     found: dict[int, list[float]] = {}
-    model.eval()
     for number in range(rounds):
-        chunk = mine[number * size : (number + 1) * size] or mine[-1:]
+        chunk = mine[number * size : (number + 1) * size] or mine[-1:] or [0]
         chunk = chunk + chunk[-1:] * (size - len(chunk))  # (a full batch: repeats are scored twice, kept once)
         batch = data.collate([dict(table[i]) for i in chunk])
-        main = score(batch["input_ids"], batch["labels"], grad=False).logps.double().cpu()
+        main = score(batch["input_ids"], batch["labels"]).logps.double().cpu()
         extra = None
         if "kl_input_ids" in batch:
-            extra = score(batch["kl_input_ids"], batch["kl_labels"], grad=False).logps.double().cpu()
+            extra = score(batch["kl_input_ids"], batch["kl_labels"]).logps.double().cpu()
         for position, index in enumerate(chunk):
             if data.paired:
                 found[index] = [float(main[position]), float(main[position + len(chunk)])]
             else:
                 found[index] = [float(main[position]), float(extra[position]) if extra is not None else 0.0]
-    model.train()
     merged: dict[int, list[float]] = {}
     for part in collectives.gather_object(found, group=engine.mesh.dp_group):
         merged.update(part)
     names = ("reference_chosen", "reference_rejected") if data.paired else ("reference_logps", "reference_kl_logps")
     for column, name in enumerate(names):
         table = table.add_column(name, [merged[i][column] for i in range(len(table))])
-    data.rows.table = table
+    return table

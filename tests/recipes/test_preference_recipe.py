@@ -62,7 +62,7 @@ def references(tmp_path_factory, material, pair_data):
         "lora": _run(
             root, material, 1, "lora", ["micro_batch_size=4"], **dpo_keys(pair_data), **lora_keys(), **EVALUATED
         ),
-        "full": _run(root, material, 1, "full", ["micro_batch_size=4"], **dpo_keys(pair_data)),
+        "full": _run(root, material, 1, "full", ["micro_batch_size=4"], **dpo_keys(pair_data), **EVALUATED),
         "precomputed": _run(
             root,
             material,
@@ -70,6 +70,7 @@ def references(tmp_path_factory, material, pair_data):
             "precomputed",
             ["micro_batch_size=4"],
             **dpo_keys(pair_data),
+            **EVALUATED,
             precompute_ref_log_probs=True,
         ),
         "kto": _run(
@@ -98,7 +99,8 @@ def test_dpo_learns_to_prefer_the_chosen_replies(references) -> None:
     ("adapter", "zero_stage"), [("lora", 0), ("full", 0), ("lora", 3), ("full", 3), ("precomputed", 3)]
 )
 def test_two_ranks_equal_one_process(tmp_path, material, pair_data, references, adapter, zero_stage) -> None:
-    keys = {**dpo_keys(pair_data), **(lora_keys(**EVALUATED) if adapter == "lora" else {})}
+    keys = {**dpo_keys(pair_data), **(lora_keys() if adapter == "lora" else {})}
+    keys |= EVALUATED  # (a precomputed reference scores the held-out records before training too)
     if adapter == "precomputed":
         keys["precompute_ref_log_probs"] = True
     summary = _run(tmp_path, material, 2, "run", [f"zero_stage={zero_stage}"], **keys)
@@ -109,7 +111,7 @@ def test_two_ranks_equal_one_process(tmp_path, material, pair_data, references, 
 @pytest.mark.parametrize("layout", ["tp=2", "cp=2", "pp=2"])
 def test_model_parallel_equals_one_process(tmp_path, material, pair_data, references, layout, adapter) -> None:
     # dp = 1: each rank holds the whole global batch of 4 pairs, as the reference did
-    keys = {**dpo_keys(pair_data), **(lora_keys(**EVALUATED) if adapter == "lora" else {})}
+    keys = {**dpo_keys(pair_data), **EVALUATED, **(lora_keys() if adapter == "lora" else {})}
     summary = _run(tmp_path, material, 2, "run", [layout, "micro_batch_size=4"], **keys)
     _close(summary, references[adapter])
 
