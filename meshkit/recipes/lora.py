@@ -37,7 +37,7 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
     if getattr(settings, "lora_model_dir", None) is not None:
         config = continued_config(settings.lora_model_dir, str(settings.base_model))
     else:
-        config = _new_config(settings, LoraConfig)
+        config = _new_config(settings, LoraConfig, model)
     try:
         with warnings.catch_warnings():  # peft reads a property transformers has deprecated: not the user's doing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -46,10 +46,30 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
         raise LoraSetupError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
 
 
-def _new_config(settings: Any, LoraConfig: Any) -> Any:  # noqa: N803 (peft's class, imported lazily)
+def linear_targets(model: nn.Module) -> list[str]:
+    """`lora_target_linear`: every Linear layer but the output head, by name — and nothing else. (peft's own
+    "all-linear" also wraps the fused expert banks of a mixture-of-experts model, which only
+    lora_target_parameters asks for.) Layer names where they name Linear layers only; full paths otherwise."""
+    from transformers.pytorch_utils import Conv1D  # (GPT-2's linear layers)
+
+    kinds = (nn.Linear, Conv1D)
+    outputs: Any = getattr(model, "get_output_embeddings", None)
+    head = outputs() if callable(outputs) else None
+    linear = [name for name, module in model.named_modules() if isinstance(module, kinds) and module is not head]
+    if not linear:
+        raise LoraSetupError("lora_target_linear: the model has no Linear layer besides its head")
+    others = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if not isinstance(module, kinds)}
+    short = {name.rsplit(".", 1)[-1] for name in linear}
+    head_name = next((name for name, module in model.named_modules() if module is head), None)
+    if short & others or (head_name is not None and head_name.rsplit(".", 1)[-1] in short):
+        return sorted(linear)
+    return sorted(short)
+
+
+def _new_config(settings: Any, LoraConfig: Any, model: nn.Module) -> Any:  # noqa: N803 (peft's class, lazily)
     parameters = list(getattr(settings, "lora_target_parameters", None) or []) or None
     if settings.lora_target_linear:
-        targets: Any = "all-linear"
+        targets: Any = linear_targets(model)
     elif settings.lora_target_modules:
         targets = list(settings.lora_target_modules)
     elif parameters:

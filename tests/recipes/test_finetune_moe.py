@@ -83,3 +83,24 @@ def test_lora_on_the_expert_banks_equals_one_process_and_merges(tmp_path, moe, l
         merged_logits, adapted_logits = merged(input_ids=ids).logits, adapted(input_ids=ids).logits
         assert (merged_logits - base(input_ids=ids).logits).abs().max() > 1e-4  # the adapters changed the model
     torch.testing.assert_close(merged_logits, adapted_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_target_linear_leaves_the_expert_banks_alone() -> None:
+    """Axolotl's Mixtral LoRA (lora_target_linear, lora_dropout 0.05) runs: adapters on the Linear layers only —
+    expert banks get adapters through lora_target_parameters alone (peft's "all-linear" wraps them too, and then
+    refuses lora_dropout)."""
+    from types import SimpleNamespace
+
+    from meshkit.recipes.lora import apply_lora
+    from tests.helpers.moe_models import moe_causal_lm
+
+    model = moe_causal_lm("mixtral")
+    settings = SimpleNamespace(
+        lora_model_dir=None, lora_target_parameters=None, lora_target_linear=True, lora_target_modules=None,
+        lora_r=4, lora_alpha=8, lora_dropout=0.05, base_model="base",
+    )  # fmt: skip
+    adapted = apply_lora(model, settings)
+    wrapped = {
+        name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in adapted.named_parameters() if "lora_A" in name
+    }
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj"}
