@@ -26,7 +26,9 @@ class FinetuneSettings(Section):
     tokenizer_config: Path | None = Field(None, description="directory of the tokenizer files; null = base_model")
     tokenizer_use_fast: bool = Field(True, description="the fast (tokenizers) tokenizer where one exists")
     overrides_of_model_config: dict[str, Any] | None = Field(None, description="config.json values replaced")
-    attn_implementation: str | None = Field(None, description="sdpa | eager | flash_attention_2 | ...; null = sdpa")
+    attn_implementation: str | None = Field(
+        None, description="sdpa | eager | flash_attention_2 | ...; null = the model's default (sdpa where it has it)"
+    )
     special_tokens: dict[str, str] | None = Field(None, description="bos/eos/pad/unk tokens set (added if new)")
     tokens: tuple[str, ...] | None = Field(None, description="tokens added to the vocabulary (embeddings grow)")
     chat_template: str | None = Field(None, description="tokenizer_default | chatml | llama3 | ... | jinja")

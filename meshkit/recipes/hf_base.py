@@ -115,12 +115,14 @@ def grow_vocabulary(model: Any, rows: int) -> int:
     return before
 
 
-def attention_implementation(requested: str | None) -> tuple[str, str | None]:
+def attention_implementation(requested: str | None) -> tuple[str | None, str | None]:
     """The attention the model runs, and a notice when it is not the one asked for (a kernel not installed)."""
     import importlib.util
 
-    if requested in (None, "sdpa", "eager", "flex_attention"):
-        return requested or "sdpa", None
+    if requested is None:  # the model's own default: sdpa where its class has it (Gemma-2, e.g., has not: eager)
+        return None, None
+    if requested in ("sdpa", "eager", "flex_attention"):
+        return requested, None
     if requested.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
         return "sdpa", f"attn_implementation: {requested} needs flash-attn (a CUDA kernel, not installed): runs sdpa"
     return requested, None
@@ -174,7 +176,7 @@ def build_meta_model(settings: Any, attention: str | None = "sdpa") -> nn.Module
     return _causal_lm(model, settings)
 
 
-def load_model(settings: Any, attention: str, device: torch.device, **options: Any) -> nn.Module:
+def load_model(settings: Any, attention: str | None, device: torch.device, **options: Any) -> nn.Module:
     """The base model loaded whole by transformers' `from_pretrained` onto `device` (a quantized base: its
     `quantization_config` in `options` quantizes each weight as it loads); other parameters in float32."""
     model_class, config = model_recipe(settings, attention)

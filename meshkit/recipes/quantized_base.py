@@ -91,7 +91,7 @@ def check_layout(settings: Any, zero_stage: int, tp: int, pp: int, precision: st
         )
 
 
-def load_quantized_base(settings: Any, attention: str, device: torch.device) -> nn.Module:
+def load_quantized_base(settings: Any, attention: str | None, device: torch.device) -> nn.Module:
     """The base model, quantized as it loads onto `device`; every parameter frozen."""
     if settings.quantization == "gptq" and importlib.util.find_spec("gptqmodel") is None:
         raise QuantizedBaseError(

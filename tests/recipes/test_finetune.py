@@ -220,3 +220,19 @@ def test_the_loss_plot_draws_train_and_eval_loss(tmp_path) -> None:
 
     path = plot_losses([3.0, 2.0, 1.5, 1.0], tmp_path / "loss.png", [(2, 2.5), (4, 2.1)])
     assert path is not None and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_model_without_sdpa_runs_its_own_default_attention(tmp_path, material) -> None:
+    """Gemma-2's class refuses sdpa: with attn_implementation unset the model's own default (eager) runs."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers.distributed import run_world
+    from tests.helpers.finetune_runs import run_finetune
+
+    tokenizer = AutoTokenizer.from_pretrained(material["base"])
+    model = causal_lm("gemma2", vocab_size=len(tokenizer))
+    model.save_pretrained(tmp_path / "gemma2")
+    tokenizer.save_pretrained(tmp_path / "gemma2")
+    path = write_config(tmp_path / "g.yaml", material, base_model=str(tmp_path / "gemma2"), max_steps=2)
+    summary = run_world(run_finetune, 1, str(path), [f"output_dir={tmp_path / 'out'}"], timeout=180)[0]
+    assert len(summary["losses"]) == 2 and all(loss == loss for loss in summary["losses"])

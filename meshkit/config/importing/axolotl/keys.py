@@ -65,7 +65,8 @@ _add(G, "tokenizer_use_fast", honoured("the fast (tokenizers) tokenizer, or the 
 _add(G, "overrides_of_model_config", honoured("config.json values replaced before the model is built"))
 _add(G, "model_config", honoured("Axolotl's older name of overrides_of_model_config",
                                  "recipe.overrides_of_model_config"))
-_add(G, "attn_implementation", honoured("the model's attention; a kernel not installed here (flash) runs sdpa, noted"))
+_add(G, "attn_implementation", honoured("the model's attention (unset: the model's own default, sdpa where its class "
+                                        "has it); a kernel not installed here (flash) runs sdpa, noted"))
 _add(G, "sdp_attention", honoured("attn_implementation: sdpa", "recipe.attn_implementation", _attention("sdpa")))
 _add(G, "flash_attention", honoured("attn_implementation: flash_attention_2 (sdpa where flash-attn is missing, "
                                     "noted)", "recipe.attn_implementation", _attention("flash_attention_2")))
