@@ -17,6 +17,7 @@ from meshkit.planning.estimate import (
     ModelShape,
     Optimizer,
     Precision,
+    Reference,
     as_table_rows,
     estimate_memory,
 )
@@ -87,6 +88,14 @@ def estimate_command(
         float,
         typer.Option("--runtime-gb", help="held outside tensors: CUDA context, workspaces (default 0)"),
     ] = 0.0,
+    reference: Annotated[
+        str,
+        typer.Option(
+            "--reference",
+            help="preference training's reference model: copy (a frozen copy), adapters (LoRA's base), "
+            "precomputed, or none",
+        ),
+    ] = "none",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Memory per device (GB = 10^9 bytes): params, grads, optimizer, activations, buffers, with formulas."""
@@ -95,6 +104,7 @@ def estimate_command(
         ("--optimizer", optimizer, ("adam", "adam8bit", "sgd")),
         ("--activation-checkpointing", activation_checkpointing, ("none", "selective", "full")),
         ("--offload", offload, ("none", "cpu", "nvme")),
+        ("--reference", reference, ("none", "copy", "adapters", "precomputed")),
     ):
         if value not in choices:
             raise EstimateError(f"{name} {value}: choose {', '.join(choices)}")
@@ -119,6 +129,7 @@ def estimate_command(
         offload=cast(Offload, offload),
         runtime_gb=runtime_gb,
         ep=ep,
+        reference=cast(Reference, reference),
     )
     if as_json:
         print(json.dumps(estimate.as_json(), indent=2))

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshkit.cli.estimate import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
-from meshkit.planning.estimate import Optimizer, Precision
+from meshkit.planning.estimate import Optimizer, Precision, Reference
 from meshkit.planning.estimate_ps import advice
 from meshkit.planning.hardware import PRESETS, load_profile, preset
 from meshkit.planning.plan import (
@@ -94,6 +94,10 @@ def plan_command(
     explain: Annotated[
         bool, typer.Option("--explain", help="each memory term of the first layout (or of the smallest, if none fits)")
     ] = False,
+    reference: Annotated[
+        str,
+        typer.Option("--reference", help="preference training's reference: copy, adapters, precomputed or none"),
+    ] = "none",
 ) -> None:
     """The layouts that fit, fastest first: predicted step time, tokens/s, MFU, memory, communication, bubble."""
     if probe:
@@ -108,10 +112,13 @@ def plan_command(
         raise PlanError(f"--optimizer {optimizer!r} is not one the planner knows: adam, adam8bit or sgd")
     if precision not in get_args(Precision):
         raise PlanError(f"--precision {precision!r} is not one the planner knows: fp32, bf16 or fp16")
+    if reference not in get_args(Reference):
+        raise PlanError(f"--reference {reference!r}: choose copy, adapters, precomputed or none")
     only = LayoutFilter.of(strategy, tp=tp, pp=pp, cp=cp, activation_checkpointing=recompute, offload=offload)
     result = plan(
         shape, cluster, seq_len=seq_len, global_batch=global_batch, precision=cast(Precision, precision),
         optimizer=cast(Optimizer, optimizer), only=only, runtime_gb=runtime_gb, host_mem_gb=host_mem_gb,
+        reference=cast(Reference, reference),
     )  # fmt: skip
     if explain:
         chosen = result.fitting[0] if result.fitting else result.smallest

@@ -215,6 +215,9 @@ class Estimate:
         return out
 
 
+Reference = Literal["none", "copy", "adapters", "precomputed"]  # preference training's reference model
+
+
 def model_state_bytes(precision: Precision, optimizer: Optimizer) -> tuple[int, int, int]:
     """Bytes per parameter for (weights, gradients, optimizer states)."""
     mixed = precision != "fp32"
@@ -244,12 +247,16 @@ def estimate_memory(
     zero_bucket_mb: float = 25.0,
     runtime_gb: float = 0.0,
     ep: int = 1,
+    reference: Reference = "none",
 ) -> Estimate:
     """Per-device GB (10^9 bytes) for params, grads, optimizer, activations, buffers and the runtime, with
     formulas. `runtime_gb` is what the process holds outside tensors (measured: torch's kernels and the
     distributed runtime on a CPU rank, 17-23 MB; on a GPU the CUDA context and library workspaces).
     A mixture of experts keeps its routed experts whole under tp; `ep` splits them, and ZeRO-3 shards each
-    rank's experts over the dp·cp/ep ranks that hold the same ones."""
+    rank's experts over the dp·cp/ep ranks that hold the same ones. `reference` (preference training): "copy" adds
+    a frozen copy of the weights laid out like the policy's (split by tp/pp, sharded under ZeRO-3; no gradients,
+    no optimizer state); "adapters" (LoRA's base with adapters off) and "precomputed" add nothing — pass the
+    micro-batch in rows (a pair is two)."""
     _check_layout(model, zero_stage, dp, tp, pp, cp, ep)
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
     weight_b, grad_b, optim_b = model_state_bytes(precision, optimizer)
@@ -276,6 +283,16 @@ def estimate_memory(
         lines.append(Line("optimizer", 0.0, f"{optim_b}·Ψ' offloaded to {offload}: {optim / GB:.3g} GB off device"))
     else:
         lines.append(Line("optimizer", optim / GB, f"{optim_b}·{psi}" + (f"/{nd} (ZeRO-1+)" if zero_stage else "")))
+    if reference == "copy":
+        lines.append(
+            Line(
+                "reference",
+                params / GB,
+                f"a frozen copy: {weight_b}·{psi}" + (f"/{nd} (ZeRO-3)" if zero_stage >= 3 else ""),
+            )
+        )  # noqa: E501
+    elif reference != "none":
+        lines.append(Line("reference", 0.0, f"{reference}: no second copy of the weights"))
     activations, formula = activation_line(
         model, seq_len, micro_batch, precision, tp, pp, cp, sp, activation_checkpointing, dropout, zero_stage
     )

@@ -17,7 +17,15 @@ from typing import Any
 
 from meshkit.config.layout import Layout
 from meshkit.core.errors import MeshkitError
-from meshkit.planning.estimate import Estimate, EstimateError, ModelShape, Optimizer, Precision, estimate_memory
+from meshkit.planning.estimate import (
+    Estimate,
+    EstimateError,
+    ModelShape,
+    Optimizer,
+    Precision,
+    Reference,
+    estimate_memory,
+)
 from meshkit.planning.hardware import PRESETS, Hardware
 from meshkit.planning.perf_model import StepTime, Topology, all_to_all_bytes, predict
 
@@ -156,8 +164,10 @@ def cost(
     precision: Precision,
     optimizer: Optimizer = "adam",
     runtime_gb: float = 0.0,
+    reference: Reference = "none",
 ) -> PlannedLayout:
-    """Memory, communication volume, bubble and modelled step time (micro-batches of one sequence)."""
+    """Memory, communication volume, bubble and modelled step time (micro-batches of one sequence); `reference`:
+    preference training's reference model (a frozen copy costs the weights' memory again)."""
     micro_batch = 1
     estimate = estimate_memory(
         model,
@@ -174,6 +184,7 @@ def cost(
         offload=layout.offload,
         ep=layout.ep,
         runtime_gb=runtime_gb,
+        reference=reference,
     )
     grads = 2 * sum(model.local_params(layout.tp, layout.pp, layout.ep))
     n = layout.dp * layout.cp
@@ -282,10 +293,12 @@ def plan(
     only: LayoutFilter | None = None,
     runtime_gb: float = 0.0,
     host_mem_gb: float | None = None,
+    reference: Reference = "none",
 ) -> Plan:
     """Every layout that fits, fastest first; `optimizer` (adam, adam8bit, sgd) sets the state bytes and step
     traffic per parameter. `only` keeps the layouts the user fixed; `runtime_gb` is counted on every GPU (the
-    CUDA context, communication buffers); `host_mem_gb` limits what offload puts in a node's host memory."""
+    CUDA context, communication buffers); `host_mem_gb` limits what offload puts in a node's host memory;
+    `reference`: preference training's reference model (`estimate_memory`)."""
     if cluster.intra_node not in (None, *INTRA_LINKS) or cluster.inter_node not in (None, *INTER_LINKS):
         raise PlanError(
             f"--intra-node is one of {', '.join(INTRA_LINKS)}; --inter-node one of {', '.join(INTER_LINKS)}"
@@ -309,7 +322,9 @@ def plan(
     costed = []
     for layout in layouts:
         try:
-            costed.append(cost(layout, model, cluster, seq_len, global_batch, precision, optimizer, runtime_gb))
+            costed.append(
+                cost(layout, model, cluster, seq_len, global_batch, precision, optimizer, runtime_gb, reference)
+            )
         except EstimateError:
             costed.append(PlannedLayout(layout, memory_gb=float("inf")))
     budget = cluster.gpu_mem_gb * HEADROOM

@@ -123,3 +123,16 @@ def test_the_command_prints_json_with_every_line(tmp_path) -> None:
     config.write_text("model:\n  dim: 64\n  n_layers: 2\n  n_heads: 4\n")
     table = meshkit("estimate", str(config), "--tp", "2", "--seq-len", "64")
     assert table.returncode == 0 and "activations" in table.stdout and "total" in table.stdout
+
+
+def test_a_reference_copy_costs_the_policys_weights_as_laid_out_and_the_others_nothing() -> None:
+    from meshkit.planning.estimate import ModelShape, estimate_memory
+
+    shape = ModelShape.transformer(layers=8, hidden=1024, heads=8, vocab=32000)
+    for zero_stage, dp in ((0, 1), (3, 4)):
+        plain = estimate_memory(shape, zero_stage=zero_stage, dp=dp)
+        copy = estimate_memory(shape, zero_stage=zero_stage, dp=dp, reference="copy")
+        assert copy.gb("reference") == pytest.approx(plain.gb("params"))  # sharded alike under ZeRO-3
+        assert copy.total_gb == pytest.approx(plain.total_gb + plain.gb("params"))
+        for choice in ("adapters", "precomputed"):
+            assert estimate_memory(shape, zero_stage=zero_stage, dp=dp, reference=choice).total_gb == plain.total_gb

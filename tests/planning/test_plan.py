@@ -120,3 +120,18 @@ def test_eight_bit_adam_lets_the_planner_keep_more_layouts_and_step_faster() -> 
         "plan", "--params", "1e9", "--layers", "8", "--hidden", "2048", "--heads", "16", "--optimizer", "lion"
     )
     assert proc.returncode == 2 and "--optimizer 'lion' is not one the planner knows" in proc.stderr
+
+
+def test_the_planner_counts_a_frozen_reference_copy() -> None:
+    """Preference training with a frozen copy: every layout needs the copy's weights more, as laid out; the
+    base with adapters off needs nothing more."""
+    model = ModelShape.transformer(layers=32, hidden=4096, heads=32, vocab=32000)
+    cluster = Cluster(8, 80.0)
+    plain = {lay.layout: lay for lay in plan(model, cluster, seq_len=2048, global_batch=64).fitting}
+    with_copy = plan(model, cluster, seq_len=2048, global_batch=64, reference="copy")
+    assert with_copy.fitting and len(with_copy.fitting) < len(plain)  # some layouts no longer fit
+    for planned in with_copy.fitting:
+        assert planned.estimate is not None and planned.estimate.gb("reference") > 0
+        assert planned.memory_gb == pytest.approx(plain[planned.layout].memory_gb + planned.estimate.gb("reference"))
+    adapters = plan(model, cluster, seq_len=2048, global_batch=64, reference="adapters")
+    assert [lay.layout for lay in adapters.fitting] == list(plain)
