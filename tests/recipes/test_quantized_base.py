@@ -152,3 +152,20 @@ def test_a_qlora_run_resumes_where_it_stopped(tmp_path, material) -> None:
     resumed = run_world(run_finetune, 1, str(config), [*args, "auto_resume_from_checkpoints=true"], timeout=TIMEOUT)[0]
     assert resumed["resumed_at_step"] == 2
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"]), rtol=1e-6, atol=0)
+
+
+def test_dpo_over_a_4bit_base_tracks_dpo_on_its_dequantized_weights(tmp_path, material) -> None:
+    """QLoRA DPO: the reference is the quantized base with adapters off; losses and rewards track LoRA DPO on the
+    dequantized weights."""
+    from tests.helpers.preference_runs import dpo_keys, write_preference_data
+
+    data = write_preference_data(tmp_path)
+    dequantized = _dequantized_base(material, "4bit", tmp_path / "dequantized")
+    keys = {**dpo_keys(data), "micro_batch_size": 4}
+    reference = _train(tmp_path, material, "plain", base=dequantized, **keys, **lora_keys())
+    quantized = _train(tmp_path, material, "quantized", **keys, **lora_keys(**QUANTIZED["4bit"]))
+    torch.testing.assert_close(
+        torch.tensor(quantized["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6
+    )
+    assert quantized["losses"][0] == pytest.approx(0.6931472, abs=1e-6)  # the policy starts as its reference
+    assert quantized["losses"][-1] < quantized["losses"][0]
