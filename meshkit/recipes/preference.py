@@ -179,6 +179,7 @@ class PreferenceWindow:
     def __init__(self, engine: Engine, objective: PairedObjective | UnpairedObjective) -> None:
         self.engine, self.objective = engine, objective
         self.sums: dict[str, list[torch.Tensor]] = {}
+        self.reduced: dict[str, float] = {}  # the last step's metrics (`mean` reduces them)
 
     def step(self, batch: Any) -> torch.Tensor:
         result = self.engine.objective_step(batch, self.objective)
@@ -197,11 +198,11 @@ class PreferenceWindow:
         pass  # (`step` keeps the sums)
 
     def mean(self) -> float:
-        self._reduced = self._reduce()
-        return self._reduced.pop("loss")
+        self.reduced = self._reduce()
+        return self.reduced.pop("loss")
 
     def metrics(self) -> dict[str, float]:
-        return getattr(self, "_reduced", {})
+        return self.reduced
 
     def _reduce(self) -> dict[str, float]:
         """Metric sums and counts over the data-parallel ranks (the loss is already every rank's mean)."""

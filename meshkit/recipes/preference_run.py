@@ -64,7 +64,7 @@ def train_preference(
     model_class = type(base).__name__
     # a full fine-tune's reference: a frozen copy of the untrained model (still on the meta device when the
     # weights stream in: the copy streams its own), laid out like the policy
-    uses_reference = getattr(loss, "uses_reference", False)
+    uses_reference = loss.uses_reference
     twin = copy.deepcopy(built.model) if _keeps_a_copy(uses_reference, built, s, engine.mesh.size("pp")) else None
     model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, data.loader, scheduler)
     reference = None
@@ -89,7 +89,9 @@ def train_preference(
         f"{len(data.rows)} {'pairs' if paired else 'completions'}, {steps.total_steps} steps; reference: "
         f"{reference.describe() if reference else 'none'}"
     )
-    if data.report.prompt_too_long or data.report.truncated:
+    if s.reward_model and data.report.prompt_too_long:
+        engine.print(f"meshkit: dropped {data.report.prompt_too_long} pairs longer than sequence_len (as TRL does)")
+    elif data.report.prompt_too_long or data.report.truncated:
         engine.print(
             f"meshkit: dropped {data.report.prompt_too_long} records whose prompt fills sequence_len="
             f"{cfg.train.seq_len}; cut {data.report.truncated} longer rows to it (TRL's keep_start)"

@@ -327,6 +327,7 @@ class BradleyTerry:
     center_rewards_coefficient × the mean squared reward; metrics accuracy, margin and mean_reward."""
 
     center_rewards_coefficient: float | None = None
+    uses_reference = False
 
     def __call__(
         self, chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None

@@ -95,9 +95,8 @@ def test_dpo_learns_to_prefer_the_chosen_replies(references) -> None:
     assert [e["step"] for e in evals] == [2, 4] and evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"]
 
 
-@pytest.mark.parametrize(
-    ("adapter", "zero_stage"), [("lora", 0), ("full", 0), ("lora", 3), ("full", 3), ("precomputed", 3)]
-)
+# (LoRA under DDP: KTO's and RPO's tests; LoRA and full meet tp, cp and pp below)
+@pytest.mark.parametrize(("adapter", "zero_stage"), [("lora", 3), ("full", 0), ("full", 3), ("precomputed", 3)])
 def test_two_ranks_equal_one_process(tmp_path, material, pair_data, references, adapter, zero_stage) -> None:
     keys = {**dpo_keys(pair_data), **(lora_keys() if adapter == "lora" else {})}
     keys |= EVALUATED  # (a precomputed reference scores the held-out records before training too)
@@ -107,8 +106,9 @@ def test_two_ranks_equal_one_process(tmp_path, material, pair_data, references, 
     _close(summary, references[adapter])
 
 
-@pytest.mark.parametrize("adapter", ["lora", "full"])
-@pytest.mark.parametrize("layout", ["tp=2", "cp=2", "pp=2"])
+@pytest.mark.parametrize(
+    ("layout", "adapter"), [("tp=2", "lora"), ("tp=2", "full"), ("cp=2", "lora"), ("pp=2", "lora"), ("pp=2", "full")]
+)
 def test_model_parallel_equals_one_process(tmp_path, material, pair_data, references, layout, adapter) -> None:
     # dp = 1: each rank holds the whole global batch of 4 pairs, as the reference did
     keys = {**dpo_keys(pair_data), **EVALUATED, **(lora_keys() if adapter == "lora" else {})}
@@ -140,4 +140,4 @@ def test_rpo_nll_term_is_a_token_mean_over_every_rank(tmp_path, material, pair_d
     """DPO + rpo_alpha: the chosen replies' NLL is a mean over every rank's tokens, so two ranks equal one."""
     keys = {**dpo_keys(pair_data), **lora_keys(), "rpo_alpha": 1.0}
     expected = _run(tmp_path, material, 1, "one", ["micro_batch_size=4"], **keys)
-    _close(_run(tmp_path, material, 2, "two", ["zero_stage=3"], **keys), expected)
+    _close(_run(tmp_path, material, 2, "two", [], **keys), expected)  # (DDP)
