@@ -24,6 +24,13 @@ PREFERENCE_TYPES = ("chatml", "llama3", "zephyr", "user_defined", "passthrough",
 DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant", "model"], "system": ["system"]}
 
 
+def without_empty(data: Any) -> Any:
+    """A mapping's keys left empty (Axolotl writes `key:` for unset) dropped."""
+    if isinstance(data, dict):
+        return {key: value for key, value in data.items() if value not in (None, "", [], {})}
+    return data
+
+
 class CustomPrompt(Section):
     """Axolotl's user-defined prompt type: which fields hold what, and the prompt formats."""
 
@@ -54,9 +61,7 @@ class PreferencePrompt(Section):
     @model_validator(mode="before")
     @classmethod
     def _empty_means_unset(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value not in (None, "", [], {})}
-        return data
+        return without_empty(data)
 
 
 class DatasetEntry(Section):
@@ -94,9 +99,7 @@ class DatasetEntry(Section):
     @model_validator(mode="before")
     @classmethod
     def _empty_means_unset(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value not in (None, "", [], {})}
-        return data
+        return without_empty(data)
 
     @field_validator("type")
     @classmethod

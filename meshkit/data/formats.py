@@ -44,6 +44,32 @@ ALPACA_VARIANT_PROMPTS["alpaca_chat"] = ALPACA_VARIANT_PROMPTS["alpaca:chat"]
 ALPACA_VARIANT_PROMPTS["alpaca_phi"] = ALPACA_VARIANT_PROMPTS["alpaca:phi"]
 
 
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    where: object,
+    generation_prompt: bool,
+    template: str | None,
+    template_kwargs: dict[str, Any],
+) -> str:
+    """`messages` as the chat template writes them (text); a template that rejects them is one line naming the
+    record."""
+    if not messages:
+        return ""
+    try:
+        return str(
+            tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                chat_template=template,
+                **template_kwargs,
+            )
+        )
+    except Exception as err:  # jinja raises its own errors for templates that reject a conversation
+        raise DataFormatError(f"{where}: the chat template rejects this conversation: {err}") from None
+
+
 def end_of_turn_ids(tokenizer: Any, tokens: Sequence[str] | None) -> set[int]:
     """Token ids of Axolotl's `eot_tokens` (each must be one token of the tokenizer); without them, the EOS."""
     if not tokens:
@@ -206,20 +232,7 @@ class Formatter:
         return TokenizedSample(sample.input_ids, tuple(labels))
 
     def _render(self, messages: list[dict[str, Any]], where: object, generation_prompt: bool) -> str:
-        if not messages:
-            return ""
-        try:
-            return str(
-                self.tokenizer.apply_chat_template(
-                    messages,
-                    tokenize=False,
-                    add_generation_prompt=generation_prompt,
-                    chat_template=self.template,
-                    **self.template_kwargs,
-                )
-            )
-        except Exception as err:  # jinja raises its own errors for templates that reject a conversation
-            raise DataFormatError(f"{where}: the chat template rejects this conversation: {err}") from None
+        return render_chat(self.tokenizer, messages, where, generation_prompt, self.template, self.template_kwargs)
 
     def convert(self, record: dict[str, Any], where: object, kind: Any) -> TokenizedSample:
         if isinstance(kind, CustomPrompt):

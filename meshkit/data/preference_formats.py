@@ -26,6 +26,7 @@ from typing import Any
 
 from meshkit.data.chat_templates import chat_template
 from meshkit.data.dataset_entry import DatasetEntry, PreferencePrompt
+from meshkit.data.formats import render_chat
 from meshkit.data.jsonl import DataFormatError, record_field
 
 PAIRED_TYPES = ("chat_template", "chatml", "llama3", "zephyr", "user_defined", "passthrough")
@@ -231,18 +232,7 @@ class PreferenceFormatter:
         return text[max(start, 0) :].rstrip()
 
     def _render(self, messages: list[dict[str, Any]], where: object, generation_prompt: bool) -> str:
-        try:
-            return str(
-                self.tokenizer.apply_chat_template(
-                    messages,
-                    tokenize=False,
-                    add_generation_prompt=generation_prompt,
-                    chat_template=self.template,
-                    **self.template_kwargs,
-                )
-            )
-        except Exception as err:  # jinja raises its own errors for templates that reject a conversation
-            raise DataFormatError(f"{where}: the chat template rejects this conversation: {err}") from None
+        return render_chat(self.tokenizer, messages, where, generation_prompt, self.template, self.template_kwargs)
 
     # ------------------------------------------------------------------ user-defined
     def _user_defined_prompt(self, record: dict[str, Any], where: object, spec: PreferencePrompt) -> str:

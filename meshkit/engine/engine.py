@@ -357,25 +357,15 @@ class Engine:
 
     @watched("objective_step")
     def objective_step(self, batch: Any, objective: Objective) -> ObjectiveResult:
-        """`train_step` for an objective over whole sequences (preference training: `meshkit.training.preference`):
-        the objective scores sequences through the prepared model in this layout and returns its loss, example
-        count and metrics; backward weighs every rank's examples alike; on syncing micro-steps the optimizer
-        steps. Returns the result with `loss` the mean over every rank's examples."""
-        objects = self.ctx.objects
-        optimizer = objects.only_optimizer()
+        """`train_step` for an objective over whole sequences (`meshkit.training.preference`): every rank's
+        examples weigh alike; returns the result with `loss` the mean over every rank's examples."""
         with self.accumulate():
             result = objective_micro_step(self.ctx, objective, batch, self._gradients)
-            self._optimizer_step(optimizer)
+            self._optimizer_step(self.ctx.objects.only_optimizer())
         return result
 
     def _optimizer_step(self, optimizer: Any) -> None:
-        """Clip (on syncing micro-steps), step the optimizer and the schedulers, clear the gradients."""
-        if self.sync_gradients and self.config.max_grad_norm is not None:
-            self.clip_grad_norm_(self.config.max_grad_norm)
-        optimizer.step()
-        for scheduler in self.ctx.objects.schedulers:
-            scheduler.step()
-        optimizer.zero_grad()
+        self._gradients.step(optimizer, self.ctx.objects.schedulers, self.config.max_grad_norm)
 
     # ------------------------------------------------------------------ end
     def end(self, *, wait_for_peers: bool = True) -> None:

@@ -197,6 +197,16 @@ class GradientSync:
             if param.grad is not None:
                 param.grad.clamp_(-clip_value, clip_value)
 
+    def step(self, optimizer: Any, schedulers: list[Any], max_grad_norm: float | None) -> None:
+        """The end of a micro-step: clip (on syncing micro-steps), step the optimizer and the schedulers (they
+        act on syncing micro-steps only), clear the gradients."""
+        if self.state.sync and max_grad_norm is not None:
+            self.clip_grad_norm_(max_grad_norm, 2.0)
+        optimizer.step()
+        for scheduler in schedulers:
+            scheduler.step()
+        optimizer.zero_grad()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor | None:
         if not self.state.sync:
             return None

@@ -29,6 +29,7 @@ from meshkit.recipes.finetune_setup import (
     adapter_words,
     load_base,
     make_optimizer,
+    make_schedule,
     rebuild_whole,
     step_plan,
 )
@@ -38,7 +39,6 @@ from meshkit.recipes.loop import LoopPlan, LoopRecord, run_steps, write_summary
 from meshkit.recipes.lora import continued_weights, save_adapter
 from meshkit.recipes.preference_run import train_preference
 from meshkit.recipes.report import print_summary
-from meshkit.recipes.schedules import build_schedule, warmup_steps
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 from meshkit.recipes.streaming_data import prepare_stream
 from meshkit.recipes.validation import WindowLoss, eval_batches, evaluate
@@ -100,11 +100,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     built = adapt(job, base, tokenizer, attention)
     steps = step_plan(engine, job, data.row_count)
     optimizer = make_optimizer(built.model, job, engine)
-    warmup = warmup_steps(cfg.train.warmup_steps, s.warmup_ratio, steps.total_steps)
-    scheduler = build_schedule(
-        s.lr_scheduler, optimizer, warmup=warmup, total=steps.total_steps, kwargs=s.lr_scheduler_kwargs,
-        min_lr_ratio=s.cosine_min_lr_ratio,
-    )  # fmt: skip
+    scheduler, warmup = make_schedule(engine, job, optimizer, steps.total_steps)
     continued = (
         continued_weights(s.lora_model_dir, built.model) if s.lora_model_dir and built.peft_model is not None else None
     )

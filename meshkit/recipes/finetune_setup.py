@@ -28,6 +28,7 @@ from meshkit.recipes.optimizers import build_optimizer, trainable_groups
 from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
 from meshkit.recipes.quantized_base import INT8_CAST_NOTE, load_quantized_base
 from meshkit.recipes.quantized_base import check_layout as check_quantized_layout
+from meshkit.recipes.schedules import build_schedule, warmup_steps
 
 
 class FinetuneError(MeshkitError):
@@ -154,6 +155,17 @@ def step_plan(engine: Engine, job: FinetuneJob, dataset_rows: int) -> StepPlan:
     total_steps = cfg.train.steps if job.steps_given() else max(1, math.ceil(s.num_epochs * steps_per_epoch))
     eval_every = s.eval_steps or per_epoch(steps_per_epoch, s.evals_per_epoch)
     return StepPlan(total_steps, eval_every, per_epoch(steps_per_epoch, s.saves_per_epoch), rows_per_step)
+
+
+def make_schedule(engine: Engine, job: FinetuneJob, optimizer: Any, total_steps: int) -> tuple[Any, int]:
+    """(the learning-rate schedule, its warm-up steps) from Axolotl's lr_scheduler keys."""
+    s = job.settings
+    warmup = warmup_steps(engine.config.train.warmup_steps, s.warmup_ratio, total_steps)
+    scheduler = build_schedule(
+        s.lr_scheduler, optimizer, warmup=warmup, total=total_steps, kwargs=s.lr_scheduler_kwargs,
+        min_lr_ratio=s.cosine_min_lr_ratio,
+    )  # fmt: skip
+    return scheduler, warmup
 
 
 def per_epoch(steps_per_epoch: int, times: int | None) -> int | None:

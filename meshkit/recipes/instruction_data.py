@@ -23,17 +23,24 @@ class InstructionDataError(MeshkitError):
     """Data that cannot fill the run's batches; the message says what to change."""
 
 
-def split_validation(samples: TokenizedRows, size: float, seed: int) -> tuple[TokenizedRows, TokenizedRows]:
-    """(train, validation): `size` < 1 is a share, >= 1 a count; chosen by a seeded shuffle."""
-    count = int(size) if size >= 1 else int(round(size * len(samples)))
-    if count == 0:
-        return samples, samples.take([])
-    if count >= len(samples):
-        raise InstructionDataError(f"val_set_size={size} leaves no training samples out of {len(samples)}: lower it")
-    order = list(range(len(samples)))
+def held_out(count: int, size: float, seed: int, what: str = "samples") -> tuple[list[int], list[int]]:
+    """(training indices, held-out indices) of `count` items: `size` < 1 is a share, >= 1 a count; chosen by a
+    seeded shuffle."""
+    held_count = int(size) if size >= 1 else int(round(size * count))
+    if held_count == 0:
+        return list(range(count)), []
+    if held_count >= count:
+        raise InstructionDataError(f"val_set_size={size} leaves no training {what} out of {count}: lower it")
+    order = list(range(count))
     random.Random(seed).shuffle(order)
-    held = set(order[:count])
-    return samples.take([i for i in range(len(samples)) if i not in held]), samples.take(sorted(held))
+    held = set(order[:held_count])
+    return [i for i in range(count) if i not in held], sorted(held)
+
+
+def split_validation(samples: TokenizedRows, size: float, seed: int) -> tuple[TokenizedRows, TokenizedRows]:
+    """(train, validation) of the samples (`held_out`)."""
+    train, held = held_out(len(samples), size, seed)
+    return samples.take(train), samples.take(held)
 
 
 def shuffled(samples: TokenizedRows, seed: int) -> TokenizedRows:

@@ -4,7 +4,6 @@ reference log-probabilities scored once before training (`precompute_reference`)
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,7 @@ from meshkit.data.preference_tokens import (
 )
 from meshkit.data.sources import cpu_share
 from meshkit.engine.engine import Engine
-from meshkit.recipes.instruction_data import InstructionDataError
+from meshkit.recipes.instruction_data import InstructionDataError, held_out
 from meshkit.runtime import collectives
 
 
@@ -108,14 +107,9 @@ def prepare_preference_data(
 
 
 def _held_out(table: Any, size: float, seed: int) -> tuple[Any, Any]:
-    """(train, validation): `size` < 1 a share, >= 1 a count of the records, chosen by a seeded shuffle."""
-    count = int(size) if size >= 1 else int(round(size * len(table)))
-    if count >= len(table):
-        raise InstructionDataError(f"val_set_size={size} leaves no training records out of {len(table)}: lower it")
-    order = list(range(len(table)))
-    random.Random(seed).shuffle(order)
-    held = set(order[:count])
-    return table.select([i for i in range(len(table)) if i not in held]), table.select(sorted(held))
+    """(train, validation) of the records (`held_out`)."""
+    train, held = held_out(len(table), size, seed, "records")
+    return table.select(train), table.select(held)
 
 
 def eval_batches(engine: Engine, data: PreferenceData, size: int | None) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from meshkit.engine.engine import Engine
 from meshkit.recipes.finetune_config import FinetuneJob
-from meshkit.recipes.finetune_setup import adapt, adapter_words, make_optimizer, rebuild_whole, step_plan
+from meshkit.recipes.finetune_setup import adapt, adapter_words, make_optimizer, make_schedule, rebuild_whole, step_plan
 from meshkit.recipes.loop import LoopPlan, run_steps, write_summary
 from meshkit.recipes.preference import (
     KTO,
@@ -28,7 +28,6 @@ from meshkit.recipes.preference import (
 from meshkit.recipes.preference_data import eval_batches, precompute_reference, prepare_preference_data
 from meshkit.recipes.report import print_summary
 from meshkit.recipes.reward import RewardObjective
-from meshkit.recipes.schedules import build_schedule, warmup_steps
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 from meshkit.runtime import collectives
 from meshkit.training.preference import BradleyTerry
@@ -56,11 +55,7 @@ def train_preference(
     built = adapt(job, base, tokenizer, attention)
     steps = step_plan(engine, job, len(data.rows))
     optimizer = make_optimizer(built.model, job, engine)
-    warmup = warmup_steps(cfg.train.warmup_steps, s.warmup_ratio, steps.total_steps)
-    scheduler = build_schedule(
-        s.lr_scheduler, optimizer, warmup=warmup, total=steps.total_steps, kwargs=s.lr_scheduler_kwargs,
-        min_lr_ratio=s.cosine_min_lr_ratio,
-    )  # fmt: skip
+    scheduler, warmup = make_schedule(engine, job, optimizer, steps.total_steps)
     model_class = type(base).__name__
     # a full fine-tune's reference: a frozen copy of the untrained model (still on the meta device when the
     # weights stream in: the copy streams its own), laid out like the policy
