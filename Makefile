@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 # pytest workers (pytest-xdist): two keep a 2-core machine busy; each test file runs whole on one of them
 TEST_WORKERS ?= 2
 
-.PHONY: install demo finetune-demo dpo-demo test test-quick test-fast lint docs bench clean
+.PHONY: install demo finetune-demo dpo-demo test test-full test-quick test-fast lint docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,11 +29,15 @@ finetune-demo: examples/finetune/base/config.json
 dpo-demo: examples/finetune/base/config.json
 	$(BIN)/meshkit finetune examples/finetune/dpo.yaml
 
+# the suite CI runs (under 15 minutes); test-full adds the wide sweeps (marked `sweep`)
 test: $(STAMP)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15 -m "not sweep"
+
+test-full: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15
 
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow and not sweep"
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not world and not slow"

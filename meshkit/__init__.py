@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from meshkit.config import RunConfig
+from meshkit.core.import_noise import drop_import_noise
+
+drop_import_noise()
 
 if TYPE_CHECKING:
     from meshkit.engine import Engine

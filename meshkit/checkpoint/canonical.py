@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshkit.checkpoint.optimizer_states import from_canonical, to_canonical
+from meshkit.core.io import plain_numbers
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.parallel.zero.nvme import NVMeOptimizer
@@ -189,7 +190,7 @@ class TrainingState:
     def hyperparameters(self) -> list[list[dict[str, Any]]]:
         """Per optimizer, its param groups' settings (JSON-ready; parameters left out)."""
         return [
-            [{k: v for k, v in group.items() if k != "params"} for group in _inner(opt).param_groups]
+            [plain_numbers({k: v for k, v in group.items() if k != "params"}) for group in _inner(opt).param_groups]
             for opt in self.optimizers
         ]
 
@@ -205,7 +206,7 @@ class TrainingState:
                 self._load_per_param(index, inner, stored, read)
             if hyperparameters and index < len(hyperparameters):
                 for group, saved in zip(inner.param_groups, hyperparameters[index], strict=False):
-                    group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+                    _restore_settings(group, saved)
 
     def _load_model(self, stored: StoredShapes, read: Reader) -> None:
         live = self._model_state()
@@ -322,6 +323,15 @@ class TrainingState:
         read(targets)
         for shard in inner.shards:
             inner.state[shard.shard] = from_canonical(inner.inner, shard.shard, inner.state[shard.shard])
+
+
+def _restore_settings(group: dict[str, Any], saved: dict[str, Any]) -> None:
+    for key, value in saved.items():
+        current = group.get(key)
+        if isinstance(current, torch.Tensor) and current.dim() == 0:
+            current.fill_(value)  # the optimizer keeps this tensor (and may have compiled against it)
+        else:
+            group[key] = tuple(value) if isinstance(current, tuple) else value
 
 
 def _as_laid_out(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

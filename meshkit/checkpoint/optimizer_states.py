@@ -1,5 +1,5 @@
-"""Optimizer states in the one form checkpoints hold: bitsandbytes' 8-bit states stored dequantized, under torch's
-names, and quantized again on load.
+"""Optimizer states in the one form checkpoints hold: bitsandbytes' and torchao's low-bit states stored dequantized,
+under torch's names, and quantized again on load.
 
 An 8-bit Adam keeps each moment as uint8 codes (`state1`/`state2`) into a code book (`qmap1`/`qmap2`) with one
 scale per block of 256 values (`absmax1`/`absmax2`). Blocks follow the tensor the optimizer steps — a parameter,
@@ -7,6 +7,10 @@ or a ZeRO-1/2 rank's chunk of a flat buffer — so the codes of one layout mean 
 `exp_avg`/`exp_avg_sq` (4 bytes per value on disk; 1 in memory), they reshard over data-parallel sizes and ZeRO
 stages like any optimizer's, and even load into torch's AdamW (or back). Requantizing reproduces the codes and
 scales exactly (`_requantize`), so a resumed run continues as it would have.
+
+torchao's low-bit AdamW keeps `exp_avg`/`exp_avg_sq` as tensor subclasses (8-bit or 4-bit codes into a code book
+with a scale per block, or float8 with a scale per block); they are stored as their float32 values and quantized
+again into fresh buffers of the optimizer's own kind (`_torchao_states`), codes and scales exactly.
 """
 
 from __future__ import annotations
@@ -27,8 +31,16 @@ def is_8bit_state(states: Mapping[str, Any]) -> bool:
     return "state1" in states
 
 
+def is_torchao_state(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and type(value).__module__.split(".")[0] == "torchao"
+
+
 def to_canonical(states: Mapping[str, Any]) -> dict[str, Any]:
-    """A parameter's (or chunk's) optimizer state in checkpoint form (unchanged unless bitsandbytes')."""
+    """A parameter's (or chunk's) optimizer state in checkpoint form (unchanged unless low-bit)."""
+    if any(is_torchao_state(value) for value in states.values()):
+        return {
+            name: value.dequantize().float() if is_torchao_state(value) else value for name, value in states.items()
+        }
     if not is_8bit_state(states):
         return dict(states)
     import bitsandbytes.functional as bnb_functional
@@ -48,11 +60,68 @@ def to_canonical(states: Mapping[str, Any]) -> dict[str, Any]:
 def from_canonical(optimizer: torch.optim.Optimizer, param: torch.Tensor, states: dict[str, Any]) -> dict[str, Any]:
     """Loaded checkpoint states for `param` in the form `optimizer` keeps (quantized for bitsandbytes; for a DTensor
     parameter, the states of this rank's local piece, as `LocalShardOptimizer` steps it)."""
-    if not hasattr(optimizer, "init_state") or not hasattr(optimizer, "name2qmap"):  # not bitsandbytes'
+    innermost: Any = optimizer
+    while isinstance(getattr(innermost, "optimizer", None), torch.optim.Optimizer):  # e.g. LocalShardOptimizer
+        innermost = innermost.optimizer
+    torchao = type(innermost).__module__.split(".")[0] == "torchao"
+    bitsandbytes = hasattr(optimizer, "init_state") and hasattr(optimizer, "name2qmap")
+    if not (torchao or bitsandbytes):
         return states
     local = {key: value.to_local() if isinstance(value, DTensor) else value for key, value in states.items()}
     with local_pieces(optimizer, only={id(param)}) as pieces:
-        return _quantized(optimizer, pieces.get(id(param), param), local)
+        piece = pieces.get(id(param), param)
+        return _torchao_states(optimizer, piece, local) if torchao else _quantized(optimizer, piece, local)
+
+
+def _torchao_states(optimizer: Any, param: torch.Tensor, states: dict[str, Any]) -> dict[str, Any]:
+    """Fresh buffers of the optimizer's kind (quantized where torchao quantizes; plain float for small tensors),
+    filled with the stored values."""
+    step = states.get("step", 0)
+    out: dict[str, Any] = {"step": torch.tensor(float(step.item() if isinstance(step, torch.Tensor) else step))}
+    for name, value in states.items():
+        if name == "step" or not isinstance(value, torch.Tensor):
+            continue
+        buffer = optimizer._new_buffer(param, name == "exp_avg")  # the first moment is signed
+        _requantize_torchao(buffer, value.reshape(param.shape).to(torch.float32))
+        out[name] = buffer
+    return out
+
+
+@torch.no_grad()
+def _requantize_torchao(buffer: torch.Tensor, values: torch.Tensor) -> None:
+    """`buffer.copy_(values)` quantizes with each block's largest magnitude as its scale; but the block's largest
+    value was itself stored as a code of the book's end on its side, and the negative end of a signed book lies
+    below 1, so the scale was max(|value| / |end code on its side|) over the block. Stating the value that attains
+    it as ±scale makes the quantizer find that scale and, from it, every original code."""
+    qmap, block = getattr(buffer, "qmap", None), getattr(buffer, "block_size", None)
+    if qmap is None or block is None:  # plain float, or float8 (its scale is the block maximum itself)
+        buffer.copy_(values)
+        return
+    blocks = values.reshape(-1, block).clone()
+    ends = torch.where(blocks >= 0, qmap.max(), qmap.min().abs()).clamp_min(1e-12)
+    scale, top = (blocks.abs() / ends).max(dim=1, keepdim=True)
+    scale = _reproducing_scale(blocks, qmap, scale)
+    blocks.scatter_(1, top, torch.where(blocks.gather(1, top) >= 0, scale, -scale))
+    buffer.copy_(blocks.reshape(values.shape))
+
+
+def _reproducing_scale(blocks: torch.Tensor, qmap: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per block, the float32 scale whose products with the block's codes are exactly its values. The quotient
+    value / code may be a unit in the last place off (and two neighbouring scales may give the same top value),
+    so the quotient and its neighbours are tried against the whole block."""
+    middles = (qmap[1:] + qmap[:-1]) / 2
+    chosen = scale.clone()
+    found = torch.zeros_like(scale, dtype=torch.bool)
+    for candidate in (
+        scale,
+        torch.nextafter(scale, torch.full_like(scale, float("inf"))),
+        torch.nextafter(scale, torch.zeros_like(scale)),
+    ):
+        codes = torch.bucketize(blocks / candidate, middles)
+        exact = (qmap[codes] * candidate == blocks).all(dim=1, keepdim=True)
+        chosen = torch.where(exact & ~found, candidate, chosen)
+        found |= exact
+    return chosen
 
 
 def _quantized(optimizer: Any, param: torch.Tensor, states: dict[str, Any]) -> dict[str, Any]:

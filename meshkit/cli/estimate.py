@@ -69,7 +69,7 @@ def estimate_command(
     micro_batch: Annotated[int, typer.Option("--micro-batch")] = 1,
     precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "bf16",
     optimizer: Annotated[
-        str, typer.Option("--optimizer", help="adam, adam8bit (bitsandbytes' 8-bit states) or sgd")
+        str, typer.Option("--optimizer", help="adam, adam8bit (8-bit states), adam4bit (torchao's 4-bit states) or sgd")
     ] = "adam",
     zero_stage: Annotated[int, typer.Option("--zero-stage")] = 0,
     dp: Annotated[int, typer.Option("--dp")] = 1,
@@ -101,7 +101,7 @@ def estimate_command(
     """Memory per device (GB = 10^9 bytes): params, grads, optimizer, activations, buffers, with formulas."""
     for name, value, choices in (
         ("--precision", precision, ("fp32", "bf16", "fp16")),
-        ("--optimizer", optimizer, ("adam", "adam8bit", "sgd")),
+        ("--optimizer", optimizer, ("adam", "adam8bit", "adam4bit", "sgd")),
         ("--activation-checkpointing", activation_checkpointing, ("none", "selective", "full")),
         ("--offload", offload, ("none", "cpu", "nvme")),
         ("--reference", reference, ("none", "copy", "adapters", "precomputed")),

@@ -58,7 +58,7 @@ def plan_command(
     global_batch: Annotated[int, typer.Option("--global-batch", help="sequences per optimizer step")] = 64,
     precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "bf16",
     optimizer: Annotated[
-        str, typer.Option("--optimizer", help="adam, adam8bit (bitsandbytes' 8-bit states) or sgd")
+        str, typer.Option("--optimizer", help="adam, adam8bit (8-bit states), adam4bit (torchao's 4-bit states) or sgd")
     ] = "adam",
     top: Annotated[int, typer.Option("--top", help="layouts shown")] = 8,
     stragglers: Annotated[
@@ -109,7 +109,7 @@ def plan_command(
     memory = gpu_mem_gb if gpu_mem_gb is not None else device.memory_gb
     cluster = Cluster(gpus_per_node, memory, nodes, intra_node, inter_node, device)
     if optimizer not in get_args(Optimizer):
-        raise PlanError(f"--optimizer {optimizer!r} is not one the planner knows: adam, adam8bit or sgd")
+        raise PlanError(f"--optimizer {optimizer!r} is not one the planner knows: adam, adam8bit, adam4bit or sgd")
     if precision not in get_args(Precision):
         raise PlanError(f"--precision {precision!r} is not one the planner knows: fp32, bf16 or fp16")
     if reference not in get_args(Reference):

@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -76,6 +77,18 @@ def plan_shards(tensors: list[TensorInfo], max_shard_bytes: int) -> list[list[Te
         shards[-1].append(info)
         used += info.nbytes
     return shards
+
+
+def plain_numbers(value: Any) -> Any:
+    """`value` with every 0-d tensor inside (dicts, lists, tuples) as a Python number, for JSON (torchao keeps an
+    optimizer's learning rate as a tensor, and so schedulers' saved rates are tensors too)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    if isinstance(value, Mapping):
+        return {key: plain_numbers(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain_numbers(item) for item in value)
+    return value
 
 
 def write_atomically(path: Path, tensors: dict[str, torch.Tensor] | None = None, text: str | None = None) -> None:

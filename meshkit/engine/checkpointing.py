@@ -14,6 +14,7 @@ from meshkit.checkpoint.directory import commit, partial_dir, remove_partials, r
 from meshkit.checkpoint.extras import state_from_json, state_to_json
 from meshkit.checkpoint.session import Checkpointer
 from meshkit.checkpoint.storage import META, CheckpointError, fsync_dir
+from meshkit.core.io import plain_numbers
 from meshkit.engine.context import EngineComponent, EngineContext, print_once_per_node
 from meshkit.runtime import collectives
 from meshkit.runtime.preemption import LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE, Preempted, announce
@@ -39,7 +40,7 @@ class Checkpoints(EngineComponent):
             "world_size": self.ctx.info.world_size,
             "layout": self.ctx.mesh.dims.as_dict(),
             "zero_stage": self.ctx.placement.zero_stage,
-            "schedulers": [s.state_dict() for s in self.ctx.objects.schedulers],
+            "schedulers": [plain_numbers(s.state_dict()) for s in self.ctx.objects.schedulers],
             "scaler": scaler.state_dict() if scaler is not None else None,
             "registered": self._registered_states(),
         }

@@ -34,7 +34,7 @@ from meshkit.planning.activation_estimate import (  # noqa: F401 - layer_activat
 
 GB = 1e9
 Precision = Literal["fp32", "bf16", "fp16"]
-Optimizer = Literal["adam", "adam8bit", "sgd"]
+Optimizer = Literal["adam", "adam8bit", "adam4bit", "sgd"]
 
 
 class EstimateError(MeshkitError):
@@ -221,7 +221,9 @@ Reference = Literal["none", "copy", "adapters", "precomputed"]  # preference tra
 def model_state_bytes(precision: Precision, optimizer: Optimizer) -> tuple[int, int, int]:
     """Bytes per parameter for (weights, gradients, optimizer states)."""
     mixed = precision != "fp32"
-    moments = {"adam": 8, "adam8bit": 2}.get(optimizer, 4)  # adam8bit: two 1-byte moments (bitsandbytes)
+    # adam8bit: two 1-byte moments (bitsandbytes, torchao); adam4bit: two half-byte moments (torchao); the block
+    # scales (4 bytes per 128-256 values) are left out
+    moments = {"adam": 8, "adam8bit": 2, "adam4bit": 1}.get(optimizer, 4)
     if mixed:
         return 2, 2, 4 + moments  # fp32 master weights kept by the optimizer
     return 4, 4, moments

@@ -46,8 +46,9 @@ from meshkit.planning.estimate import ModelShape, Optimizer, Precision, model_st
 from meshkit.planning.hardware import Hardware
 
 # bytes an optimizer step moves per parameter: read the gradient, read+write the fp32 master and the states,
-# write the low-precision copy (AdamW: two fp32 moments; 8-bit AdamW: two 1-byte moments; SGD: one momentum)
-OPTIMIZER_BYTES_PER_PARAM = {"adam": 30, "adam8bit": 16, "sgd": 22}
+# write the low-precision copy (AdamW: two fp32 moments; 8-bit AdamW: two 1-byte moments; 4-bit: two half-bytes;
+# SGD: one momentum)
+OPTIMIZER_BYTES_PER_PARAM = {"adam": 30, "adam8bit": 16, "adam4bit": 14, "sgd": 22}
 HOST_MEMORY_GBPS = 50.0  # a CPU optimizer's share of host memory bandwidth
 DDP_BUCKET_BYTES = 25 * 2**20
 TP_BACKWARD_REDUCES = 5  # column-parallel linears per block whose input gradients are all-reduced (q, k, v, gate, up)

@@ -295,7 +295,7 @@ def plan(
     host_mem_gb: float | None = None,
     reference: Reference = "none",
 ) -> Plan:
-    """Every layout that fits, fastest first; `optimizer` (adam, adam8bit, sgd) sets the state bytes and step
+    """Every layout that fits, fastest first; `optimizer` (adam, adam8bit, adam4bit, sgd) sets the state bytes and step
     traffic per parameter. `only` keeps the layouts the user fixed; `runtime_gb` is counted on every GPU (the
     CUDA context, communication buffers); `host_mem_gb` limits what offload puts in a node's host memory;
     `reference`: preference training's reference model (`estimate_memory`)."""

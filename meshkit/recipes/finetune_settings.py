@@ -108,7 +108,9 @@ class FinetuneSettings(Section):
     lr_scheduler: str = Field("cosine", description="a transformers get_scheduler name, or one_cycle")
     lr_scheduler_kwargs: dict[str, Any] | None = Field(None, description="the schedule's own arguments")
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1, description="cosine floor as a share of the lr")
-    optimizer: str = Field("adamw_torch", description="adamw_torch | adamw_bnb_8bit | paged_adamw_8bit | sgd | ...")
+    optimizer: str = Field(
+        "adamw_torch", description="adamw_torch | adamw_bnb_8bit | paged_adamw_8bit | adamw_torch_4bit | sgd | ..."
+    )
     optim_args: dict[str, Any] | None = Field(None, description="extra optimizer arguments")
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)

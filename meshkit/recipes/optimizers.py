@@ -1,12 +1,14 @@
-"""The fine-tune's optimizer by its Axolotl / transformers name: torch's AdamW and SGD, transformers' Adafactor, and
+"""The fine-tune's optimizer by its Axolotl / transformers name: torch's AdamW and SGD, transformers' Adafactor,
 bitsandbytes' 8-bit optimizers, whose two Adam states take 1 byte per parameter each instead of 4 (blockwise
-quantised; tensors under 4096 elements keep 32-bit states, as bitsandbytes decides).
+quantised; tensors under 4096 elements keep 32-bit states, as bitsandbytes decides), and torchao's low-bit AdamW
+(`adamw_torch_8bit`, `adamw_torch_4bit`: ½ byte per state; `ao_adamw_fp8`), whose update is plain torch (compiled
+by torchao with torch.compile) and so runs on a CPU as on a GPU.
 
 Paged optimizers page their states to host memory through CUDA unified memory; on a CPU there is nothing to page,
 so they run as their unpaged twin (one notice line). bitsandbytes' kernels take plain tensors: they run under DDP,
 pipeline stages, ZeRO-1/2 (a rank's flat chunk) and on the local pieces of ZeRO-3's and tensor parallel's DTensors
-(`meshkit.parallel.zero.local_shards`). Checkpoints hold their states dequantized
-(`meshkit.checkpoint.optimizer_states`).
+(`meshkit.parallel.zero.local_shards`); torchao's are stepped the same way. Checkpoints hold their states
+dequantized (`meshkit.checkpoint.optimizer_states`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ class OptimizerError(MeshkitError):
 
 @dataclass(frozen=True)
 class OptimizerKind:
-    family: str  # adamw | sgd | adafactor | bnb
-    bnb_class: str | None = None  # bitsandbytes.optim class
+    family: str  # adamw | sgd | adafactor | bnb | torchao
+    bnb_class: str | None = None  # bitsandbytes.optim (or torchao.optim) class
     unpaged: str | None = None  # the class a CPU runs instead of a paged one
     state_bytes: int = 8  # optimizer state bytes per parameter (estimator)
 
@@ -45,7 +47,13 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
     "paged_adamw_32bit": OptimizerKind("bnb", "PagedAdamW32bit", "AdamW32bit"),
     "lion_8bit": OptimizerKind("bnb", "Lion8bit", state_bytes=1),
     "paged_lion_8bit": OptimizerKind("bnb", "PagedLion8bit", "Lion8bit", state_bytes=1),
+    "adamw_torch_8bit": OptimizerKind("torchao", "AdamW8bit", state_bytes=2),
+    "ao_adamw_8bit": OptimizerKind("torchao", "AdamW8bit", state_bytes=2),
+    "adamw_torch_4bit": OptimizerKind("torchao", "AdamW4bit", state_bytes=1),
+    "ao_adamw_4bit": OptimizerKind("torchao", "AdamW4bit", state_bytes=1),
+    "ao_adamw_fp8": OptimizerKind("torchao", "AdamWFp8", state_bytes=2),
 }
+PLAIN_TENSOR_FAMILIES = ("bnb", "torchao")  # stepped on plain tensors: a rank's local pieces of DTensors
 
 
 def build_optimizer(
@@ -63,6 +71,8 @@ def build_optimizer(
 
         options = {"scale_parameter": False, "relative_step": False, "warmup_init": False, **extra}
         return Adafactor(groups, lr=lr, **options), notes
+    if kind.family == "torchao":
+        return _torchao(name, str(kind.bnb_class))(groups, lr=lr, betas=betas, eps=eps, **extra), notes
     try:
         import bitsandbytes.optim as bnb_optim
     except ImportError:
@@ -80,13 +90,25 @@ def build_optimizer(
     return optimizer_class(groups, **options), notes
 
 
-def check_layout(name: str, zero_stage: int, tp: int) -> None:
-    """bitsandbytes optimizers step plain tensors: whole parameters (DDP, pipeline stages), ZeRO-1/2's flat
-    chunks, or the local pieces of ZeRO-3's and tp's DTensors (`meshkit.parallel.zero.local_shards`); ZeRO-1/2's flat
-    chunks of tp shards are refused in one line."""
-    if OPTIMIZERS[name].family == "bnb" and zero_stage in (1, 2) and tp > 1:
+def _torchao(name: str, class_name: str) -> Any:
+    try:
+        import torchao.optim as ao_optim
+    except ImportError:
         raise OptimizerError(
-            f"optimizer: {name} (bitsandbytes) with zero_stage {zero_stage} and tp={tp} is not supported: use "
+            f"optimizer: {name} needs torchao: pip install 'meshkit[hf]' (or choose adamw_torch)"
+        ) from None
+    return getattr(ao_optim, class_name)
+
+
+def check_layout(name: str, zero_stage: int, tp: int) -> None:
+    """bitsandbytes' and torchao's low-bit optimizers step plain tensors: whole parameters (DDP, pipeline stages),
+    ZeRO-1/2's flat chunks, or the local pieces of ZeRO-3's and tp's DTensors
+    (`meshkit.parallel.zero.local_shards`); ZeRO-1/2's flat chunks of tp shards are refused in one line."""
+    family = OPTIMIZERS[name].family
+    if family in PLAIN_TENSOR_FAMILIES and zero_stage in (1, 2) and tp > 1:
+        library = "bitsandbytes" if family == "bnb" else "torchao"
+        raise OptimizerError(
+            f"optimizer: {name} ({library}) with zero_stage {zero_stage} and tp={tp} is not supported: use "
             "zero_stage 3 or 0 with tp (each rank steps its local shards), or adamw_torch"
         )
 

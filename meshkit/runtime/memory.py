@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -24,6 +25,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
     total = 0
     for tensor in tensors:
         local = _local(tensor)
+        if is_traceable_wrapper_subclass(local):  # e.g. torchao's quantized optimizer states: count their parts
+            names, _ = local.__tensor_flatten__()
+            total += storage_bytes((getattr(local, name) for name in names), seen)
+            continue
         if local.device.type == "meta":
             continue
         storage = local.untyped_storage()

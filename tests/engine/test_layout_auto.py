@@ -33,6 +33,7 @@ MODEL = {"dim": 64, "n_layers": 4, "n_heads": 4, "max_seq_len": 64}
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # (the suite probes at world 2: test_plan_probe_times_the_layouts_without_training)
 def test_layout_auto_probes_at_world_4_and_trains_in_the_fastest(tmp_path) -> None:
     config = tmp_path / "auto.yaml"
     train = {"steps": 2, "micro_batch_size": 2, "seq_len": 64, "log_every": 2}

@@ -50,6 +50,7 @@ def _train(tmp_path: Path, name: str, *overrides: str, timeout: float = 300) -> 
     return json.loads((run / "summary.json").read_text()), proc.stdout + proc.stderr
 
 
+@pytest.mark.sweep  # (the suite trains on Ray in the restart test below)
 def test_the_demo_on_ray_trains_to_the_weights_of_the_elastic_launcher(tmp_path, ray_address) -> None:
     elastic, _ = _train(tmp_path, "elastic")
     on_ray, output = _train(

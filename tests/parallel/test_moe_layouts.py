@@ -25,6 +25,7 @@ def test_moe_models_train_like_one_process(family: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("group", sorted(MORE_FAMILY_CELLS))
 def test_families_without_an_adapter_entry_train_like_one_process(group: str) -> None:
     cells = MORE_FAMILY_CELLS[group]

@@ -1,8 +1,9 @@
-"""Optimizers whose kernels take plain tensors (bitsandbytes' 8-bit ones) over DTensor parameters (ZeRO-3, tensor
-parallel): each step runs on this rank's local pieces — a parameter's local shard and its gradient's — as plain
-tensors sharing their storage, so the update lands in the shards. Between steps the states stay keyed by the
-DTensor parameters, each holding the state of this rank's piece; checkpoints turn those pieces back into DTensors
-laid out like their parameters (`meshkit.checkpoint.canonical`), so they reshard like any optimizer's.
+"""Optimizers that step plain tensors (bitsandbytes' 8-bit ones, torchao's low-bit AdamW) over DTensor parameters
+(ZeRO-3, tensor parallel): each step runs on this rank's local pieces — a parameter's local shard and its
+gradient's — as plain tensors sharing their storage, so the update lands in the shards. Between steps the states
+stay keyed by the DTensor parameters, each holding the state of this rank's piece; checkpoints turn those pieces
+back into DTensors laid out like their parameters (`meshkit.checkpoint.canonical`), so they reshard
+like any optimizer's.
 
 Blockwise 8-bit states quantize the piece a rank steps, so a sharded run tracks one process within the
 quantization error (as ZeRO-1/2's flat chunks do), not exactly.
@@ -22,8 +23,9 @@ from meshkit.parallel.zero.wrapped_optimizer import WrappedOptimizer
 
 
 def steps_plain_tensors(optimizer: torch.optim.Optimizer) -> bool:
-    """An optimizer whose kernels cannot take DTensors (bitsandbytes')."""
-    return type(optimizer).__module__.split(".")[0] == "bitsandbytes"
+    """An optimizer whose kernels cannot take DTensors (bitsandbytes'), or whose quantized states meshkit keeps
+    per local piece so that checkpoints treat them alike (torchao's low-bit AdamW)."""
+    return type(optimizer).__module__.split(".")[0] in ("bitsandbytes", "torchao")
 
 
 @contextlib.contextmanager
