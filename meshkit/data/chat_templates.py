@@ -1,6 +1,7 @@
 """Chat templates by Axolotl's names, so a config's `chat_template: llama3` renders conversations the way that model
 family does. `tokenizer_default` keeps the tokenizer's own; `tokenizer_default_fallback_<name>` uses it where it has
-one, else `<name>`; `jinja` takes the template given (or a file holding it).
+one, else `<name>`; `jinja` takes the template given (or a file holding it). Axolotl's names for the templates that
+a model family's tokenizers ship (`cohere`, `llama4`, `deepseek_v3`, ...) take the tokenizer's own, with a notice.
 
 Each template renders an assistant turn as its generation prompt followed by the answer, so a conversation renders
 turn by turn (what masking prompts needs: `Formatter.chat_template`).
@@ -62,7 +63,23 @@ TEMPLATES: dict[str, str] = {
     "mistral_v3_tekken": _MISTRAL,
     "alpaca": _ALPACA,
 }
+# Axolotl's other template names: each the template its model family's tokenizers ship (in tokenizer_config.json).
+# meshkit carries none of them: it takes the tokenizer's own, and says so.
+SHIPPED_BY_TOKENIZERS = frozenset(
+    {
+        "cohere", "command_a", "command_a_tool_use", "command_a_rag", "aya", "llama3_2_vision", "llama4",
+        "deepseek_v2", "deepseek_v3", "jamba", "qwen3_5", "falcon_h1", "nemotron_h", "exaone", "exaone4",
+        "metharme", "pixtral", "llava", "qwen2_vl", "gemma3n", "gemma4", "gemma4_unified", "mistral_v7_tekken",
+    }
+)  # fmt: skip
 NAMES = ("tokenizer_default", *TEMPLATES, "tokenizer_default_fallback_<name>", "jinja")
+
+
+def template_note(name: str | None) -> str | None:
+    """The notice for a template name that means the tokenizer's own (None for any other)."""
+    if name not in SHIPPED_BY_TOKENIZERS:
+        return None
+    return f"chat_template: {name} is the template {name}'s tokenizers ship: the tokenizer's own is used"
 
 
 def chat_template(name: str | None, jinja: str | None, tokenizer: Any) -> str | None:
@@ -79,6 +96,13 @@ def chat_template(name: str | None, jinja: str | None, tokenizer: Any) -> str | 
     if name.startswith("tokenizer_default_fallback_"):
         fallback = name.removeprefix("tokenizer_default_fallback_")
         return tokenizer.chat_template or chat_template(fallback, None, tokenizer)
+    if name in SHIPPED_BY_TOKENIZERS:
+        if not tokenizer.chat_template:
+            raise ChatTemplateError(
+                f"chat_template: {name} is the template {name}'s tokenizers ship, and this tokenizer has none: give "
+                "it as chat_template: jinja with chat_template_jinja (the template, or a file holding it)"
+            )
+        return tokenizer.chat_template
     if name not in TEMPLATES:
         raise ChatTemplateError(f"chat_template: '{name}' is not one meshkit knows; choose one of {', '.join(NAMES)}")
     return TEMPLATES[name]

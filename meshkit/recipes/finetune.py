@@ -31,12 +31,13 @@ from meshkit.recipes.finetune_setup import (
     make_optimizer,
     make_schedule,
     rebuild_whole,
+    start_adapters,
     step_plan,
 )
 from meshkit.recipes.hf_base import generate_samples, prompt_ids, replace_directory, write_tokenizer
 from meshkit.recipes.instruction_data import prepare_data
 from meshkit.recipes.loop import LoopPlan, LoopRecord, run_steps, write_summary
-from meshkit.recipes.lora import continued_weights, save_adapter
+from meshkit.recipes.lora import AdapterExport, continued_weights, save_adapter
 from meshkit.recipes.preference_run import train_preference
 from meshkit.recipes.report import print_summary
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
@@ -106,6 +107,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     )
     model_class = type(base).__name__  # (before prepare: FSDP2 renames a sharded module's class FSDP<name>)
     model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, data.loader, scheduler)
+    start_adapters(engine, job, built)
     if continued is not None:  # into this rank's shards; a resumed checkpoint (below) still comes last
         engine.load_full_state_dict(continued)
         engine.print(f"meshkit: continuing the adapter in {s.lora_model_dir} ({len(continued)} tensors)")
@@ -204,7 +206,7 @@ def _start_wandb(engine: Engine, s: Any) -> None:
     engine.init_trackers(s.wandb_project or "meshkit", init_kwargs={"wandb": {k: v for k, v in options.items() if v}})
 
 
-def _write_outputs(engine: Engine, tokenizer: Any, lora_model: Any) -> dict[str, str]:
+def _write_outputs(engine: Engine, tokenizer: Any, lora_model: AdapterExport | None) -> dict[str, str]:
     """The adapter (LoRA) at the output root; the merged model in `merged/`, swapped in once complete."""
     out = Path(engine.config.logging.dir)
     outputs: dict[str, str] = {}

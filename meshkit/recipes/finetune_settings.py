@@ -11,8 +11,19 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from meshkit.config.schema import Section
 from meshkit.data.dataset_entry import is_preference_type
 from meshkit.data.formats import DatasetEntry
+from meshkit.recipes.lora_init import LoraInitError, changes_base, lora_init_mode
 from meshkit.recipes.optimizers import OPTIMIZERS
 from meshkit.recipes.schedules import SCHEDULERS
+
+
+class LoftQBits(Section):
+    loftq_bits: int = Field(4, description="bits of LoftQ's quantization of the base (peft's LoftQConfig)")
+
+
+class PeftBlock(Section):
+    loftq_config: LoftQBits | None = Field(
+        None, description="LoftQ: the base quantized, the adapters start from the error"
+    )
 
 
 class FinetuneSettings(Section):
@@ -85,6 +96,14 @@ class FinetuneSettings(Section):
         None, description="modules trained whole beside the adapters and saved with them, e.g. [embed_tokens, lm_head]"
     )
     peft_layers_to_transform: tuple[int, ...] | None = Field(None, description="block indices adapted; null = all")
+    peft_init_lora_weights: bool | str | None = Field(
+        None,
+        description="how LoRA starts (peft's init_lora_weights): true (A random, B zero), false, gaussian, "
+        "orthogonal, pissa, pissa_niter_<n>, olora, loftq (PiSSA/OLoRA/LoftQ also rewrite the frozen base)",
+    )
+    peft: PeftBlock | None = Field(
+        None, description="Axolotl's peft block: loftq_config.loftq_bits starts LoRA as LoftQ"
+    )
     # quantized base (bitsandbytes, through transformers' BitsAndBytesConfig)
     load_in_8bit: bool = Field(False, description="the frozen base in int8 (LLM.int8 Linear8bitLt)")
     load_in_4bit: bool = Field(False, description="the frozen base in 4 bits (Linear4bit; adapter: qlora)")
@@ -169,6 +188,12 @@ class FinetuneSettings(Section):
         return bool(self.quantization or self.reward_model)
 
     @property
+    def lora_init(self) -> str | None:
+        """The LoRA initialisation asked for, by peft's name; None for peft's default."""
+        bits = self.peft.loftq_config.loftq_bits if self.peft and self.peft.loftq_config else None
+        return lora_init_mode(self.peft_init_lora_weights, bits)
+
+    @property
     def quantization(self) -> Literal["8bit", "4bit", "gptq"] | None:
         """How the (frozen) base model is quantized as it loads; None for a plain base. QLoRA is LoRA over the
         4-bit base, with or without load_in_4bit written."""
@@ -249,4 +274,28 @@ class FinetuneSettings(Section):
             raise ValueError(f"rl: {self.rl} runs unpacked rows (as TRL does): set sample_packing: false")
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("chat_template: jinja needs chat_template_jinja (the template, or a file holding it)")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_init_fits(self) -> FinetuneSettings:
+        try:
+            mode = self.lora_init
+        except LoraInitError as err:
+            raise ValueError(str(err)) from None
+        if mode is None:
+            return self
+        if self.adapter is None:
+            raise ValueError(f"peft_init_lora_weights: {mode} starts LoRA adapters: set adapter: lora, or drop the key")
+        if changes_base(mode) and self.quantization:
+            raise ValueError(
+                f"{mode} rewrites the base weights, which a quantized base cannot take: use adapter: lora over the "
+                "plain base (LoftQ quantizes it itself), or the default initialisation"
+            )
+        if self.peft_use_dora:
+            raise ValueError(f"peft_init_lora_weights: {mode} with DoRA is not supported: drop one of them")
+        if changes_base(mode) and self.rl is not None and not self.precompute_ref_log_probs:
+            raise ValueError(
+                f"{mode} rewrites the base, so the base with adapters off is not the untrained model DPO compares "
+                "against: set precompute_ref_log_probs: true (the untrained model scored once before training)"
+            )
         return self

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from meshkit.core.errors import MeshkitError
+from meshkit.data.chat_templates import template_note
 from meshkit.engine.engine import Engine
 from meshkit.models.quantized import parameter_count
 from meshkit.parallel.materialize import reset_adapters
@@ -22,8 +24,10 @@ from meshkit.recipes.hf_base import (
     grow_vocabulary,
     load_model,
     load_tokenizer,
+    weights_file,
 )
-from meshkit.recipes.lora import apply_lora
+from meshkit.recipes.lora import AdapterExport, apply_lora
+from meshkit.recipes.lora_init import InitialAdapters, changes_base, initialise, plan
 from meshkit.recipes.optimizers import build_optimizer, trainable_groups
 from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
 from meshkit.recipes.quantized_base import INT8_CAST_NOTE, load_quantized_base
@@ -47,6 +51,9 @@ class FinetuneModel:
     attention: str | None
     parameters: int
     trainable: int
+    # a LoRA initialisation besides peft's default: the layers to start, and (once started) their initial adapters
+    init_layers: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+    initial: InitialAdapters | None = None
 
 
 def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
@@ -72,6 +79,9 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
     if s.quantization == "8bit":
         engine.print(f"meshkit: {INT8_CAST_NOTE}")
     tokenizer = load_tokenizer(s)
+    note = template_note(s.chat_template)
+    if note:
+        engine.print(f"meshkit: {note}")
     if s.reward_model:  # (the head reads each row's last token that is not padding)
         config: Any = base.config
         config.pad_token_id = tokenizer.pad_token_id
@@ -94,7 +104,27 @@ def adapt(job: FinetuneJob, base: torch.nn.Module, tokenizer: Any, attention: st
     if s.quantization and peft_model is not None:  # built whole: adapters seeded as a meta-built model's are
         reset_adapters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return FinetuneModel(base, peft_model, model, tokenizer, attention, parameter_count(model), trainable)
+    layers = (
+        plan(model, peft_model.peft_config["default"]) if peft_model and s.lora_init and not s.lora_model_dir else []
+    )
+    return FinetuneModel(base, peft_model, model, tokenizer, attention, parameter_count(model), trainable, layers)
+
+
+def start_adapters(engine: Engine, job: FinetuneJob, built: FinetuneModel) -> None:
+    """After `engine.prepare`: LoRA's initialisation when it is not peft's default (`meshkit.recipes.lora_init`)."""
+    s = job.settings
+    if not built.init_layers or built.peft_model is None or s.lora_init is None:
+        return
+    config = built.peft_model.peft_config["default"]
+    source = weights_file(Path(s.base_model))
+    built.initial = initialise(engine, built.init_layers, config, s.lora_init, source, engine.config.seed)
+    rewritten = ", the rest kept as the frozen base" if changes_base(s.lora_init) else ""
+    if s.lora_init == "loftq":
+        rewritten = "; the base is now its quantization: the adapter written at the end applies to it, merged/ is whole"
+    engine.print(
+        f"meshkit: LoRA starts as {s.lora_init} in {len(built.init_layers)} layers (computed by peft from the base "
+        f"weights{rewritten})"
+    )
 
 
 def freeze_all_but(model: torch.nn.Module, patterns: tuple[str, ...]) -> None:
@@ -182,8 +212,11 @@ def adapter_words(s: Any) -> str:
     )
 
 
-def rebuild_whole(job: FinetuneJob, built: FinetuneModel) -> Any:
-    """A fresh LoRA model on the meta device, for exporting the adapter in peft's format (None without LoRA)."""
+def rebuild_whole(job: FinetuneJob, built: FinetuneModel) -> AdapterExport | None:
+    """What exporting the adapter in peft's format needs: a fresh LoRA model on the meta device, and the initial
+    adapters of an initialisation that rewrote the base (None without LoRA)."""
     if built.peft_model is None:
         return None
-    return lambda: apply_lora(build_meta_model(job.settings, built.attention), job.settings)
+    return AdapterExport(
+        lambda: apply_lora(build_meta_model(job.settings, built.attention), job.settings), built.initial
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import nn
 from meshkit.core.errors import MeshkitError
 from meshkit.core.io import write_atomically
 from meshkit.models.adapters import adapter_parameter_name, is_adapter_state
+from meshkit.recipes.lora_init import InitialAdapters, converted_adapter
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -26,6 +28,16 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 class LoraSetupError(MeshkitError):
     """LoRA settings that cannot be applied to the model."""
+
+
+@dataclass(frozen=True)
+class AdapterExport:
+    """What writing the adapter needs: `whole_model` builds the LoRA model again (on the meta device: peft picks
+    an adapter's entries by the model's LoRA layers, and the trained model may hold only its own pipeline
+    stage's); `initial`: the initial adapters of a PiSSA/OLoRA start, to export for the original base."""
+
+    whole_model: Callable[[], Any]
+    initial: InitialAdapters | None = None
 
 
 def apply_lora(model: nn.Module, settings: Any) -> Any:
@@ -133,23 +145,21 @@ def continued_weights(directory: Path, model: nn.Module) -> dict[str, Any]:
     return weights
 
 
-def save_adapter(engine: Any, whole_model: Callable[[], Any], out_dir: Path) -> Path | None:
-    """Collective: gathers the adapter weights; the main process writes them in peft's format to `out_dir`.
-
-    `whole_model` builds the peft model again (on the meta device): peft picks an adapter's entries by the
-    model's LoRA layers, and the trained model may hold only its own pipeline stage's.
-    """
+def save_adapter(engine: Any, export: AdapterExport, out_dir: Path) -> Path | None:
+    """Collective: gathers the adapter weights; the main process writes them in peft's format to `out_dir`."""
     from peft import get_peft_model_state_dict
 
     adapter = engine.full_state_dict(keys=is_adapter_state)
     if not engine.is_main_process:
         return None
-    peft_model = whole_model()
+    peft_model = export.whole_model()
     prefixed = {f"base_model.model.{name}": tensor.detach().cpu().contiguous() for name, tensor in adapter.items()}
     weights = get_peft_model_state_dict(peft_model, state_dict=prefixed)
+    config = peft_model.peft_config["default"].to_dict()
+    if export.initial is not None:
+        weights, config = converted_adapter(weights, config, export.initial)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(out_dir / ADAPTER_WEIGHTS, tensors={k: v.contiguous() for k, v in weights.items()})
-    config = peft_model.peft_config["default"].to_dict()
     write_atomically(out_dir / ADAPTER_CONFIG, text=json.dumps(_jsonable(config), indent=2, sort_keys=True))
     return out_dir
 

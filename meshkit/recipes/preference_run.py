@@ -13,7 +13,15 @@ from rich.table import Table
 
 from meshkit.engine.engine import Engine
 from meshkit.recipes.finetune_config import FinetuneJob
-from meshkit.recipes.finetune_setup import adapt, adapter_words, make_optimizer, make_schedule, rebuild_whole, step_plan
+from meshkit.recipes.finetune_setup import (
+    adapt,
+    adapter_words,
+    make_optimizer,
+    make_schedule,
+    rebuild_whole,
+    start_adapters,
+    step_plan,
+)
 from meshkit.recipes.loop import LoopPlan, run_steps, write_summary
 from meshkit.recipes.preference import (
     KTO,
@@ -62,6 +70,7 @@ def train_preference(
     uses_reference = loss.uses_reference
     twin = copy.deepcopy(built.model) if _keeps_a_copy(uses_reference, built, s, engine.mesh.size("pp")) else None
     model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, data.loader, scheduler)
+    start_adapters(engine, job, built)  # (before the reference is scored)
     reference = None
     if twin is not None:
         reference = Reference(model=engine.prepare_frozen(twin))

@@ -59,7 +59,7 @@ _add(G, ("reinit_weights", "added_tokens_overrides", "tokenizer_use_mistral_comm
      refused("not supported: start from a base that holds the weights and tokens you want, then remove the key"))
 
 G = "further adapter keys"
-_add(G, ("peft", "peft_layers_pattern", "peft_trainable_token_indices", "lora_alpha_pattern", "lora_rank_pattern"),
+_add(G, ("peft_layers_pattern", "peft_trainable_token_indices", "lora_alpha_pattern", "lora_rank_pattern"),
      refused("not supported yet: one LoRA rank and alpha for every targeted layer (lora_r, lora_alpha)"))
 _add(G, ("relora_cpu_offload", "relora_prune_method", "relora_prune_ratio"),
      refused("ReLoRA is not supported: remove the relora keys"))

@@ -78,7 +78,9 @@ _add(G, ("special_tokens", "tokens"),
      honoured("bos/eos/pad/unk set on the tokenizer, tokens added to it; the embedding (and head) grow, new rows "
               "at the mean of the others; saved with the outputs"))
 _add(G, ("chat_template", "chat_template_jinja", "default_system_message"),
-     honoured("the tokenizer's chat template: tokenizer_default, a built-in one by Axolotl's name, or jinja"))
+     honoured("the tokenizer's chat template: tokenizer_default, a built-in one by Axolotl's name, or jinja; "
+              "Axolotl's names of templates a family's tokenizers ship (cohere, llama4, deepseek_v3, ...) take the "
+              "tokenizer's own, with a notice"))
 _add(G, "eot_tokens", honoured("end-of-turn tokens: trained as the dataset's train_on_eot says (default: as "
                                "train_on_eos), and they end the summary's generated answers"))
 _add(G, "trust_remote_code", noted("transformers' own model classes load the model; no remote code runs"))
@@ -167,7 +169,11 @@ _add(G, ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_do
               "dequantized"))
 _add(G, "gptq", honoured("a GPTQ base loads through transformers where gptqmodel is installed; else refused in one "
                          "line"))
-_add(G, ("peft_init_lora_weights", "relora", "peft_layer_replication"),
+_add(G, ("peft_init_lora_weights", "peft"),
+     honoured("peft's init_lora_weights: gaussian, orthogonal, false, pissa (pissa_niter_<n>), olora, loftq (or "
+              "peft.loftq_config.loftq_bits), run by peft on each whole layer of the base in every layout; PiSSA/OLoRA "
+              "adapters are exported for the original base (rank 2r); eva/corda/lora_ga are refused"))
+_add(G, ("relora", "peft_layer_replication"),
      refused("LoRA starts from peft's default initialisation on the listed modules: remove the key"))
 _add(G, "lora_target_parameters", honoured("peft target_parameters: LoRA on parameters, e.g. a mixture-of-experts "
                                            "bank (one low-rank update per expert), in every layout, parallel.ep "
