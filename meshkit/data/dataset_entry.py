@@ -21,6 +21,7 @@ DATASET_TYPES: tuple[str, ...] = (
     "pretrain",
 )
 PREFERENCE_TYPES = ("chatml", "llama3", "zephyr", "user_defined", "passthrough", "bradley_terry")  # + chat_template.*
+STEPWISE_TYPE = "stepwise_supervised"  # a process reward model's records: prompt, completions (steps), labels
 DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant", "model"], "system": ["system"]}
 
 
@@ -93,6 +94,11 @@ class DatasetEntry(Section):
         None, description="which end-of-turn tokens (eot_tokens) train; null = as train_on_eos"
     )
     drop_system_message: bool = Field(False, description="leave system turns out")
+    step_separator: str = Field("\n", description="stepwise_supervised: the text after each step (its label's token)")
+    max_completion_length: int | None = Field(
+        None, ge=1, description="stepwise_supervised: the steps' tokens cut to this many; null = no cut"
+    )
+    train_on_last_step_only: bool = Field(False, description="stepwise_supervised: only the last step's label trains")
     chat_template: str | None = Field(None, description="this dataset's chat template (a name, or jinja)")
     chat_template_jinja: str | None = Field(None, description="the template for chat_template: jinja")
 
@@ -106,10 +112,10 @@ class DatasetEntry(Section):
     def _known_type(cls, value: Any) -> Any:
         if isinstance(value, str):
             base = value.split(".", 1)[0]  # Axolotl's `alpaca_w_system.load_open_orca` form
-            if base not in DATASET_TYPES + PREFERENCE_TYPES:
+            if base not in (*DATASET_TYPES, *PREFERENCE_TYPES, STEPWISE_TYPE):
                 raise ValueError(
                     f"'{value}' is not a dataset type meshkit reads; choose one of {', '.join(DATASET_TYPES)} (with "
-                    f"rl: {', '.join(PREFERENCE_TYPES)})"
+                    f"rl: {', '.join(PREFERENCE_TYPES)}; with process_reward_model: {STEPWISE_TYPE})"
                 )
         return value
 
@@ -131,6 +137,11 @@ class DatasetEntry(Section):
         """A record's role name -> the template's role."""
         table = {**DEFAULT_ROLES, **(self.roles or {})}
         return {source: target for target, sources in table.items() for source in sources}
+
+
+def is_stepwise_type(kind: str | CustomPrompt | PreferencePrompt) -> bool:
+    """A process reward model's step-labelled records (`stepwise_supervised`)."""
+    return isinstance(kind, str) and kind.split(".", 1)[0] == STEPWISE_TYPE
 
 
 def is_preference_type(kind: str | CustomPrompt | PreferencePrompt) -> bool:

@@ -93,7 +93,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         engine.print(f"meshkit: {note}")
     check_layout(engine.config, engine.mesh.dims, job)
     base, tokenizer, attention = load_base(engine, job)
-    if s.rl is not None or s.reward_model:
+    if s.rl is not None or s.reward_model or s.process_reward_model:
         return train_preference(engine, job, base, tokenizer, attention, _write_outputs)
     data: Any = (
         prepare_stream(engine, s, tokenizer, cfg.train.steps) if s.streams else prepare_data(engine, s, tokenizer)

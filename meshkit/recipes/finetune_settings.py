@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from meshkit.config.schema import Section
-from meshkit.data.dataset_entry import is_preference_type
+from meshkit.data.dataset_entry import is_preference_type, is_stepwise_type
 from meshkit.data.formats import DatasetEntry
 from meshkit.recipes.lora_init import LoraInitError, changes_base, lora_init_mode
 from meshkit.recipes.optimizers import OPTIMIZERS
@@ -168,7 +168,12 @@ class FinetuneSettings(Section):
     )
     # reward models
     reward_model: bool = Field(False, description="train a reward model (Bradley-Terry over preference pairs)")
-    num_labels: int | None = Field(None, ge=1, description="outputs of a sequence-classification head; reward: 1")
+    process_reward_model: bool = Field(
+        False, description="train a process reward model: token classification of each step of stepwise_supervised data"
+    )
+    num_labels: int | None = Field(
+        None, ge=1, description="outputs of the head: a reward model's 1, a process reward model's 2 (unset: those)"
+    )
     center_rewards_coefficient: float | None = Field(
         None, ge=0, description="pull the rewards' mean towards 0 (TRL's center_rewards_coefficient)"
     )
@@ -185,7 +190,7 @@ class FinetuneSettings(Section):
     def loads_whole(self) -> bool:
         """The base loads whole through transformers (quantized, or a reward model whose new head the base lacks)
         instead of streaming into this rank's shards."""
-        return bool(self.quantization or self.reward_model)
+        return bool(self.quantization or self.reward_model or self.process_reward_model)
 
     @property
     def lora_init(self) -> str | None:
@@ -270,6 +275,24 @@ class FinetuneSettings(Section):
             )
         if self.num_labels not in (None, 1) and self.reward_model:
             raise ValueError("a reward model has one output: num_labels: 1 (or leave it unset)")
+        stepwise = [is_stepwise_type(entry.type) for entry in (*self.datasets, *(self.test_datasets or ()))]
+        if self.process_reward_model and (
+            self.rl is not None or self.reward_model or self.adapter or self.sample_packing
+        ):
+            raise ValueError(
+                "process_reward_model: true trains a whole token-classification model on unpacked rows: drop rl, "
+                "reward_model, adapter (LoRA process reward models are not supported yet) and sample_packing"
+            )
+        if self.process_reward_model and not all(stepwise):
+            raise ValueError(
+                "a process reward model reads type: stepwise_supervised datasets (prompt, completions, labels)"
+            )
+        if any(stepwise) and not self.process_reward_model:
+            raise ValueError("stepwise_supervised data trains a process reward model: set process_reward_model: true")
+        if self.process_reward_model and self.num_labels not in (None, 2):
+            raise ValueError(
+                "a process reward model judges each step right or wrong: num_labels: 2 (or leave it unset)"
+            )
         if self.rl is not None and self.sample_packing:
             raise ValueError(f"rl: {self.rl} runs unpacked rows (as TRL does): set sample_packing: false")
         if self.chat_template == "jinja" and not self.chat_template_jinja:

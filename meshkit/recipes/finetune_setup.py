@@ -71,7 +71,7 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
     check_quantized_layout(s, engine.zero_stage, engine.mesh.size("tp"), engine.mesh.size("pp"), cfg.precision)
     if s.quantization:
         base = load_quantized_base(s, attention, engine.device)
-    elif s.reward_model:  # the base's head is not the reward head: transformers loads it and starts the new one
+    elif s.reward_model or s.process_reward_model:  # a new head: transformers loads the base and starts the head
         torch.manual_seed(cfg.seed)  # (the same new head on every rank)
         base = load_model(s, attention, engine.device)
     else:

@@ -147,6 +147,9 @@ def model_recipe(settings: Any, attention: str | None = "sdpa") -> tuple[Any, An
     if getattr(settings, "reward_model", False):  # a sequence-classification head with one output
         kind = kind if kind.endswith("ForSequenceClassification") else "AutoModelForSequenceClassification"
         config.num_labels = 1
+    if getattr(settings, "process_reward_model", False):  # a token-classification head: each step wrong or right
+        kind = kind if kind.endswith("ForTokenClassification") else "AutoModelForTokenClassification"
+        config.num_labels = 2
     model_class = getattr(transformers, kind, None)
     if model_class is None or not hasattr(model_class, "from_pretrained"):
         raise BaseModelError(f"model_type '{kind}' is not a transformers model class (e.g. AutoModelForCausalLM)")
@@ -155,9 +158,11 @@ def model_recipe(settings: Any, attention: str | None = "sdpa") -> tuple[Any, An
 
 def _causal_lm(model: Any, settings: Any) -> nn.Module:
     model.config.use_cache = False
-    heads = (
-        ("ForSequenceClassification",) if getattr(settings, "reward_model", False) else ("ForCausalLM", "LMHeadModel")
-    )  # noqa: E501
+    heads: tuple[str, ...] = ("ForCausalLM", "LMHeadModel")
+    if getattr(settings, "reward_model", False):
+        heads = ("ForSequenceClassification",)
+    if getattr(settings, "process_reward_model", False):
+        heads = ("ForTokenClassification",)
     if not type(model).__name__.endswith(heads):
         directory = settings.base_model_config or settings.base_model
         raise BaseModelError(f"meshkit finetune trains causal LMs; '{directory}' builds {type(model).__name__}")

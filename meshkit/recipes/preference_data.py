@@ -18,6 +18,7 @@ from meshkit.data.preference_tokens import (
     with_kl_completions,
 )
 from meshkit.data.sources import cpu_share
+from meshkit.data.stepwise import StepCollate, StepwiseReport, load_stepwise_records
 from meshkit.engine.engine import Engine
 from meshkit.recipes.instruction_data import InstructionDataError, held_out
 from meshkit.runtime import collectives
@@ -40,8 +41,8 @@ class PreferenceRows(Dataset):
 @dataclass
 class PreferenceData:
     rows: PreferenceRows
-    report: PreferenceReport
-    collate: PreferenceCollate | RewardCollate
+    report: PreferenceReport | StepwiseReport
+    collate: PreferenceCollate | RewardCollate | StepCollate
     loader: DataLoader
     paired: bool
     validation: Any = None  # the held-out records (an Arrow table), or None
@@ -50,6 +51,8 @@ class PreferenceData:
     def per_item_tokens(self) -> float:
         """Tokens one record puts through the model (both rows of a pair)."""
         table = self.rows.table
+        if "input_ids" in table.column_names:  # a process reward model's rows
+            return sum(len(ids) for ids in table["input_ids"]) / max(1, len(table))
         prompts = sum(len(ids) for ids in table["prompt_ids"]) if "prompt_ids" in table.column_names else 0
         replies = ("chosen_ids", "rejected_ids") if self.paired else ("completion_ids",)
         total = sum(len(ids) for name in replies for ids in table[name]) + prompts * len(replies)
@@ -59,8 +62,11 @@ class PreferenceData:
 def prepare_preference_data(
     engine: Engine, settings: Any, tokenizer: Any, paired: bool, reward: bool = False
 ) -> PreferenceData:
-    """Pairs (or KTO's completions, or a reward model's pairs when `reward`) in this rank's batches."""
+    """Pairs (or KTO's completions, or a reward model's pairs when `reward`; a process reward model's step-labelled
+    rows under `process_reward_model`) in this rank's batches."""
     cfg = engine.config
+    if settings.process_reward_model:
+        return _stepwise_data(engine, settings, tokenizer)
     with engine.local_main_process_first():
         table, report = load_preference_records(
             settings.datasets,
@@ -104,6 +110,32 @@ def prepare_preference_data(
         rows, batch_size=cfg.train.largest_micro_batch, shuffle=True, drop_last=True, collate_fn=collate
     )
     return PreferenceData(rows, report, collate, loader, paired, validation)
+
+
+def _stepwise_data(engine: Engine, settings: Any, tokenizer: Any) -> PreferenceData:
+    cfg = engine.config
+
+    def load(entries: Any) -> tuple[Any, StepwiseReport]:
+        with engine.local_main_process_first():
+            return load_stepwise_records(
+                entries, tokenizer, sequence_len=cfg.train.seq_len, keep_in_memory=settings.dataset_keep_in_memory
+            )
+
+    table, report = load(settings.datasets)
+    validation = load(settings.test_datasets)[0] if settings.test_datasets else None
+    if validation is None and settings.val_set_size:
+        table, validation = _held_out(table, settings.val_set_size, cfg.seed)
+    per_window = cfg.train.global_micro_batch(engine.dp_size)
+    if len(table) < per_window:
+        raise InstructionDataError(
+            f"{len(table)} stepwise records are fewer than one global micro-batch ({per_window}): lower "
+            "micro_batch_size, or add data"
+        )
+    collate, rows = StepCollate(tokenizer.pad_token_id), PreferenceRows(table)
+    loader = DataLoader(
+        rows, batch_size=cfg.train.largest_micro_batch, shuffle=True, drop_last=True, collate_fn=collate
+    )
+    return PreferenceData(rows, report, collate, loader, False, validation)
 
 
 def _held_out(table: Any, size: float, seed: int) -> tuple[Any, Any]:

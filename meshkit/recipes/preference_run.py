@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from meshkit.data.stepwise import StepwiseReport
 from meshkit.engine.engine import Engine
 from meshkit.recipes.finetune_config import FinetuneJob
 from meshkit.recipes.finetune_setup import (
@@ -34,6 +35,7 @@ from meshkit.recipes.preference import (
     preference_loss,
 )
 from meshkit.recipes.preference_data import eval_batches, precompute_reference, prepare_preference_data
+from meshkit.recipes.process_reward import StepObjective
 from meshkit.recipes.report import print_summary
 from meshkit.recipes.reward import RewardObjective
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
@@ -57,8 +59,12 @@ def train_preference(
     engine: Engine, job: FinetuneJob, base: Any, tokenizer: Any, attention: Any, write_outputs: Callable[..., dict]
 ) -> dict[str, Any]:
     cfg, s = engine.config, job.settings
-    loss: Any = BradleyTerry(s.center_rewards_coefficient) if s.reward_model else preference_loss(s)
-    paired = not isinstance(loss, KTO)
+    loss: Any
+    if s.process_reward_model:
+        loss = StepObjective()
+    else:
+        loss = BradleyTerry(s.center_rewards_coefficient) if s.reward_model else preference_loss(s)
+    paired = not isinstance(loss, (KTO, StepObjective))
     data = prepare_preference_data(engine, s, tokenizer, paired, reward=s.reward_model)
     built = adapt(job, base, tokenizer, attention)
     steps = step_plan(engine, job, len(data.rows))
@@ -80,20 +86,26 @@ def train_preference(
         precompute_reference(engine, model, data)  # scored once, untrained: no reference model kept
         reference = Reference(precomputed=True)
     objective: Any
-    if s.reward_model:
+    if s.process_reward_model:
+        objective = loss
+    elif s.reward_model:
         objective = RewardObjective(loss)
     elif paired:
         objective = PairedObjective(loss, reference, engine)
     else:
         objective = UnpairedObjective(loss, reference, engine)  # type: ignore[arg-type]
-    method = s.rl or "reward model"
+    method = s.rl or ("process reward model" if s.process_reward_model else "reward model")
     engine.print(
         f"meshkit: {method} on {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "
         f"trainable{adapter_words(s)}) on {engine.num_processes} rank(s), layout {engine.mesh.dims.describe()}; "
-        f"{len(data.rows)} {'pairs' if paired else 'completions'}, {steps.total_steps} steps; reference: "
+        f"{len(data.rows)} {'pairs' if paired else 'step-labelled rows' if s.process_reward_model else 'completions'}"
+        f", {steps.total_steps} steps; reference: "
         f"{reference.describe() if reference else 'none'}"
     )
-    if s.reward_model and data.report.prompt_too_long:
+    if isinstance(data.report, StepwiseReport):
+        if data.report.truncated:
+            engine.print(f"meshkit: cut {data.report.truncated} rows longer than sequence_len to it (as Axolotl does)")
+    elif s.reward_model and data.report.prompt_too_long:
         engine.print(f"meshkit: dropped {data.report.prompt_too_long} pairs longer than sequence_len (as TRL does)")
     elif data.report.prompt_too_long or data.report.truncated:
         engine.print(
@@ -114,7 +126,7 @@ def train_preference(
     outputs = write_outputs(engine, tokenizer, rebuild_whole(job, built))
     rows = record.rows(engine, engine.mesh.dims.describe())
     summary = rows | {
-        "rl": s.rl or "reward_model",
+        "rl": s.rl or ("process_reward_model" if s.process_reward_model else "reward_model"),
         "reference": reference.describe() if reference else None,
         "adapter": s.adapter,
         "optimizer": s.optimizer,
@@ -124,7 +136,7 @@ def train_preference(
         "records": len(data.rows),
         "validation_records": len(data.validation) if data.validation is not None else 0,
         "evals": record.evals,
-        "dropped_long_prompts": data.report.prompt_too_long,
+        "dropped_long_prompts": getattr(data.report, "prompt_too_long", 0),
         "losses": record.losses,
         "metrics": record.metrics,
         "final_metrics": record.metrics[-1] if record.metrics else {},
@@ -132,7 +144,7 @@ def train_preference(
         "memory": collectives.gather_object(engine.memory_report(), group=None),
     }
     if engine.is_main_process:
-        accuracy = "accuracy" if s.reward_model else "rewards/accuracies"
+        accuracy = "accuracy" if s.reward_model or s.process_reward_model else "rewards/accuracies"
         curve: list[tuple[float, float]] = [
             (step + 1, m[accuracy]) for step, m in enumerate(record.metrics) if accuracy in m
         ]

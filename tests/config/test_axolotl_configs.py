@@ -159,7 +159,7 @@ def test_axolotls_ray_keys_choose_the_ray_launch_backend(tmp_path, material) -> 
         ({"peft_use_dora": True, "load_in_4bit": True}, "DoRA over a quantized base is not supported yet"),
         ({"processor_type": "AutoProcessor"}, "processor_type: 'AutoProcessor' .*multimodal processors"),
         ({"rl": "grpo"}, "'rl'.*'dpo', 'ipo', 'kto', 'orpo' or 'simpo'"),
-        ({"process_reward_model": True}, "process reward models .* are not supported yet"),
+        ({"process_reward_model": True}, "process_reward_model: true trains a whole token-classification model"),
         ({"reward_model": True}, "reward_model: true trains a whole sequence-classification model .* drop rl, adapter"),
         ({"rl": "dpo", "sample_packing": True}, "rl: dpo runs unpacked rows"),
         ({"fsdp": ["full_shard", "sharded_everything"]}, "'sharded_everything' is not an FSDP option"),

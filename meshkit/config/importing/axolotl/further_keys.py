@@ -124,14 +124,13 @@ _add(G, ("use_trackio", "trackio_project_name", "trackio_run_name", "trackio_spa
 # Keys of a dataset entry that DatasetEntry does not hold: noted (dropped with a notice) or refused
 DATASET_KEY_RULES: dict[str, KeyRule] = {
     **dict.fromkeys(
-        ("conversation", "input_format", "input_transform", "max_completion_length", "trust_remote_code",
-         "preprocess_shards"),
+        ("conversation", "input_format", "input_transform", "trust_remote_code", "preprocess_shards"),
         noted("no effect here: the entry's type and fields say how records become tokens"),
     ),
     **dict.fromkeys(
         ("field_human", "field_model", "field_thinking", "template_thinking_key", "split_thinking", "field_tools",
          "message_field_training", "message_field_training_detail", "logprobs_field", "temperature", "shards",
-         "shards_idx", "step_separator", "train_on_last_step_only"),
+         "shards_idx"),
         refused("not supported in a dataset entry yet: map the records to messages (role, content) first"),
     ),
 }  # fmt: skip

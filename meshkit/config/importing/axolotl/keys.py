@@ -140,8 +140,9 @@ _add(G, ("reward_model", "num_labels", "center_rewards_coefficient"),
               "bradley_terry.chat_template (or any pair type) data, full fine-tune in DDP and ZeRO; merged/ loads "
               "with AutoModelForSequenceClassification"))
 _add(G, "process_reward_model",
-     refused("process reward models (token classification on step labels) are not supported yet: train an outcome "
-             "reward model with reward_model: true"))
+     honoured("a process reward model: a token-classification head (2 labels) judges each step of stepwise_supervised "
+              "data at its last token (step_separator, train_on_last_step_only, max_completion_length), full "
+              "fine-tune in DDP and ZeRO; merged/ loads with AutoModelForTokenClassification"))
 _add(G, "trl", refused("the trl: block configures online RL (GRPO, vLLM generation), which meshkit does not run; "
                        "rl_beta sets beta"))
 
