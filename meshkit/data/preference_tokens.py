@@ -75,6 +75,7 @@ class PreferenceReport:
     kept: int = 0
     prompt_too_long: int = 0  # dropped: the prompt alone fills sequence_len
     truncated: int = 0  # kept, some row cut to sequence_len
+    repeated: int = 0  # dropped as exact repeats (dataset_exact_deduplication)
     per_file: dict[str, int] = field(default_factory=dict)
 
 

@@ -28,6 +28,7 @@ IGNORE_INDEX = -100
 class StepwiseReport:
     kept: int = 0
     truncated: int = 0  # rows cut to sequence_len
+    repeated: int = 0  # dropped as exact repeats (dataset_exact_deduplication)
     per_file: dict[str, int] = field(default_factory=dict)
 
 

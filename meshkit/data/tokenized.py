@@ -36,6 +36,7 @@ class LoadReport:
     kept: int = 0
     too_long: int = 0
     nothing_to_train: int = 0
+    repeated: int = 0  # dropped as exact repeats (dataset_exact_deduplication)
     per_file: dict[str, int] = field(default_factory=dict)
     reused: list[str] = field(default_factory=list)  # prepared tables read instead of tokenizing
 

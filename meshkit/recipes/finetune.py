@@ -142,6 +142,8 @@ def _announce(engine: Engine, job: FinetuneJob, built: FinetuneModel, data: Any,
     )
     if data.report.reused:
         engine.print(f"meshkit: reusing tokenized {', '.join(data.report.reused)} from {s.dataset_prepared_path}")
+    if data.report.repeated:
+        engine.print(f"meshkit: dropped {data.report.repeated} samples that repeat another exactly")
     if data.report.too_long or data.report.nothing_to_train:
         engine.print(
             f"meshkit: dropped {data.report.too_long} samples longer than sequence_len={cfg.train.seq_len} and "

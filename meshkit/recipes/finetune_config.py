@@ -191,6 +191,22 @@ def _split_arguments(assignments: list[str]) -> _Split:
     return split
 
 
+def _accumulation_from_batch_size(
+    settings: FinetuneSettings, given: Mapping[str, Any], values: dict[str, Any], labels: dict[str, str], sources: Any
+) -> None:
+    """Axolotl's older `batch_size` (a rank's samples per optimizer step): gradient_accumulation_steps =
+    batch_size // micro_batch_size, unless gradient_accumulation_steps is given (which wins, as in Axolotl)."""
+    if settings.batch_size is None or "grad_accum_steps" in given:
+        return
+    micro = given["train.micro_batch_size"]
+    if not isinstance(micro, int):
+        raise ConfigError("batch_size needs one micro_batch_size for every rank: set gradient_accumulation_steps")
+    values["grad_accum_steps"] = max(1, settings.batch_size // micro)
+    labels["grad_accum_steps"] = (
+        f"{sources['batch_size']} (batch_size {settings.batch_size} // micro_batch_size {micro})"
+    )
+
+
 def _exclusive(settings: FinetuneSettings, meshkit: Mapping[str, Any]) -> None:
     """Pairs of keys that say the same thing two ways (Axolotl refuses them too)."""
     for recipe_key, meshkit_key, axolotl_name in (
@@ -230,6 +246,7 @@ def resolve_finetune(
     derived = {**RECIPE_DEFAULTS, **({} if settings.loads_whole else {"sharding.init_from": str(weights)})}
     file_values = {**derived, **from_file.meshkit}
     file_labels = {**{key: "finetune default" for key in RECIPE_DEFAULTS}, **from_file.labels}
+    _accumulation_from_batch_size(settings, {**file_values, **from_args.meshkit}, file_values, file_labels, sources)
     if not settings.loads_whole:
         file_labels.setdefault("sharding.init_from", f"{sources['base_model']} (base_model)")
     flags, labels = launch_flags_from_env(env)

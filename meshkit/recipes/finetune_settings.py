@@ -70,6 +70,16 @@ class FinetuneSettings(Section):
     )
     dataset_processes: int | None = Field(None, ge=1, description="tokenizing processes; null = this rank's CPUs")
     shuffle_merged_datasets: bool = Field(True, description="several datasets merged in a seeded random order")
+    batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Axolotl's older key: a rank's samples per step; gradient_accumulation_steps = "
+        "batch_size // micro_batch_size when unset",
+    )
+    dataset_shard_num: int | None = Field(None, ge=1, description="train on one of this many shards of the records")
+    dataset_shard_idx: int | None = Field(None, ge=0, description="which shard (with dataset_shard_num)")
+    dataset_exact_deduplication: bool = Field(False, description="drop samples that repeat another exactly")
+    curriculum_sampling: bool = Field(False, description="batches take the samples in their order (no shuffle)")
     dataset_keep_in_memory: bool = Field(False, description="hold the datasets in memory, not memory-mapped")
     # adapters
     adapter: Literal["lora", "qlora"] | None = Field(
@@ -96,6 +106,15 @@ class FinetuneSettings(Section):
         None, description="modules trained whole beside the adapters and saved with them, e.g. [embed_tokens, lm_head]"
     )
     peft_layers_to_transform: tuple[int, ...] | None = Field(None, description="block indices adapted; null = all")
+    peft_layers_pattern: str | tuple[str, ...] | None = Field(
+        None, description="the name of the block list peft_layers_to_transform counts in (peft's layers_pattern)"
+    )
+    lora_rank_pattern: dict[str, int] | None = Field(
+        None, description="{layer-name regex: rank} for layers that take another rank than lora_r (peft's rank_pattern)"
+    )
+    lora_alpha_pattern: dict[str, float] | None = Field(
+        None, description="{layer-name regex: alpha} (peft's alpha_pattern)"
+    )
     peft_init_lora_weights: bool | str | None = Field(
         None,
         description="how LoRA starts (peft's init_lora_weights): true (A random, B zero), false, gaussian, "
@@ -295,6 +314,14 @@ class FinetuneSettings(Section):
             )
         if self.rl is not None and self.sample_packing:
             raise ValueError(f"rl: {self.rl} runs unpacked rows (as TRL does): set sample_packing: false")
+        if (self.dataset_shard_num is None) != (self.dataset_shard_idx is None):
+            raise ValueError("dataset_shard_num and dataset_shard_idx go together: set both, or neither")
+        shards = (self.dataset_shard_num, self.dataset_shard_idx)
+        if shards[0] is not None and shards[1] is not None and shards[1] >= shards[0]:
+            raise ValueError(
+                f"dataset_shard_idx {self.dataset_shard_idx} of dataset_shard_num {self.dataset_shard_num}: shards "
+                "count from 0"
+            )
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("chat_template: jinja needs chat_template_jinja (the template, or a file holding it)")
         return self

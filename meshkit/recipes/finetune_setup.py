@@ -27,7 +27,7 @@ from meshkit.recipes.hf_base import (
     weights_file,
 )
 from meshkit.recipes.lora import AdapterExport, apply_lora
-from meshkit.recipes.lora_init import InitialAdapters, changes_base, initialise, plan
+from meshkit.recipes.lora_init import InitialAdapters, PlannedLayer, changes_base, initialise, plan
 from meshkit.recipes.optimizers import build_optimizer, trainable_groups
 from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
 from meshkit.recipes.quantized_base import INT8_CAST_NOTE, load_quantized_base
@@ -52,7 +52,7 @@ class FinetuneModel:
     parameters: int
     trainable: int
     # a LoRA initialisation besides peft's default: the layers to start, and (once started) their initial adapters
-    init_layers: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+    init_layers: list[PlannedLayer] = field(default_factory=list)
     initial: InitialAdapters | None = None
 
 

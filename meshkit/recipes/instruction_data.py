@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from meshkit.core.errors import MeshkitError
 from meshkit.data.packing import PackedSamples, PadCollate, PaddedSamples
+from meshkit.data.selection import shard, without_repeats
 from meshkit.data.sources import cpu_share
 from meshkit.data.tokenized import LoadReport, TokenizedRows, load_samples
 from meshkit.engine.engine import Engine
@@ -85,6 +86,10 @@ def prepare_data(engine: Engine, settings: Any, tokenizer: Any) -> InstructionDa
         validation = load_samples(settings.test_datasets, tokenizer, **options)[0] if settings.test_datasets else None
     if settings.shuffle_merged_datasets and len(settings.datasets) > 1:
         samples = shuffled(samples, cfg.seed)
+    samples = TokenizedRows(shard(samples.table, settings.dataset_shard_num, settings.dataset_shard_idx))
+    if settings.dataset_exact_deduplication:
+        table, report.repeated = without_repeats(samples.table, ("input_ids", "labels"))
+        samples = TokenizedRows(table)
     if validation is not None:
         train = samples
     else:
@@ -107,7 +112,7 @@ def prepare_data(engine: Engine, settings: Any, tokenizer: Any) -> InstructionDa
     loader = DataLoader(
         dataset,
         batch_size=cfg.train.largest_micro_batch,
-        shuffle=True,
+        shuffle=not settings.curriculum_sampling,
         drop_last=True,
         collate_fn=None if settings.sample_packing else collate,
     )

@@ -104,10 +104,17 @@ def _new_config(settings: Any, LoraConfig: Any, model: nn.Module) -> Any:  # noq
         layers_to_transform=list(settings.peft_layers_to_transform)
         if getattr(settings, "peft_layers_to_transform", None)
         else None,
+        layers_pattern=_listed(getattr(settings, "peft_layers_pattern", None)),
+        rank_pattern=dict(getattr(settings, "lora_rank_pattern", None) or {}),
+        alpha_pattern=dict(getattr(settings, "lora_alpha_pattern", None) or {}),
         task_type="CAUSAL_LM",
         base_model_name_or_path=str(settings.base_model),
     )
     return config
+
+
+def _listed(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def continued_config(directory: Path, base_model: str) -> Any:

@@ -90,7 +90,17 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
             yield name, module
 
 
-def plan(model: nn.Module, peft_config: Any) -> list[tuple[str, nn.Module]]:
+@dataclass(frozen=True)
+class PlannedLayer:
+    """A LoRA layer to start: its name, its base layer's copy on the meta device, the rank and alpha peft gave it."""
+
+    name: str
+    template: nn.Module
+    rank: int
+    alpha: float
+
+
+def plan(model: nn.Module, peft_config: Any) -> list[PlannedLayer]:
     """Before the engine prepares `model`: each LoRA layer's base layer, copied on the meta device (its type and
     shape), to rebuild whole later. LoRA on parameters (expert banks) takes only the default."""
     if getattr(peft_config, "target_parameters", None):
@@ -98,7 +108,10 @@ def plan(model: nn.Module, peft_config: Any) -> list[tuple[str, nn.Module]]:
             "peft_init_lora_weights other than the default does not reach LoRA on parameters (lora_target_parameters):"
             " remove one of them"
         )
-    return [(name, _template(module)) for name, module in lora_layers(model)]
+    return [
+        PlannedLayer(name, _template(module), module.r["default"], module.lora_alpha["default"])
+        for name, module in lora_layers(model)
+    ]
 
 
 def _template(lora_layer: Any) -> nn.Module:
@@ -116,14 +129,17 @@ def _template(lora_layer: Any) -> nn.Module:
 
 
 def initialise(
-    engine: Any, layers: list[tuple[str, nn.Module]], peft_config: Any, mode: str, source: Path, seed: int
+    engine: Any, layers: list[PlannedLayer], peft_config: Any, mode: str, source: Path, seed: int
 ) -> InitialAdapters:
     """Run `mode` on every planned layer (whole, on the CPU) and copy the results into the prepared model's shards."""
     files = safetensors_files(source)
     out = InitialAdapters(mode)
     config = _single_layer_config(peft_config, mode)
-    for name, template in layers:
-        results = _initialised_layer(name, template, config, files, seed)
+    for layer in layers:
+        name = layer.name
+        module_config = copy.copy(config)  # this layer's own rank and alpha (peft's patterns may change them)
+        module_config.r, module_config.lora_alpha = layer.rank, layer.alpha
+        results = _initialised_layer(name, layer.template, module_config, files, seed)
         if not changes_base(mode):
             results.pop(f"{name}.base_layer.weight")
         engine.load_full_state_dict(results)
@@ -230,5 +246,8 @@ def converted_adapter(
     converted = dict(config)
     converted["init_lora_weights"] = True
     converted["r"] = 2 * config["r"]
-    converted["lora_alpha"] = config["lora_alpha"] * (math.sqrt(2) if config.get("use_rslora") else 2)
+    factor = math.sqrt(2) if config.get("use_rslora") else 2
+    converted["lora_alpha"] = config["lora_alpha"] * factor
+    converted["rank_pattern"] = {key: 2 * value for key, value in (config.get("rank_pattern") or {}).items()}
+    converted["alpha_pattern"] = {key: factor * value for key, value in (config.get("alpha_pattern") or {}).items()}
     return out, converted

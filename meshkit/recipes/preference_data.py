@@ -17,6 +17,7 @@ from meshkit.data.preference_tokens import (
     load_preference_records,
     with_kl_completions,
 )
+from meshkit.data.selection import shard, without_repeats
 from meshkit.data.sources import cpu_share
 from meshkit.data.stepwise import StepCollate, StepwiseReport, load_stepwise_records
 from meshkit.engine.engine import Engine
@@ -78,6 +79,9 @@ def prepare_preference_data(
             reward=reward,
             template_kwargs=settings.chat_template_kwargs,
         )
+    table = shard(table, settings.dataset_shard_num, settings.dataset_shard_idx)
+    if settings.dataset_exact_deduplication:
+        table, report.repeated = without_repeats(table, table.column_names)
     validation = None
     if settings.test_datasets:
         with engine.local_main_process_first():
@@ -107,7 +111,11 @@ def prepare_preference_data(
     )
     rows = PreferenceRows(table)
     loader = DataLoader(
-        rows, batch_size=cfg.train.largest_micro_batch, shuffle=True, drop_last=True, collate_fn=collate
+        rows,
+        batch_size=cfg.train.largest_micro_batch,
+        shuffle=not settings.curriculum_sampling,
+        drop_last=True,
+        collate_fn=collate,
     )
     return PreferenceData(rows, report, collate, loader, paired, validation)
 
@@ -122,6 +130,9 @@ def _stepwise_data(engine: Engine, settings: Any, tokenizer: Any) -> PreferenceD
             )
 
     table, report = load(settings.datasets)
+    table = shard(table, settings.dataset_shard_num, settings.dataset_shard_idx)
+    if settings.dataset_exact_deduplication:
+        table, report.repeated = without_repeats(table, table.column_names)
     validation = load(settings.test_datasets)[0] if settings.test_datasets else None
     if validation is None and settings.val_set_size:
         table, validation = _held_out(table, settings.val_set_size, cfg.seed)
@@ -133,7 +144,11 @@ def _stepwise_data(engine: Engine, settings: Any, tokenizer: Any) -> PreferenceD
         )
     collate, rows = StepCollate(tokenizer.pad_token_id), PreferenceRows(table)
     loader = DataLoader(
-        rows, batch_size=cfg.train.largest_micro_batch, shuffle=True, drop_last=True, collate_fn=collate
+        rows,
+        batch_size=cfg.train.largest_micro_batch,
+        shuffle=not settings.curriculum_sampling,
+        drop_last=True,
+        collate_fn=collate,
     )
     return PreferenceData(rows, report, collate, loader, False, validation)
 

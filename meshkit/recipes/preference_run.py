@@ -102,6 +102,8 @@ def train_preference(
         f", {steps.total_steps} steps; reference: "
         f"{reference.describe() if reference else 'none'}"
     )
+    if data.report.repeated:
+        engine.print(f"meshkit: dropped {data.report.repeated} records that repeat another exactly")
     if isinstance(data.report, StepwiseReport):
         if data.report.truncated:
             engine.print(f"meshkit: cut {data.report.truncated} rows longer than sequence_len to it (as Axolotl does)")

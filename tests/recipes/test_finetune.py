@@ -36,6 +36,15 @@ def test_axolotl_keys_map_to_meshkit_keys_with_their_source(tmp_path, material) 
     assert not job.notes  # a refused key switched off asks for nothing: silent
 
 
+def test_axolotls_older_batch_size_sets_the_accumulation_unless_it_is_given(tmp_path, material) -> None:
+    path = write_config(tmp_path / "bs.yaml", material, batch_size=8, micro_batch_size=2)
+    job = resolve_finetune(path, [], env={})
+    assert job.resolved.config.grad_accum_steps == 4
+    assert job.resolved.sources["grad_accum_steps"] == f"file {path} (batch_size 8 // micro_batch_size 2)"
+    given = resolve_finetune(path, ["gradient_accumulation_steps=3"], env={})
+    assert given.resolved.config.grad_accum_steps == 3  # as in Axolotl: gradient_accumulation_steps wins
+
+
 @pytest.mark.parametrize(
     ("keys", "expected"),
     [

@@ -5,6 +5,7 @@ as one process, and the exported adapter applies to the original base as merged/
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -56,15 +57,18 @@ def test_pissa_starts_at_the_base_trains_alike_under_zero3_and_exports_for_the_o
     from transformers import AutoModelForCausalLM
 
     plain = _run(tmp_path, material, 1, "plain", "micro_batch_size=4", **lora_keys())
-    pissa = _run(tmp_path, material, 1, "pissa", "micro_batch_size=4", **lora_keys(peft_init_lora_weights="pissa"))
-    sharded = _run(tmp_path, material, 2, "sharded", "zero_stage=3", **lora_keys(peft_init_lora_weights="pissa"))
+    # with another rank for o_proj (peft's rank_pattern): each layer starts at its own rank
+    keys = lora_keys(peft_init_lora_weights="pissa", lora_rank_pattern={"o_proj": 2})
+    pissa = _run(tmp_path, material, 1, "pissa", "micro_batch_size=4", **keys)
+    sharded = _run(tmp_path, material, 2, "sharded", "zero_stage=3", **keys)
     # residual base + principal adapters = the base: the first loss is the plain LoRA's (B = 0 there)
     torch.testing.assert_close(torch.tensor(pissa["losses"][0]), torch.tensor(plain["losses"][0]), rtol=1e-5, atol=0)
     assert abs(pissa["losses"][-1] - plain["losses"][-1]) > 1e-4  # it trains from another start
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(pissa["losses"]), rtol=1e-5, atol=0)
     out = tmp_path / "pissa"
-    config = (out / "adapter_config.json").read_text()
-    assert '"r": 8' in config and '"init_lora_weights": true' in config  # trained and initial side by side
+    config = json.loads((out / "adapter_config.json").read_text())
+    # trained and initial adapters side by side: twice the rank, the pattern's too
+    assert (config["r"], config["rank_pattern"], config["init_lora_weights"]) == (8, {"o_proj": 4}, True)
     ids = torch.tensor([[5, 17, 42, 9, 33, 61]])
     merged = AutoModelForCausalLM.from_pretrained(out / "merged")(ids).logits
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(material["base"]), out)(ids).logits

@@ -59,8 +59,11 @@ _add(G, ("reinit_weights", "added_tokens_overrides", "tokenizer_use_mistral_comm
      refused("not supported: start from a base that holds the weights and tokens you want, then remove the key"))
 
 G = "further adapter keys"
-_add(G, ("peft_layers_pattern", "peft_trainable_token_indices", "lora_alpha_pattern", "lora_rank_pattern"),
-     refused("not supported yet: one LoRA rank and alpha for every targeted layer (lora_r, lora_alpha)"))
+_add(G, ("lora_rank_pattern", "lora_alpha_pattern", "peft_layers_pattern"),
+     honoured("peft's rank_pattern / alpha_pattern (another rank or alpha for the layers a regex names) and "
+              "layers_pattern (the block list peft_layers_to_transform counts in)"))
+_add(G, "peft_trainable_token_indices",
+     refused("not supported yet: train the embedding rows of new tokens with lora_modules_to_save: [embed_tokens]"))
 _add(G, ("relora_cpu_offload", "relora_prune_method", "relora_prune_ratio"),
      refused("ReLoRA is not supported: remove the relora keys"))
 
@@ -73,9 +76,13 @@ _add(G, ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_prefetch
      noted("data loading details: meshkit reads tokenized rows in the training process, packs first-fit, drops "
            "samples longer than sequence_len and evaluates at sequence_len"))
 _add(G, ("dataset_shard_num", "dataset_shard_idx"),
-     refused("dataset shards are not read: select records with split slicing (split: train[:10%])"))
-_add(G, ("curriculum_sampling", "dataset_exact_deduplication", "role_boundaries"),
-     refused("not supported: deduplicate / order the records before training, then remove the key"))
+     honoured("train on shard idx of num of the merged training records (datasets' contiguous shard), as Axolotl"))
+_add(G, "dataset_exact_deduplication",
+     honoured("tokenized samples (preference records) that repeat another exactly are dropped before the "
+              "validation split, and counted"))
+_add(G, "curriculum_sampling", honoured("batches take the training samples in their order (no shuffle)"))
+_add(G, "role_boundaries",
+     refused("not supported: role boundaries of a custom template; give the template as chat_template: jinja"))
 _add(G, ("use_pose", "pose_max_context_len", "pose_num_chunks", "pose_split_on_token_ids"),
      refused("PoSE position skipping is not supported: remove the pose keys"))
 
@@ -85,7 +92,8 @@ _add(G, ("gc_steps", "gc_collect_steps", "torch_empty_cache_steps", "profiler_st
          "fsdp_final_state_dict_type", "layer_offloading"), noted(_HOUSEKEEPING))
 _add(G, "selective_checkpointing", honoured("`activation_checkpointing.mode: selective`",
                                             "activation_checkpointing.mode", _selective))
-_add(G, "batch_size", refused("Axolotl's older batch key: set micro_batch_size and gradient_accumulation_steps"))
+_add(G, "batch_size", honoured("Axolotl's older batch key: gradient_accumulation_steps = batch_size // "
+                               "micro_batch_size, unless gradient_accumulation_steps is set"))
 _add(G, ("adam_beta3", "adam_epsilon2"), noted("parameters of the CAME optimizer, which meshkit does not run"))
 _add(G, ("embedding_lr", "embedding_lr_scale", "lr_groups", "lr_div_factor", "cosine_constant_lr_ratio",
          "jagged_restart_steps", "jagged_restart_warmup_steps", "jagged_restart_anneal_steps"),
