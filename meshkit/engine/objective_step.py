@@ -46,6 +46,7 @@ class LayoutScorer:
         context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         grad: bool = True,
         whole_mask: torch.Tensor | None = None,
+        weighting: bool = False,
     ) -> SequenceScores:
         ctx = self.ctx
         grad = grad and not self.forward_only
@@ -54,7 +55,7 @@ class LayoutScorer:
             if grad:
                 raise EngineError("under pipeline parallel the policy's scores exist on the last stage only")
             with context() if context is not None else contextlib.nullcontext():
-                return pipeline_scores(ctx, input_ids.to(device), labels.to(device), whole_mask)
+                return pipeline_scores(ctx, input_ids.to(device), labels.to(device), whole_mask, weighting)
         module = model if model is not None else ctx.objects.only_model()
         inputs, targets, completion = scoring_targets(input_ids.to(device), labels.to(device), whole_mask)
         if ctx.mesh.size("cp") > 1:
@@ -66,7 +67,7 @@ class LayoutScorer:
                 stack.enter_context(context())
             with ctx.loss_parallel():
                 logits = logits_of(module(**{**ctx.objects.training_inputs, **inputs}))
-                scores = row_scores(ctx, logits, targets, completion, whole_mask is not None, grad)
+                scores = row_scores(ctx, logits, targets, completion, whole_mask is not None, grad, weighting)
         if not grad and ctx.placement.zero_stage == 3:
             reshard(module)  # (a forward without backward leaves FSDP's gathered parameters in place)
         return scores

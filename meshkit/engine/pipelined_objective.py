@@ -60,7 +60,11 @@ def _split_for_pipeline(ctx: EngineContext, input_ids: torch.Tensor, labels: tor
 
 
 def pipeline_scores(
-    ctx: EngineContext, input_ids: torch.Tensor, labels: torch.Tensor, whole_mask: torch.Tensor | None
+    ctx: EngineContext,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    whole_mask: torch.Tensor | None,
+    weighting: bool = False,
 ) -> SequenceScores:
     """Per-row scores of a forward-only schedule pass, on every pipeline stage."""
     runner = ctx.objects.pipeline
@@ -71,11 +75,14 @@ def pipeline_scores(
 
     def keep_scores(output: Any, target: torch.Tensor) -> torch.Tensor:
         part_targets, part_completion, _ = _unpacked(target, width, [])
-        scores = row_scores(ctx, logits_of(output), part_targets, part_completion, whole, grad=False)
+        scores = row_scores(ctx, logits_of(output), part_targets, part_completion, whole, False, weighting)
         columns = [scores.logps, scores.tokens]
         if whole:
             assert scores.whole_logps is not None and scores.whole_tokens is not None
             columns += [scores.whole_logps, scores.whole_tokens]
+        if weighting:
+            assert scores.log_weights is not None
+            columns.append(scores.log_weights)
         marker = torch.zeros((), device=target.device)
         kept.append((marker, torch.stack(columns, dim=1).float()))
         return marker
@@ -84,11 +91,13 @@ def pipeline_scores(
         used = {id(loss) for loss in runner.run(first, _packed(targets, completion, {}), forward_only=True)}
     rows = input_ids.shape[0]
     parts = [scores for marker, scores in kept if id(marker) in used]  # (once per micro-batch, in order)
-    found = torch.cat(parts) if parts else torch.zeros((rows, 4 if whole else 2), device=input_ids.device)
+    columns = (4 if whole else 2) + int(weighting)
+    found = torch.cat(parts) if parts else torch.zeros((rows, columns), device=input_ids.device)
     found = _broadcast_from_last(ctx, found.contiguous())
+    log_weights = found[:, -1] if weighting else None
     if not whole:
-        return SequenceScores(found[:, 0], found[:, 1])
-    return SequenceScores(found[:, 0], found[:, 1], found[:, 2], found[:, 3])
+        return SequenceScores(found[:, 0], found[:, 1], log_weights=log_weights)
+    return SequenceScores(found[:, 0], found[:, 1], found[:, 2], found[:, 3], log_weights)
 
 
 def _pair_order(rows: int, microbatches: int) -> torch.Tensor:
@@ -136,7 +145,15 @@ def pipelined_objective_step(
         part_extras = {
             name: value.bool() if name in ("valid", "desirable") else value for name, value in part_extras.items()
         }  # noqa: E501
-        scores = row_scores(ctx, logits_of(output), part_targets, part_completion, objective.needs_whole, grad=True)
+        scores = row_scores(
+            ctx,
+            logits_of(output),
+            part_targets,
+            part_completion,
+            objective.needs_whole,
+            True,
+            objective.needs_weighting,
+        )
         result = objective.loss_of(scores, part_extras)
         weighted = result.loss * result.items * weight  # (the schedule divides by the micro-batches)
         results.append((weighted, result))

@@ -30,10 +30,17 @@ def scoring_targets(
 
 
 def row_scores(
-    ctx: EngineContext, logits: torch.Tensor, targets: torch.Tensor, completion: torch.Tensor, whole: bool, grad: bool
+    ctx: EngineContext,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    completion: torch.Tensor,
+    whole: bool,
+    grad: bool,
+    weighting: bool = False,
 ) -> SequenceScores:
-    """Per row: the completion's summed log-probs and count (and every real token's, with `whole`), summed over
-    the context-parallel ranks (differentiably when `grad`). Runs inside `loss_parallel` under tp."""
+    """Per row: the completion's summed log-probs and count (and every real token's, with `whole`; WPO's weight
+    with `weighting`), summed over the context-parallel ranks (differentiably when `grad`). Runs inside
+    `loss_parallel` under tp."""
     rows = targets.shape[0]
     per_token = -F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
@@ -47,10 +54,40 @@ def row_scores(
         sums.append(per_token.sum(-1))
         counts.append((targets != IGNORE_INDEX).sum(-1).float())
     logps, tokens = torch.stack(sums), torch.stack(counts)
+    aligned = _aligned_sums(logits, per_token, completion) if weighting else None
     if ctx.mesh.size("cp") > 1:  # each cp rank holds two chunks of every row: the whole rows' sums on every cp rank
         group = ctx.mesh.group("cp")
         logps = distributed_autograd.all_reduce(logps, group=group) if grad else collectives.reduce(logps, group, "sum")
         tokens = collectives.reduce(tokens, group, op="sum")
+        aligned = None if aligned is None else collectives.reduce(aligned, group, op="sum")
+    log_weights = None if aligned is None else aligned / tokens[0].clamp(min=1)
     if not whole:
-        return SequenceScores(logps[0], tokens[0])
-    return SequenceScores(logps[0], tokens[0], logps[1], tokens[1])
+        return SequenceScores(logps[0], tokens[0], log_weights=log_weights)
+    return SequenceScores(logps[0], tokens[0], logps[1], tokens[1], log_weights)
+
+
+@torch.no_grad()
+def _aligned_sums(logits: torch.Tensor, per_token: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
+    """Per row, WPO's sum over completion tokens of log p(token) − log Σ_v p(v)² (TRL's `log_sum_sq_probs`), where
+    log Σ_v p(v)² = logsumexp(2z) − 2·logsumexp(z) over the vocabulary — split over tp when the head is."""
+    rows = per_token.shape[0]
+    vocab = logits.ndim - 1
+    if isinstance(logits, DTensor) and not any(p.is_shard(vocab) for p in logits.placements):
+        logits = logits.full_tensor()
+    if isinstance(logits, DTensor):  # vocab-parallel: each tp rank holds a slice of every token's logits
+        local = logits.to_local().float()
+        dim = next(i for i, p in enumerate(logits.placements) if p.is_shard(vocab))
+        group = logits.device_mesh.get_group(dim)
+        squares = _logsumexp_over(2 * local, group) - 2 * _logsumexp_over(local, group)
+    else:
+        local = logits.float()
+        squares = torch.logsumexp(2 * local, dim=-1) - 2 * torch.logsumexp(local, dim=-1)
+    aligned = (per_token.detach() - squares.reshape(rows, -1)).masked_fill(~completion, 0)
+    return aligned.sum(-1)
+
+
+def _logsumexp_over(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """logsumexp over the last dimension, split over `group`'s ranks."""
+    largest = collectives.reduce(local.amax(dim=-1), group, op="max")
+    summed = collectives.reduce(torch.exp(local - largest.unsqueeze(-1)).sum(-1), group, op="sum")
+    return summed.log() + largest

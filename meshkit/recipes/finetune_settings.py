@@ -177,6 +177,9 @@ class FinetuneSettings(Section):
     dpo_loss_weights: tuple[float, ...] | None = Field(None, description="a weight per dpo_loss_type")
     dpo_label_smoothing: float | None = Field(None, ge=0, lt=1, description="robust / exo_pair / aot smoothing")
     rpo_alpha: float | None = Field(None, ge=0, description="RPO: + alpha × the chosen replies' NLL")
+    dpo_use_weighting: bool = Field(
+        False, description="WPO: each pair's DPO loss × the policy's weights of its two replies (TRL's use_weighting)"
+    )
     orpo_alpha: float | None = Field(None, gt=0, description="ORPO's weight of the odds-ratio term; null = 0.1")
     simpo_gamma: float | None = Field(None, description="SimPO's target reward margin; null = 0.5")
     cpo_alpha: float | None = Field(None, ge=0, description="SimPO/CPO: weight of the chosen replies' NLL; null = 1")

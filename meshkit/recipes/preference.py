@@ -43,6 +43,7 @@ def preference_loss(settings: Any) -> PairedLoss | KTO:
             loss_types=types,
             loss_weights=weights,
             label_smoothing=settings.dpo_label_smoothing or 0.0,
+            use_weighting=settings.dpo_use_weighting,
         )
     if rl == "kto":
         return KTO(
@@ -96,6 +97,7 @@ class PairedObjective:
     def __init__(self, loss: PairedLoss, reference: Reference | None, engine: Engine | None = None) -> None:
         self.loss, self.reference, self.engine = loss, reference, engine
         self.needs_whole = loss.needs_whole
+        self.needs_weighting = getattr(loss, "use_weighting", False)  # WPO
         self.pairs_together = True  # a micro-batch holds both rows of each of its pairs
 
     def references(self, score: Scorer, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -130,7 +132,8 @@ class PairedObjective:
     def __call__(self, score: Scorer, batch: dict[str, torch.Tensor]) -> ObjectiveResult:
         extras = self.references(score, batch)
         whole = batch["attention_mask"] if self.needs_whole else None
-        return self.loss_of(score(batch["input_ids"], batch["labels"], whole_mask=whole), extras)
+        scores = score(batch["input_ids"], batch["labels"], whole_mask=whole, weighting=self.needs_weighting)
+        return self.loss_of(scores, extras)
 
 
 class UnpairedObjective:
@@ -140,6 +143,7 @@ class UnpairedObjective:
     def __init__(self, loss: KTO, reference: Reference, engine: Engine) -> None:
         self.loss, self.reference, self.engine = loss, reference, engine
         self.needs_whole = False
+        self.needs_weighting = False
         self.pairs_together = False
 
     def references(self, score: Scorer, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ class StepObjective:
     """Each row's labelled tokens through the head; evaluation's filler rows (`valid: false`) left out."""
 
     needs_whole = False
+    needs_weighting = False
     pairs_together = False
     uses_reference = False
 

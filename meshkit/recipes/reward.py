@@ -19,6 +19,7 @@ class RewardObjective:
     left out)."""
 
     needs_whole = False
+    needs_weighting = False
     pairs_together = True
 
     def __init__(self, loss: BradleyTerry) -> None:

@@ -25,6 +25,9 @@ class SequenceScores:
     tokens: torch.Tensor
     whole_logps: torch.Tensor | None = None  # over every real token, prompt included (when asked: `whole_mask`)
     whole_tokens: torch.Tensor | None = None
+    # WPO's per-row weight in log space (when asked: `weighting`): the completion tokens' mean of
+    # log p(token) − log Σ_v p(v)², without a graph
+    log_weights: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,10 +47,11 @@ class Scorer(Protocol):
         context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         grad: bool = True,
         whole_mask: torch.Tensor | None = None,
+        weighting: bool = False,
     ) -> SequenceScores:
         """`model`: another prepared module laid out like the policy (a frozen reference); `context`: entered
         around the forward (e.g. adapters off); `grad=False` scores without a graph; `whole_mask` (the attention
-        mask): also score every real token, prompt included."""
+        mask): also score every real token, prompt included; `weighting`: also WPO's `log_weights`."""
         ...
 
     def outputs(self, inputs: dict[str, torch.Tensor], grad: bool = True) -> torch.Tensor:
@@ -61,6 +65,7 @@ class Objective(Protocol):
     on the last stage for each micro-batch's rows."""
 
     needs_whole: bool  # the policy's scores of every real token too (ORPO's NLL)
+    needs_weighting: bool  # the policy's WPO weights too (`SequenceScores.log_weights`)
     pairs_together: bool  # rows are [chosen..., rejected...]: a micro-batch must hold both rows of its pairs
 
     def __call__(self, score: Scorer, batch: Any) -> ObjectiveResult: ...

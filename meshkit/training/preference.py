@@ -44,6 +44,7 @@ class PairScores:
     # (chosen tokens, pairs) of the micro-step on every data-parallel rank: the NLL terms are token means over
     # all of them, so that ranks, micro-batches and one process agree; None: this batch's own
     nll_totals: tuple[torch.Tensor, torch.Tensor] | None = None
+    weights: torch.Tensor | None = None  # [pairs] WPO's weight of each pair (no graph), when asked for
 
     @classmethod
     def of(cls, scores: SequenceScores) -> PairScores:
@@ -53,15 +54,20 @@ class PairScores:
         whole = whole_tokens = None
         if scores.whole_logps is not None and scores.whole_tokens is not None:
             whole, whole_tokens = scores.whole_logps.chunk(2)[0], scores.whole_tokens.float().chunk(2)[0]
-        return cls(chosen, rejected, chosen_tokens, rejected_tokens, whole, whole_tokens)
+        weights = None
+        if scores.log_weights is not None:  # WPO: exp(mean aligned log-prob) of the chosen row × the rejected row's
+            chosen_log, rejected_log = scores.log_weights.detach().chunk(2)
+            weights = torch.exp(chosen_log) * torch.exp(rejected_log)
+        return cls(chosen, rejected, chosen_tokens, rejected_tokens, whole, whole_tokens, weights=weights)
 
     def select(self, keep: torch.Tensor) -> PairScores:
         """The pairs where `keep` ([pairs] bool) is true (evaluation's filler pairs left out)."""
         whole = None if self.whole_chosen is None else self.whole_chosen[keep]
         whole_tokens = None if self.whole_chosen_tokens is None else self.whole_chosen_tokens[keep]
+        weights = None if self.weights is None else self.weights[keep]
         return PairScores(
             self.chosen[keep], self.rejected[keep], self.chosen_tokens[keep], self.rejected_tokens[keep], whole,
-            whole_tokens, self.nll_totals,
+            whole_tokens, self.nll_totals, weights,
         )  # fmt: skip
 
     def with_totals(self, totals: tuple[torch.Tensor, torch.Tensor] | None) -> PairScores:
@@ -84,6 +90,10 @@ class PairScores:
             return -logps.sum() / tokens.sum().clamp(min=1)
         token_total, pair_total = self.nll_totals
         return -logps.sum() / token_total.clamp(min=1) * pair_total / max(1, logps.numel())
+
+
+def _or_one(weights: torch.Tensor | None) -> torch.Tensor | float:
+    return 1.0 if weights is None else weights
 
 
 def _mean_metric(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +125,7 @@ class DPO:
     loss_weights: tuple[float, ...] | None = None
     label_smoothing: float = 0.0
     discopop_tau: float = 0.05
+    use_weighting: bool = False  # WPO: each pair's loss × the policy's weights of its two rows (TRL's use_weighting)
     uses_reference = True
     paired = True
     needs_whole = False
@@ -130,6 +141,10 @@ class DPO:
             )
         if "robust" in self.loss_types and not 0 <= self.label_smoothing < 0.5:
             raise PreferenceError("the robust DPO loss needs dpo_label_smoothing in [0, 0.5)")
+        if self.use_weighting and {"aot", "aot_unpaired"} & set(self.loss_types):
+            raise PreferenceError(
+                "dpo_use_weighting (WPO) does not go with the aot losses, which sort the pairs: drop one of them"
+            )
         if "exo_pair" in self.loss_types and self.label_smoothing == 0:
             raise PreferenceError("the exo_pair loss needs dpo_label_smoothing > 0 (the paper suggests 1e-3)")
 
@@ -137,8 +152,12 @@ class DPO:
         chosen_ratio = policy.chosen - reference.chosen
         rejected_ratio = policy.rejected - reference.rejected
         weights = self.loss_weights or (1.0,) * len(self.loss_types)
+        pair_weights = policy.weights if self.use_weighting else None
+        if self.use_weighting and pair_weights is None:
+            raise PreferenceError("WPO weighting needs the policy's weights: score with weighting=True")
         loss = sum(
-            (self._per_pair(name, policy, reference, chosen_ratio, rejected_ratio).mean() * weight)
+            (self._per_pair(name, policy, reference, chosen_ratio, rejected_ratio) * _or_one(pair_weights)).mean()
+            * weight
             for name, weight in zip(self.loss_types, weights, strict=True)
         )
         assert isinstance(loss, torch.Tensor)

@@ -141,3 +141,20 @@ def test_rpo_nll_term_is_a_token_mean_over_every_rank(tmp_path, material, pair_d
     keys = {**dpo_keys(pair_data), **lora_keys(), "rpo_alpha": 1.0}
     expected = _run(tmp_path, material, 1, "one", ["micro_batch_size=4"], **keys)
     _close(_run(tmp_path, material, 2, "two", [], **keys), expected)  # (DDP)
+
+
+@pytest.fixture(scope="module")
+def wpo_reference(tmp_path_factory, material, pair_data):
+    root = tmp_path_factory.mktemp("wpo-reference")
+    keys = {**dpo_keys(pair_data), **lora_keys(), **EVALUATED, "dpo_use_weighting": True}
+    return keys, _run(root, material, 1, "one", ["micro_batch_size=4"], **keys)
+
+
+@pytest.mark.parametrize("layout", ["tp=2", "pp=2", pytest.param("cp=2", marks=pytest.mark.sweep)])
+def test_wpo_weights_are_the_same_in_every_layout(tmp_path, material, wpo_reference, references, layout) -> None:
+    """WPO's weights (log Σp² over the vocabulary: reduced over tp's vocabulary slices, cp's chunks, on pp's last
+    stage) weigh each pair alike in every layout; they change the run (a pair's weight is below 1)."""
+    keys, expected = wpo_reference
+    summary = _run(tmp_path, material, 2, "run", [layout, "micro_batch_size=4"], **keys)
+    _close(summary, expected)
+    assert abs(expected["losses"][0] - references["lora"]["losses"][0]) > 1e-4

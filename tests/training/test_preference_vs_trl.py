@@ -19,6 +19,7 @@ def base(tmp_path_factory):
 
 CASES = {
     "dpo-sigmoid": ("dpo", {"beta": 0.1}, DPO(beta=0.1)),
+    "dpo-wpo": ("dpo", {"beta": 0.1, "use_weighting": True}, DPO(beta=0.1, use_weighting=True)),
     "ipo": ("dpo", {"beta": 0.1, "loss_type": ["ipo"]}, DPO(beta=0.1, loss_types=("ipo",))),
     "dpo-robust-rpo": (
         "dpo",

@@ -134,7 +134,9 @@ _add(G, "dpo_beta", honoured("Axolotl's older name of rl_beta", "recipe.rl_beta"
 _add(G, ("dpo_use_liger_kernel", "dpo_padding_free", "max_prompt_len", "remove_unused_columns",
          "dpo_generate_during_eval", "dpo_use_logits_to_keep"),
      noted("a GPU kernel / padding layout / column handling of TRL's; rows are cut to sequence_len as TRL does"))
-_add(G, "dpo_use_weighting", refused("WPO weighting is not supported: remove dpo_use_weighting"))
+_add(G, "dpo_use_weighting",
+     honoured("WPO (TRL's use_weighting): each pair's loss × exp of the policy's mean log p − log Σp² over each "
+              "reply's tokens, in every layout (vocab-parallel under tp)"))
 _add(G, ("reward_model", "num_labels", "center_rewards_coefficient"),
      honoured("a reward model: a sequence-classification head (1 label) trained with TRL's Bradley-Terry loss on "
               "bradley_terry.chat_template (or any pair type) data, full fine-tune in DDP and ZeRO; merged/ loads "
