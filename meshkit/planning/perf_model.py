@@ -76,6 +76,7 @@ class StepTime:
     optimizer_s: float
     offload_s: float
     overhead_s: float = 0.0  # measured host dispatch and peer waits of tensor parallel (`Hardware.tp_overhead_s`)
+    reference_s: float = 0.0  # preference training: the reference model's forward over the step's rows
     comm_s: dict[str, float] = field(default_factory=dict)  # exposed seconds per collective
     comm_link: dict[str, str] = field(default_factory=dict)  # intra / inter per collective
     step_s: float = 0.0
@@ -148,8 +149,11 @@ def predict(
     precision: Precision = "bf16",
     optimizer: Optimizer = "adam",
     expert_imbalance: float = EXPERT_IMBALANCE,
+    reference: str = "none",
 ) -> StepTime:
-    """Seconds per optimizer step of `global_batch` sequences of `seq_len` tokens on this layout."""
+    """Seconds per optimizer step of `global_batch` sequences of `seq_len` tokens on this layout; `reference`
+    (preference training): a frozen copy or the base with adapters off runs a forward over the same rows (a third
+    of a training pass, and its share of a pipeline's bubble); a precomputed one, nothing."""
     gpus = topology.gpus
     weight_b, grad_b, _ = model_state_bytes(precision, "adam")
     act_b = 4 if precision == "fp32" else 2
@@ -250,7 +254,8 @@ def predict(
     if layout.offload != "none":
         transfer = optimizer_params * (grad_b + weight_b) / (hardware.host_gbps * 1e9)
         offload = transfer + optimizer_params * step_bytes / (HOST_MEMORY_GBPS * 1e9) - optimizer_s
-    step = compute + recompute + bubble + sum(comm.values()) + overhead + optimizer_s + offload
+    reference_s = (compute + bubble) / 3 if reference in ("copy", "adapters") else 0.0
+    step = compute + recompute + bubble + sum(comm.values()) + overhead + optimizer_s + offload + reference_s
     return StepTime(
         compute_s=compute,
         recompute_s=recompute,
@@ -258,6 +263,7 @@ def predict(
         optimizer_s=optimizer_s,
         offload_s=max(0.0, offload),
         overhead_s=overhead,
+        reference_s=reference_s,
         comm_s=comm,
         comm_link=links,
         step_s=step,

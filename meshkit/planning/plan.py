@@ -167,7 +167,8 @@ def cost(
     reference: Reference = "none",
 ) -> PlannedLayout:
     """Memory, communication volume, bubble and modelled step time (micro-batches of one sequence); `reference`:
-    preference training's reference model (a frozen copy costs the weights' memory again)."""
+    preference training's reference model (a frozen copy costs the weights' memory again; a copy or the base with
+    adapters off, a forward over the step's rows)."""
     micro_batch = 1
     estimate = estimate_memory(
         model,
@@ -199,6 +200,7 @@ def cost(
     time = predict(
         model, layout, cluster.topology(), cluster.hardware,
         seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, precision=precision, optimizer=optimizer,
+        reference=reference,
     )  # fmt: skip
     volume = dp_volume + tp_volume + pp_volume + ep_volume
     host = estimate.host_gb * min(cluster.gpus_per_node, cluster.gpus)

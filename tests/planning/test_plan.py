@@ -134,4 +134,15 @@ def test_the_planner_counts_a_frozen_reference_copy() -> None:
         assert planned.estimate is not None and planned.estimate.gb("reference") > 0
         assert planned.memory_gb == pytest.approx(plain[planned.layout].memory_gb + planned.estimate.gb("reference"))
     adapters = plan(model, cluster, seq_len=2048, global_batch=64, reference="adapters")
-    assert [lay.layout for lay in adapters.fitting] == list(plain)
+    assert {lay.layout for lay in adapters.fitting} == set(plain)
+    # the step: a copy or the base with adapters off runs a forward over the rows (a third of the training pass,
+    # bubble included); scores computed once before training cost no step time
+    precomputed = {
+        lay.layout: lay for lay in plan(model, cluster, seq_len=2048, global_batch=64, reference="precomputed").fitting
+    }
+    for planned in adapters.fitting:
+        time, before = planned.time, plain[planned.layout].time
+        assert time is not None and before is not None
+        assert time.reference_s == pytest.approx((before.compute_s + before.bubble_s) / 3)
+        assert time.step_s == pytest.approx(before.step_s + time.reference_s)
+        assert precomputed[planned.layout].step_s == pytest.approx(before.step_s)

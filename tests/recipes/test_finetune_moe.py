@@ -104,3 +104,22 @@ def test_lora_target_linear_leaves_the_expert_banks_alone() -> None:
         name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in adapted.named_parameters() if "lora_A" in name
     }
     assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def test_dpo_on_a_mixture_of_experts_under_expert_parallel_equals_one_process(tmp_path, moe) -> None:
+    """Preference training on an MoE base: each rank runs its own experts for the chosen and rejected rows of
+    every pair (one forward), the reference is the base with the experts' adapters off."""
+    from tests.helpers.preference_runs import dpo_keys, write_preference_data
+
+    material, _ = moe
+    (tmp_path / "data").mkdir()
+    keys = {**dpo_keys(write_preference_data(tmp_path / "data")), **LORA_ON_EXPERTS, "max_steps": 3}
+    one = run_world(
+        run_finetune, 1, str(write_config(tmp_path / "one.yaml", material, micro_batch_size=4, **keys)),
+        [f"output_dir={tmp_path / 'one'}"], timeout=180,
+    )[0]  # fmt: skip
+    config = write_config(tmp_path / "ep.yaml", material, expert_parallel_size=2, **keys)
+    ep = run_world(run_finetune, 2, str(config), [f"output_dir={tmp_path / 'ep'}"], timeout=180)[0]
+    assert ep["layout_description"].endswith("experts over ep2")
+    torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
+    assert one["losses"][-1] < one["losses"][0]
