@@ -26,6 +26,12 @@ class PeftBlock(Section):
     )
 
 
+class LrGroup(Section):
+    name: str = Field(description="the group's name")
+    modules: tuple[str, ...] = Field(description="parameter-name parts: matrices whose names hold one join the group")
+    lr: float = Field(gt=0, description="the group's learning rate")
+
+
 class FinetuneSettings(Section):
     """The recipe's own keys (Axolotl names)."""
 
@@ -146,6 +152,17 @@ class FinetuneSettings(Section):
     lr_scheduler: str = Field("cosine", description="a transformers get_scheduler name, or one_cycle")
     lr_scheduler_kwargs: dict[str, Any] | None = Field(None, description="the schedule's own arguments")
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1, description="cosine floor as a share of the lr")
+    cosine_constant_lr_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="with cosine_min_lr_ratio: the floor is reached at this share of the steps, then held",
+    )
+    lr_quadratic_warmup: bool = Field(False, description="cosine: the warm-up rises as the square of its progress")
+    embedding_lr: float | None = Field(None, gt=0, description="the embedding's and head's learning rate")
+    embedding_lr_scale: float | None = Field(None, gt=0, description="or theirs as a multiple of learning_rate")
+    lr_groups: tuple[LrGroup, ...] | None = Field(None, description="[{name, modules, lr}]: matrices at another lr")
+    lr_div_factor: float | None = Field(None, gt=0, description="one_cycle: the starting lr is learning_rate / this")
     optimizer: str = Field(
         "adamw_torch", description="adamw_torch | adamw_bnb_8bit | paged_adamw_8bit | adamw_torch_4bit | sgd | ..."
     )

@@ -28,7 +28,7 @@ from meshkit.recipes.hf_base import (
 )
 from meshkit.recipes.lora import AdapterExport, apply_lora
 from meshkit.recipes.lora_init import InitialAdapters, PlannedLayer, changes_base, initialise, plan
-from meshkit.recipes.optimizers import build_optimizer, trainable_groups
+from meshkit.recipes.optimizers import axolotl_groups, build_optimizer, trainable_groups
 from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
 from meshkit.recipes.quantized_base import INT8_CAST_NOTE, load_quantized_base
 from meshkit.recipes.quantized_base import check_layout as check_quantized_layout
@@ -145,6 +145,12 @@ def make_optimizer(model: torch.nn.Module, job: FinetuneJob, engine: Engine) -> 
     check_optimizer_layout(s.optimizer, engine.zero_stage, engine.mesh.size("tp"))
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     groups = trainable_groups((p for _, p in named), cfg.train.weight_decay)
+    if s.embedding_lr is not None or s.embedding_lr_scale is not None or s.lr_groups:
+        groups = axolotl_groups(
+            named, _embedding_parameters(model), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+            embedding_lr=s.embedding_lr, embedding_lr_scale=s.embedding_lr_scale,
+            lr_groups=[group.model_dump() for group in s.lr_groups or []],
+        )  # fmt: skip
     if s.loraplus_lr_ratio is not None:
         fast = {id(p) for name, p in named if ".lora_B." in name}
         groups = [
@@ -164,6 +170,18 @@ def make_optimizer(model: torch.nn.Module, job: FinetuneJob, engine: Engine) -> 
     for note in notes:
         engine.print(f"meshkit: {note}")
     return optimizer
+
+
+def _embedding_parameters(model: torch.nn.Module) -> set[int]:
+    """Ids of the input embedding's and output head's parameters (transformers' accessors; with LoRA's
+    modules_to_save, their trainable copies too)."""
+    found: set[int] = set()
+    for accessor in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(model, accessor, None)
+        module = get() if callable(get) else None
+        if isinstance(module, torch.nn.Module):
+            found |= {id(param) for param in module.parameters()}
+    return found
 
 
 @dataclass(frozen=True)
@@ -193,7 +211,8 @@ def make_schedule(engine: Engine, job: FinetuneJob, optimizer: Any, total_steps:
     warmup = warmup_steps(engine.config.train.warmup_steps, s.warmup_ratio, total_steps)
     scheduler = build_schedule(
         s.lr_scheduler, optimizer, warmup=warmup, total=total_steps, kwargs=s.lr_scheduler_kwargs,
-        min_lr_ratio=s.cosine_min_lr_ratio,
+        min_lr_ratio=s.cosine_min_lr_ratio, constant_lr_ratio=s.cosine_constant_lr_ratio,
+        quadratic_warmup=s.lr_quadratic_warmup, div_factor=s.lr_div_factor,
     )  # fmt: skip
     return scheduler, warmup
 

@@ -121,3 +121,41 @@ def trainable_groups(parameters: Iterable[torch.nn.Parameter], weight_decay: flo
         {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
     ]
     return [group for group in groups if group["params"]]
+
+
+def axolotl_groups(
+    named: list[tuple[str, torch.nn.Parameter]],
+    embeddings: set[int],
+    *,
+    lr: float,
+    weight_decay: float,
+    embedding_lr: float | None = None,
+    embedding_lr_scale: float | None = None,
+    lr_groups: list[dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """Axolotl's param groups when it sets learning rates per group: matrices with weight decay; the embedding
+    and head (`embeddings`: ids of their parameters) without decay at `embedding_lr_scale` × lr or `embedding_lr`;
+    biases and norm weights without decay; and each of `lr_groups` ({name, modules, lr}) for the decayed matrices
+    whose names hold one of its `modules` strings."""
+    decayed: list[torch.nn.Parameter] = []
+    embedded: list[torch.nn.Parameter] = []
+    plain: list[torch.nn.Parameter] = []
+    grouped: dict[str, list[torch.nn.Parameter]] = {group["name"]: [] for group in lr_groups or []}
+    for name, param in named:
+        if not param.requires_grad:
+            continue
+        if id(param) in embeddings:
+            embedded.append(param)
+        elif param.ndim >= 2:
+            owner = next((g["name"] for g in lr_groups or [] if any(module in name for module in g["modules"])), None)
+            (grouped[owner] if owner is not None else decayed).append(param)
+        else:
+            plain.append(param)
+    embedding_rate = lr * embedding_lr_scale if embedding_lr_scale else embedding_lr or lr
+    out = [
+        {"params": decayed, "weight_decay": weight_decay, "lr": lr},
+        {"params": embedded, "weight_decay": 0.0, "lr": embedding_rate},
+        {"params": plain, "weight_decay": 0.0, "lr": lr},
+        *({"params": grouped[g["name"]], "weight_decay": weight_decay, "lr": g["lr"]} for g in lr_groups or []),
+    ]
+    return [group for group in out if group["params"]]

@@ -1,5 +1,8 @@
 """The fine-tune's learning-rate schedule by name: every transformers `get_scheduler` schedule that steps without
-a metric, and Axolotl's `one_cycle` (torch's OneCycleLR); warm-up from `warmup_steps` or `warmup_ratio`."""
+a metric, and Axolotl's `one_cycle` (torch's OneCycleLR, `lr_div_factor` its starting divisor); warm-up from
+`warmup_steps` or `warmup_ratio`. Axolotl's cosine variants: `cosine_min_lr_ratio` (a floor),
+`cosine_constant_lr_ratio` with it (the floor reached at that share of the steps and held), and
+`lr_quadratic_warmup` (the warm-up rises as the square of its progress)."""
 
 from __future__ import annotations
 
@@ -36,15 +39,26 @@ def build_schedule(
     total: int,
     kwargs: dict[str, Any] | None = None,
     min_lr_ratio: float | None = None,
+    constant_lr_ratio: float | None = None,
+    quadratic_warmup: bool = False,
+    div_factor: float | None = None,
 ) -> Any:
-    """The schedule `name` over `total` optimizer steps. `cosine_min_lr_ratio` turns cosine into transformers'
-    cosine_with_min_lr (floor = ratio × lr), as Axolotl does."""
+    """The schedule `name` over `total` optimizer steps. For cosine, as Axolotl picks: `quadratic_warmup` first,
+    then `min_lr_ratio` with `constant_lr_ratio`, then `min_lr_ratio` alone (transformers' cosine_with_min_lr)."""
     options = dict(kwargs or {})
     if name == "one_cycle":
         lrs = [group["lr"] for group in optimizer.param_groups]
         pct = max(warmup, 1) / max(total, 1)
+        if div_factor is not None:
+            options.setdefault("div_factor", div_factor)
         return torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=lrs, total_steps=max(total, 1), pct_start=min(pct, 0.99), **options
+        )
+    if name == "cosine" and quadratic_warmup:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine_after_quadratic_warmup(warmup, total))
+    if name == "cosine" and min_lr_ratio is not None and constant_lr_ratio is not None:
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, _cosine_to_a_held_floor(warmup, total, constant_lr_ratio, min_lr_ratio)
         )
     from transformers import get_scheduler
 
@@ -58,3 +72,29 @@ def build_schedule(
         num_training_steps=total,
         scheduler_specific_kwargs=options or None,
     )
+
+
+def _cosine_after_quadratic_warmup(warmup: int, total: int) -> Any:
+    """The lr factor: (step / warmup)² during the warm-up, then a half cosine from 1 to 0 over the rest."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step / max(1, warmup)) ** 2
+        progress = (step - warmup) / max(1, total - warmup)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+    return factor
+
+
+def _cosine_to_a_held_floor(warmup: int, total: int, constant_ratio: float, floor: float) -> Any:
+    """The lr factor: linear warm-up, a half cosine from 1 down to `floor` reached at `constant_ratio` of the
+    steps, then `floor` held (continual pre-training's re-warming schedule, as Axolotl defines it)."""
+    held_from = int(total * constant_ratio)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        progress = (min(step, held_from) - warmup) / max(1, held_from - warmup)
+        return max(0.0, (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))) + floor
+
+    return factor

@@ -95,10 +95,14 @@ _add(G, "selective_checkpointing", honoured("`activation_checkpointing.mode: sel
 _add(G, "batch_size", honoured("Axolotl's older batch key: gradient_accumulation_steps = batch_size // "
                                "micro_batch_size, unless gradient_accumulation_steps is set"))
 _add(G, ("adam_beta3", "adam_epsilon2"), noted("parameters of the CAME optimizer, which meshkit does not run"))
-_add(G, ("embedding_lr", "embedding_lr_scale", "lr_groups", "lr_div_factor", "cosine_constant_lr_ratio",
-         "jagged_restart_steps", "jagged_restart_warmup_steps", "jagged_restart_anneal_steps"),
-     refused("per-group learning rates and these schedules are not supported: one learning_rate, lr_scheduler from "
-             "transformers' get_scheduler or one_cycle"))
+_add(G, ("cosine_constant_lr_ratio", "lr_div_factor"),
+     honoured("cosine with cosine_min_lr_ratio: the floor reached at that share of the steps, then held; one_cycle's "
+              "starting divisor"))
+_add(G, ("embedding_lr", "embedding_lr_scale", "lr_groups"),
+     honoured("Axolotl's param groups: the embedding and head at embedding_lr (or embedding_lr_scale × lr) without "
+              "weight decay; lr_groups' matrices (names holding one of a group's modules) at the group's lr"))
+_add(G, ("jagged_restart_steps", "jagged_restart_warmup_steps", "jagged_restart_anneal_steps"),
+     refused("jagged restarts are not supported: use lr_scheduler from transformers' get_scheduler or one_cycle"))
 _add(G, ("dion_lr", "dion_momentum", "dion_rank_fraction", "dion_rank_multiple_of", "qgalore_rank",
          "qgalore_update_proj_gap", "qgalore_scale", "qgalore_proj_type", "qgalore_proj_quant", "qgalore_proj_bits",
          "qgalore_proj_group_size", "qgalore_cos_threshold", "qgalore_gamma_proj", "qgalore_queue_size"),

@@ -219,8 +219,9 @@ _add(G, "ddp_broadcast_buffers", honoured("`ddp.broadcast_buffers`", "ddp.broadc
 _add(G, "ddp_find_unused_parameters", honoured("`ddp.find_unused_parameters`", "ddp.find_unused_parameters"))
 _add(G, ("local_rank", "strict", "debug", "include_tokens_per_second", "use_cache"),
      noted("no effect: ranks come from the launcher, keys are always checked, tokens/s is always reported"))
-_add(G, ("neftune_noise_alpha", "noisy_embedding_alpha", "optim_target_modules", "lr_quadratic_warmup", "s2_attention"),
+_add(G, ("neftune_noise_alpha", "noisy_embedding_alpha", "optim_target_modules", "s2_attention"),
      refused("not supported: remove the key"))
+_add(G, "lr_quadratic_warmup", honoured("cosine: the warm-up rises as the square of its progress"))
 
 G = "evaluation and checkpoints"
 _add(G, ("eval_steps", "evals_per_epoch", "eval_batch_size"),
