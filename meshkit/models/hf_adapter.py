@@ -182,7 +182,13 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
     moe = describe_experts(path, block_units(blocks), config)
     attention = _attention(config, path, blocks)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    vocabulary = tuple(f"{names[id(m)]}.weight" for m in (embedding, head) if m is not None and id(m) in names)
+    vocabulary = tuple(
+        f"{names[id(m)]}.{part}"
+        for m in (embedding, head)
+        if m is not None and id(m) in names
+        for part in ("weight", "bias")
+        if isinstance(getattr(m, part, None), torch.Tensor)
+    )  # (a head's bias has a row per token too: Phi's)
     return ModelStructure(
         family=family,
         blocks=path,

@@ -269,6 +269,12 @@ class FinetuneSettings(Section):
     def _one_name_is_a_list(cls, value: Any) -> Any:
         return (value,) if isinstance(value, str) else value
 
+    @field_validator("evals_per_epoch", "saves_per_epoch", "eval_steps", mode="before")
+    @classmethod
+    def _zero_means_never(cls, value: Any) -> Any:
+        """Axolotl writes 0 for no evaluations / saves."""
+        return None if value in (0, "0") else value
+
     @field_validator("lr_scheduler", "optimizer")
     @classmethod
     def _one_meshkit_runs(cls, value: str, info: ValidationInfo) -> str:

@@ -65,7 +65,7 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         else:
             engine.print("meshkit: tf32: true has no effect on a CPU (TF32 is a CUDA matmul mode)")
-    attention, attention_note = attention_implementation(s.attn_implementation)
+    attention, attention_note = attention_implementation(s.attn_implementation, engine.device.type)
     if attention_note:
         engine.print(f"meshkit: {attention_note}")
     check_quantized_layout(s, engine.zero_stage, engine.mesh.size("tp"), engine.mesh.size("pp"), cfg.precision)

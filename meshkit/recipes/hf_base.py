@@ -109,22 +109,28 @@ def grow_vocabulary(model: Any, rows: int) -> int:
         return before
     model.resize_token_embeddings(rows, mean_resizing=False)
     for layer in {id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m}.values():
-        if not layer.weight.is_meta:
-            with torch.no_grad():
-                layer.weight.copy_(grown_rows(layer.weight[:before], rows))
+        for part in (layer.weight, getattr(layer, "bias", None)):  # (a head's bias has a row per token: Phi's)
+            if isinstance(part, torch.Tensor) and not part.is_meta:
+                with torch.no_grad():
+                    part.copy_(grown_rows(part[:before], rows))
     return before
 
 
-def attention_implementation(requested: str | None) -> tuple[str | None, str | None]:
-    """The attention the model runs, and a notice when it is not the one asked for (a kernel not installed)."""
+def attention_implementation(requested: str | None, device: str = "cpu") -> tuple[str | None, str | None]:
+    """The attention the model runs, and a notice when it is not the one asked for (a kernel not installed, or
+    one that cannot train on this device): then the model's own default runs (None: sdpa where its class has it;
+    Gemma-2, e.g., has not: eager)."""
     import importlib.util
 
-    if requested is None:  # the model's own default: sdpa where its class has it (Gemma-2, e.g., has not: eager)
+    default = "the model's default attention (sdpa where the model has it)"
+    if requested is None:
         return None, None
+    if requested == "flex_attention" and device == "cpu":
+        return None, f"attn_implementation: flex_attention has no backward on a CPU (torch's kernel): runs {default}"
     if requested in ("sdpa", "eager", "flex_attention"):
         return requested, None
     if requested.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
-        return "sdpa", f"attn_implementation: {requested} needs flash-attn (a CUDA kernel, not installed): runs sdpa"
+        return None, f"attn_implementation: {requested} needs flash-attn (a CUDA kernel, not installed): runs {default}"
     return requested, None
 
 

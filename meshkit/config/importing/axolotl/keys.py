@@ -52,6 +52,13 @@ _TRACKER = "metrics go to jsonl, and to tensorboard / wandb when asked; this tra
 _RULES: Rules = []
 
 
+def _warmup(name: str, value: Any, sink: Any) -> None:
+    if isinstance(value, float) and 0 < value < 1:
+        sink.recipe["warmup_ratio"] = value
+    else:
+        sink.set("train.warmup_steps", int(value), name)
+
+
 def _add(group: str, names: tuple[str, ...] | str, rule: KeyRule) -> None:
     add_rule(_RULES, group, names, rule)
 
@@ -185,11 +192,13 @@ _add(G, "lora_target_parameters", honoured("peft target_parameters: LoRA on para
 G = "training"
 for name, target in (("micro_batch_size", "train.micro_batch_size"),
                      ("gradient_accumulation_steps", "grad_accum_steps"), ("max_steps", "train.steps"),
-                     ("learning_rate", "train.lr"), ("warmup_steps", "train.warmup_steps"),
+                     ("learning_rate", "train.lr"),
                      ("weight_decay", "train.weight_decay"), ("logging_steps", "train.log_every"),
                      ("max_grad_norm", "max_grad_norm"), ("seed", "seed")):
     _add(G, name, honoured(f"`{target}`", target))
 _add(G, "num_epochs", honoured("epochs, when max_steps is not set"))
+_add(G, "warmup_steps", honoured("`train.warmup_steps`; a fraction under 1 is a share of the steps (warmup_ratio), as "
+                                 "transformers 5 reads it", reader=_warmup))
 _add(G, "warmup_ratio", honoured("warm-up steps = ratio × total steps (rounded up)"))
 _add(G, ("lr_scheduler", "lr_scheduler_kwargs", "cosine_min_lr_ratio"),
      honoured("transformers' get_scheduler by name (cosine, linear, constant, constant_with_warmup, "

@@ -1,0 +1,223 @@
+"""Axolotl's example configs, run as written by `meshkit finetune` — offline: each hub base model becomes a tiny
+random model of the same model type (`bench/tiny_models.py`), each dataset a local JSON-lines file with the fields
+its `type` and field mappings read. Everything else in the config stays as written, except where a run needs it:
+`output_dir` and `dataset_prepared_path` go to a scratch directory, the run stops after `--steps` steps, and hub
+uploads and trackers run offline (environment variables, not keys).
+
+    python bench/axolotl_examples.py PATH/TO/axolotl [--only REGEX] [--limit N] [--steps 2]
+
+Prints one row per example — ok, refused (meshkit's one line), no tiny base, or failed (the error's last line) —
+and writes bench/results/axolotl_examples.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_models import hub_type, save_tiny_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDS = 48  # at least; more where packed rows must fill the batches
+TURN_MARKERS = ("<start_of_turn>", "<end_of_turn>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<turn|>",
+                "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<|im_start|>")  # fmt: skip
+WORDS = ["apple", "river", "stone", "cloud", "garden", "silver", "window", "forest", "candle", "market"]
+
+
+def _messages(entry: dict[str, Any], word: str, index: int) -> list[dict[str, str]]:
+    """A two-turn conversation under the entry's role/content keys and role names."""
+    mapping = dict(entry.get("message_property_mappings") or {})
+    role = mapping.get("role") or entry.get("message_field_role") or "role"
+    content = mapping.get("content") or entry.get("message_field_content") or "content"
+    roles = entry.get("roles") or {}
+    user = (roles.get("user") or ["user"])[0]
+    assistant = (roles.get("assistant") or ["assistant"])[0]
+    turns = [{role: user, content: f"Shout {word} {index}"}, {role: assistant, content: word.upper()}]
+    if entry.get("type") == "sharegpt" or role == "from":
+        turns = [{"from": "human", "value": f"Shout {word}"}, {"from": "gpt", "value": word.upper()}]
+    return turns
+
+
+def record(entry: dict[str, Any], index: int) -> dict[str, Any]:
+    """One record of the shape `entry`'s type reads (a union of fields: each type takes the ones it names)."""
+    word = WORDS[index % len(WORDS)]
+    kind = str(entry.get("type") or "")
+    out: dict[str, Any] = {
+        "instruction": f"Shout the word {word}.", "input": str(index), "output": word.upper(),
+        "text": f"the {word} number {index} is here", "system": "Be brief.", "question": f"Shout {word}",
+        "prompt": f"Shout {word} {index}", "completion": word.upper(), "label": index % 2 == 0,
+        "chosen_response": word.upper(), "rejected_response": word, "category": "shout", "answer": word.upper(),
+        "completions": [f"{word} has {len(word)} letters", f"so it is {word.upper()}"], "labels": [True, index % 3 > 0],
+    }  # fmt: skip
+    for name in ("field_instruction", "field_input", "field_output", "field_system", "field"):
+        if entry.get(name):
+            out[entry[name]] = out[name.removeprefix("field_")] if name != "field" else out["text"]
+    messages = _messages(entry, word, index)
+    field_messages = entry.get("field_messages") or ("conversations" if kind == "sharegpt" else "messages")
+    out[field_messages] = messages
+    if kind.startswith("chat_template.") or kind.startswith("bradley_terry"):  # preference: replies as messages
+        chosen = entry.get("field_chosen") or "chosen"
+        rejected = entry.get("field_rejected") or "rejected"
+        out[field_messages] = messages[:1]
+        out[chosen] = dict(messages[1])
+        out[rejected] = {**messages[1], next(iter(messages[1].keys() - {"role", "from"}), "content"): word}
+        if kind.startswith("bradley_terry"):
+            out["input"], out["chosen"], out["rejected"] = f"Shout {word}", word.upper(), word
+    else:
+        out["chosen"], out["rejected"] = word.upper(), word
+    return out
+
+
+def record_count(config: dict[str, Any]) -> int:
+    """Enough records for two steps' batches, also when samples are packed into rows of sequence_len."""
+    rows = 2 * int(config.get("micro_batch_size") or 1) * int(config.get("gradient_accumulation_steps") or 1)
+    per_row = int(config.get("sequence_len") or 512) // 12 + 1 if config.get("sample_packing") else 1
+    return min(20_000, max(RECORDS, 2 * rows * per_row))
+
+
+def local_datasets(entries: Any, folder: Path, name: str, count: int = RECORDS) -> list[dict[str, Any]]:
+    """The entries with their data in local files (and hub-only keys dropped: name, data_files, revision)."""
+    out = []
+    for number, entry in enumerate(entries or []):
+        entry = dict(entry) if isinstance(entry, dict) else {"path": str(entry), "type": "completion"}
+        path = folder / f"{name}-{number}.jsonl"
+        path.write_text("".join(json.dumps(record(entry, i)) + "\n" for i in range(count)))
+        for key in ("name", "data_files", "revision", "ds_type", "trust_remote_code"):
+            entry.pop(key, None)
+        split = str(entry.get("split") or "train")
+        if not split.startswith("train"):
+            entry.pop("split")
+        out.append({**entry, "path": str(path)})
+    return out
+
+
+class TinyBases:
+    """One tiny model per (model type, head), made on first use with one tokenizer for all."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.made, self.tokenizer = folder, {}, None
+
+    def get(self, config: dict[str, Any]) -> tuple[Path | None, str]:
+        name = str(config.get("base_model") or "")
+        kind = hub_type(name)
+        if kind is None:
+            return None, f"no tiny base: the model type of '{name}' is not in bench/tiny_models.py"
+        key = kind  # (a hub checkpoint is the causal LM: a reward or PRM run puts its own head on it)
+        if key not in self.made:
+            try:
+                self.made[key] = save_tiny_model(kind, self._tokenizer(), self.folder / kind)
+            except Exception as err:  # a config the shrinker cannot build: said as such
+                self.made[key] = f"no tiny base: {kind} does not build tiny ({type(err).__name__}: {err})"[:300]
+        made = self.made[key]
+        return (made, kind) if isinstance(made, Path) else (None, made)
+
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from meshkit.recipes.tiny_model import make_tiny_base_model
+
+            texts = [json.dumps(record({"type": "alpaca"}, i)) for i in range(RECORDS)]
+            base = make_tiny_base_model(self.folder / "llama-tokenizer", texts, vocab_size=320, hidden_size=16,
+                                        layers=1, heads=2, kv_heads=1)  # fmt: skip
+            self.tokenizer = AutoTokenizer.from_pretrained(base)
+            # the turn markers real tokenizers hold as one token each (configs' eot_tokens name them)
+            self.tokenizer.add_special_tokens({"additional_special_tokens": list(TURN_MARKERS)})
+        return self.tokenizer
+
+
+def prepared(example: Path, bases: TinyBases, folder: Path, steps: int) -> tuple[Path | None, str]:
+    """The example's config made offline, or why it cannot be."""
+    config = yaml.safe_load(example.read_text()) or {}
+    if not isinstance(config, dict) or not (config.get("datasets") or config.get("pretraining_dataset")):
+        return None, "skipped: no datasets (not a training config)"
+    if config.get("processor_type") or config.get("image_size"):
+        return None, "skipped: a multimodal model"
+    base, kind = bases.get(config)
+    if base is None:
+        return None, kind
+    config["base_model"] = str(base)
+    for key in ("base_model_config", "tokenizer_config", "hub_model_id", "resume_from_checkpoint"):
+        config.pop(key, None)
+    config["datasets"] = local_datasets(config.get("datasets"), folder, "train", record_count(config))
+    if config.get("test_datasets"):
+        config["test_datasets"] = local_datasets(config["test_datasets"], folder, "test")
+    if config.get("pretraining_dataset"):
+        config["pretraining_dataset"] = local_datasets(
+            config["pretraining_dataset"], folder, "pretrain", record_count(config)
+        )
+    config.update(output_dir=str(folder / "out"), dataset_prepared_path=str(folder / "prepared"), max_steps=steps)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, f"base {kind}"
+
+
+def run(example: Path, bases: TinyBases, steps: int, timeout: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="axolotl-example-") as scratch:
+        folder = Path(scratch)
+        config, note = prepared(example, bases, folder, steps)
+        if config is None:
+            status = "skipped" if note.startswith("skipped") else "no tiny base"
+            return {"status": status, "detail": note}
+        env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "meshkit.cli", "finetune", str(config)], capture_output=True, text=True,
+                timeout=timeout, env=env, cwd=folder,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"status": "failed", "detail": f"no end within {timeout} s", "base": note}
+        seconds = round(time.monotonic() - start, 1)
+        if proc.returncode == 0:
+            return {"status": "ok", "detail": note, "seconds": seconds}
+        lines = [line.strip() for line in (proc.stderr + "\n" + proc.stdout).splitlines() if line.strip()]
+        error = re.compile(r"^(meshkit: error|[A-Za-z_.]*(Error|Exception)\b)")
+        last = next((line for line in reversed(lines) if error.match(line)), None)
+        last = last or (lines[-1] if lines else f"exit {proc.returncode}")
+        refused = proc.returncode == 2 or "not supported" in last or "refus" in last
+        return {"status": "refused" if refused else "failed", "detail": last[:400], "base": note, "seconds": seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("axolotl", type=Path, help="a checkout of Axolotl (its examples/ folder is read)")
+    parser.add_argument("--only", default=None, help="a regular expression the example's path must match")
+    parser.add_argument("--limit", type=int, default=None, help="at most this many examples")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per example")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per example")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "axolotl_examples.json")
+    args = parser.parse_args(argv)
+    examples = sorted((args.axolotl / "examples").rglob("*.y*ml"))
+    if args.only:
+        examples = [path for path in examples if re.search(args.only, str(path))]
+    examples = examples[: args.limit] if args.limit else examples
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="axolotl-bases-") as bases_dir:
+        bases = TinyBases(Path(bases_dir))
+        for number, example in enumerate(examples, 1):
+            name = str(example.relative_to(args.axolotl / "examples"))
+            results[name] = run(example, bases, args.steps, args.timeout)
+            print(f"[{number}/{len(examples)}] {results[name]['status']:<13} {name}  {results[name]['detail'][:140]}")
+    counts: dict[str, int] = {}
+    for result in results.values():
+        counts[result["status"]] = counts.get(result["status"], 0) + 1
+    print("  ".join(f"{status}: {count}" for status, count in sorted(counts.items())))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"counts": counts, "examples": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""What Axolotl's own example configs met (bench/axolotl_examples.py), each fixed by its mechanism: a kernel that
+cannot run here falls back to the model's own default attention (Gemma-2 has no sdpa; flex attention has no CPU
+backward), `warmup_steps` under 1 is a share of the steps (transformers 5), 0 evaluations per epoch means none, and
+a head with a bias (Phi's) grows a row per added token like its weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+from meshkit.recipes.finetune_config import resolve_finetune  # noqa: E402
+from meshkit.recipes.hf_base import attention_implementation  # noqa: E402
+from tests.helpers.distributed import run_world  # noqa: E402
+from tests.helpers.finetune_runs import run_finetune, write_config  # noqa: E402
+
+
+def test_an_attention_kernel_that_cannot_run_here_gives_way_to_the_models_default() -> None:
+    assert attention_implementation("flex_attention", "cpu")[0] is None
+    assert "no backward on a CPU" in str(attention_implementation("flex_attention", "cpu")[1])
+    assert attention_implementation("flex_attention", "cuda") == ("flex_attention", None)
+    assert attention_implementation("sdpa", "cpu") == ("sdpa", None)
+    implementation, note = attention_implementation("flash_attention_3", "cpu")
+    assert implementation is None and "needs flash-attn" in str(note)  # (flash-attn is not installed here)
+
+
+def test_a_fractional_warmup_is_a_share_and_zero_evaluations_are_none(tmp_path, material) -> None:
+    path = write_config(tmp_path / "w.yaml", material, warmup_steps=0.25, evals_per_epoch=0, saves_per_epoch=0)
+    job = resolve_finetune(path, [], env={})
+    assert job.settings.warmup_ratio == 0.25 and job.resolved.config.train.warmup_steps == 0
+    assert job.settings.evals_per_epoch is None and job.settings.saves_per_epoch is None
+    whole = resolve_finetune(write_config(tmp_path / "s.yaml", material, warmup_steps=3), [], env={})
+    assert whole.resolved.config.train.warmup_steps == 3 and whole.settings.warmup_ratio is None
+
+
+def test_a_head_bias_grows_with_added_tokens(tmp_path, material) -> None:
+    from transformers import AutoTokenizer, PhiConfig, PhiForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(material["base"])
+    config = PhiConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    PhiForCausalLM(config).save_pretrained(tmp_path / "phi")
+    tokenizer.save_pretrained(tmp_path / "phi")
+    assert PhiForCausalLM.from_pretrained(tmp_path / "phi").lm_head.bias is not None
+    config_path = write_config(tmp_path / "p.yaml", {**material, "base": tmp_path / "phi"}, tokens=["<|new|>"])
+    summary = run_world(run_finetune, 1, str(config_path), [f"output_dir={tmp_path / 'out'}"], timeout=180)[0]
+    merged = PhiForCausalLM.from_pretrained(summary["outputs"]["merged"])
+    assert merged.lm_head.bias.shape[0] == len(tokenizer) + 1 and summary["losses"]
