@@ -202,6 +202,11 @@ def load_model(settings: Any, attention: str | None, device: torch.device, **opt
         )
     except (OSError, ValueError, ImportError) as err:
         raise BaseModelError(f"cannot load '{settings.base_model}': {str(err).splitlines()[0]}") from None
+    except RuntimeError as err:  # transformers' report of checkpoint tensors that do not fit the model's
+        raise BaseModelError(
+            f"cannot load '{settings.base_model}' as {settings.model_type}: its tensors do not fit the model's (a "
+            f"head of another size, e.g. num_labels): {str(err).splitlines()[0]}"
+        ) from None
     return _causal_lm(model, settings)
 
 
