@@ -204,19 +204,28 @@ def main(argv: list[str] | None = None) -> int:
         examples = [path for path in examples if re.search(args.only, str(path))]
     examples = examples[: args.limit] if args.limit else examples
     results: dict[str, Any] = {}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="axolotl-bases-") as bases_dir:
         bases = TinyBases(Path(bases_dir))
         for number, example in enumerate(examples, 1):
             name = str(example.relative_to(args.axolotl / "examples"))
             results[name] = run(example, bases, args.steps, args.timeout)
             print(f"[{number}/{len(examples)}] {results[name]['status']:<13} {name}  {results[name]['detail'][:140]}")
+            _write(args.out, results, len(examples))  # (after each: an interrupted sweep keeps what it ran)
+    print("  ".join(f"{status}: {count}" for status, count in sorted(_counts(results).items())))
+    return 0
+
+
+def _counts(results: dict[str, Any]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for result in results.values():
         counts[result["status"]] = counts.get(result["status"], 0) + 1
-    print("  ".join(f"{status}: {count}" for status, count in sorted(counts.items())))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"counts": counts, "examples": results}, indent=2) + "\n")
-    return 0
+    return counts
+
+
+def _write(out: Path, results: dict[str, Any], total: int) -> None:
+    data = {"run": len(results), "of": total, "counts": _counts(results), "examples": results}
+    out.write_text(json.dumps(data, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -50,3 +50,14 @@ def test_a_head_bias_grows_with_added_tokens(tmp_path, material) -> None:
     summary = run_world(run_finetune, 1, str(config_path), [f"output_dir={tmp_path / 'out'}"], timeout=180)[0]
     merged = PhiForCausalLM.from_pretrained(summary["outputs"]["merged"])
     assert merged.lm_head.bias.shape[0] == len(tokenizer) + 1 and summary["losses"]
+
+
+def test_plugin_keys_are_noted_or_refused_by_what_the_plugin_does(tmp_path, material) -> None:
+    from meshkit.config.resolve import ConfigError
+
+    noted = write_config(tmp_path / "k.yaml", material, use_scattermoe=True, liger_rms_norm_gated=True,
+                         swanlab_project="p")  # fmt: skip
+    job = resolve_finetune(noted, [], env={})
+    assert len(job.notes) == 3 and any("use_scattermoe" in note for note in job.notes)
+    with pytest.raises(ConfigError, match="diffusion language-model training is not supported"):
+        resolve_finetune(write_config(tmp_path / "d.yaml", material, diffusion={"mask_token_id": 1}), [], env={})

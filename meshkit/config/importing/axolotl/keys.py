@@ -17,6 +17,7 @@ from typing import Any
 
 from meshkit.config.importing.axolotl import layout
 from meshkit.config.importing.axolotl.further_keys import FURTHER_RULES
+from meshkit.config.importing.axolotl.plugin_keys import PLUGIN_RULES
 from meshkit.config.importing.axolotl.rules import KeyRule, Rules, add_rule, honoured, noted, refused
 
 
@@ -284,6 +285,7 @@ _add(G, "meshkit", honoured("a block of meshkit keys (top-level meshkit keys wor
 # fmt: on
 
 _RULES.extend(FURTHER_RULES)  # (the keys of features meshkit runs otherwise, or not at all)
+_RULES.extend(PLUGIN_RULES)  # (the keys Axolotl's plugins add)
 AXOLOTL_KEYS: Mapping[str, KeyRule] = {name: rule for _, names, rule in _RULES for name in names}
 
 
