@@ -117,7 +117,8 @@ def start_adapters(engine: Engine, job: FinetuneJob, built: FinetuneModel) -> No
         return
     config = built.peft_model.peft_config["default"]
     source = weights_file(Path(s.base_model))
-    built.initial = initialise(engine, built.init_layers, config, s.lora_init, source, engine.config.seed)
+    bits = s.peft.loftq_config.loftq_bits if s.peft and s.peft.loftq_config else None
+    built.initial = initialise(engine, built.init_layers, config, s.lora_init, source, engine.config.seed, bits)
     rewritten = ", the rest kept as the frozen base" if changes_base(s.lora_init) else ""
     if s.lora_init == "loftq":
         rewritten = "; the base is now its quantization: the adapter written at the end applies to it, merged/ is whole"

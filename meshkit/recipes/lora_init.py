@@ -129,12 +129,19 @@ def _template(lora_layer: Any) -> nn.Module:
 
 
 def initialise(
-    engine: Any, layers: list[PlannedLayer], peft_config: Any, mode: str, source: Path, seed: int
+    engine: Any,
+    layers: list[PlannedLayer],
+    peft_config: Any,
+    mode: str,
+    source: Path,
+    seed: int,
+    loftq_bits: int | None = None,
 ) -> InitialAdapters:
-    """Run `mode` on every planned layer (whole, on the CPU) and copy the results into the prepared model's shards."""
+    """Run `mode` on every planned layer (whole, on the CPU) and copy the results into the prepared model's shards
+    (`loftq_bits`: LoftQ's quantization, 4 when unset)."""
     files = safetensors_files(source)
     out = InitialAdapters(mode)
-    config = _single_layer_config(peft_config, mode)
+    config = _single_layer_config(peft_config, mode, loftq_bits or 4)
     for layer in layers:
         name = layer.name
         module_config = copy.copy(config)  # this layer's own rank and alpha (peft's patterns may change them)
@@ -147,7 +154,7 @@ def initialise(
     return out
 
 
-def _single_layer_config(peft_config: Any, mode: str) -> Any:
+def _single_layer_config(peft_config: Any, mode: str, loftq_bits: int) -> Any:
     from peft import LoftQConfig
 
     config = copy.deepcopy(peft_config)
@@ -159,8 +166,8 @@ def _single_layer_config(peft_config: Any, mode: str) -> Any:
     config.rank_pattern, config.alpha_pattern = {}, {}
     config.task_type = None
     config.init_lora_weights = False if mode == "false" else mode
-    if mode == "loftq" and not config.loftq_config:
-        config.loftq_config = LoftQConfig(loftq_bits=4).__dict__
+    if mode == "loftq":
+        config.loftq_config = LoftQConfig(loftq_bits=loftq_bits).__dict__
     return config
 
 

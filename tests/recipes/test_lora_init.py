@@ -93,3 +93,23 @@ def test_other_starts_run_in_a_tensor_parallel_world_as_in_one_process(tmp_path,
         torch.testing.assert_close(
             torch.tensor(one["losses"][0]), torch.tensor(default["losses"][0]), rtol=1e-5, atol=0
         )
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_loftq_adapters_take_up_part_of_the_quantization_error(bits: int) -> None:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from meshkit.recipes.lora_init import _loftq
+
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.add_module("layer", torch.nn.Linear(64, 32, bias=False))
+    weight = holder.layer.weight.detach().clone()
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, target_modules=["layer"]), holder)
+    layer = holder.layer
+    _loftq(layer, bits, 1)
+    base = layer.get_base_layer().weight
+    adapted = base + layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    quantized_error = (base - weight).abs().mean()
+    assert 0 < (adapted - weight).abs().mean() < quantized_error  # the base quantized, the adapters hold some error
+    assert quantized_error < (0.001 if bits == 8 else 0.02)
