@@ -22,6 +22,7 @@ DATASET_TYPES: tuple[str, ...] = (
 )
 PREFERENCE_TYPES = ("chatml", "llama3", "zephyr", "user_defined", "passthrough", "bradley_terry")  # + chat_template.*
 STEPWISE_TYPE = "stepwise_supervised"  # a process reward model's records: prompt, completions (steps), labels
+STEPWISE_KEYS = ("step_separator", "max_completion_length", "train_on_last_step_only")  # (its entries' own keys)
 DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant", "model"], "system": ["system"]}
 
 

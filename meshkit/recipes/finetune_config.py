@@ -35,6 +35,7 @@ from meshkit.config.resolve import (
 )
 from meshkit.config.yaml_text import load_yaml
 from meshkit.core.errors import brief
+from meshkit.data.dataset_entry import STEPWISE_KEYS, is_stepwise_type
 from meshkit.launching.cluster import cluster_settings
 from meshkit.recipes.finetune_settings import FinetuneSettings
 from meshkit.recipes.hf_base import weights_file
@@ -121,8 +122,9 @@ class _Split:
         for index, entry in enumerate(value):
             if isinstance(entry, Mapping):
                 kept = {}
+                stepwise = is_stepwise_type(entry.get("type") or "")
                 for key, item in entry.items():
-                    rule = DATASET_KEY_RULES.get(str(key))
+                    rule = None if stepwise and key in STEPWISE_KEYS else DATASET_KEY_RULES.get(str(key))
                     if rule is None or is_empty(item):
                         kept[key] = item
                         continue

@@ -61,3 +61,10 @@ def test_plugin_keys_are_noted_or_refused_by_what_the_plugin_does(tmp_path, mate
     assert len(job.notes) == 3 and any("use_scattermoe" in note for note in job.notes)
     with pytest.raises(ConfigError, match="diffusion language-model training is not supported"):
         resolve_finetune(write_config(tmp_path / "d.yaml", material, diffusion={"mask_token_id": 1}), [], env={})
+
+
+def test_stepwise_keys_are_read_by_stepwise_entries_and_noted_elsewhere(tmp_path, material) -> None:
+    entry = {"path": str(material["alpaca"]), "type": "alpaca", "max_completion_length": 64}
+    job = resolve_finetune(write_config(tmp_path / "a.yaml", material, datasets=[entry]), [], env={})
+    assert any("max_completion_length: 64" in note and "no effect here" in note for note in job.notes)
+    assert job.settings.datasets[0].max_completion_length is None

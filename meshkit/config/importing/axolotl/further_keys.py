@@ -136,7 +136,8 @@ _add(G, ("use_trackio", "trackio_project_name", "trackio_run_name", "trackio_spa
 # Keys of a dataset entry that DatasetEntry does not hold: noted (dropped with a notice) or refused
 DATASET_KEY_RULES: dict[str, KeyRule] = {
     **dict.fromkeys(
-        ("conversation", "input_format", "input_transform", "trust_remote_code", "preprocess_shards"),
+        ("conversation", "input_format", "input_transform", "trust_remote_code", "preprocess_shards",
+         "max_completion_length", "step_separator", "train_on_last_step_only"),  # (stepwise_supervised's own: read)
         noted("no effect here: the entry's type and fields say how records become tokens"),
     ),
     **dict.fromkeys(
