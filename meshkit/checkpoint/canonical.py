@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from meshkit.checkpoint.optimizer_states import from_canonical, to_canonical
+from meshkit.checkpoint.optimizer_states import from_canonical, restore_settings, to_canonical
 from meshkit.core.io import plain_numbers
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.tensor.storage import SplitWeights
@@ -206,7 +206,7 @@ class TrainingState:
                 self._load_per_param(index, inner, stored, read)
             if hyperparameters and index < len(hyperparameters):
                 for group, saved in zip(inner.param_groups, hyperparameters[index], strict=False):
-                    _restore_settings(group, saved)
+                    restore_settings(group, saved)
 
     def _load_model(self, stored: StoredShapes, read: Reader) -> None:
         live = self._model_state()
@@ -323,15 +323,6 @@ class TrainingState:
         read(targets)
         for shard in inner.shards:
             inner.state[shard.shard] = from_canonical(inner.inner, shard.shard, inner.state[shard.shard])
-
-
-def _restore_settings(group: dict[str, Any], saved: dict[str, Any]) -> None:
-    for key, value in saved.items():
-        current = group.get(key)
-        if isinstance(current, torch.Tensor) and current.dim() == 0:
-            current.fill_(value)  # the optimizer keeps this tensor (and may have compiled against it)
-        else:
-            group[key] = tuple(value) if isinstance(current, tuple) else value
 
 
 def _as_laid_out(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

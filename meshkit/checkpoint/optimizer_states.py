@@ -161,3 +161,14 @@ def _requantize(values: torch.Tensor, code: torch.Tensor, out: torch.Tensor, abs
     top = codes.gather(1, blocks.argmax(dim=1, keepdim=True)).squeeze(1)
     top_code = code[top].abs()
     absmax.copy_(torch.where(top_code > 0, absmax / top_code.clamp_min(1e-12), absmax))
+
+
+def restore_settings(group: dict[str, Any], saved: dict[str, Any]) -> None:
+    """A param group's saved settings (learning rate, betas, ...) back into `group`; a 0-d tensor setting (torchao
+    keeps its learning rate so) is filled in place: the optimizer keeps that tensor and may have compiled against it."""
+    for key, value in saved.items():
+        current = group.get(key)
+        if isinstance(current, torch.Tensor) and current.dim() == 0:
+            current.fill_(value)
+        else:
+            group[key] = tuple(value) if isinstance(current, tuple) else value

@@ -79,9 +79,7 @@ def prepare_preference_data(
             reward=reward,
             template_kwargs=settings.chat_template_kwargs,
         )
-    table = shard(table, settings.dataset_shard_num, settings.dataset_shard_idx)
-    if settings.dataset_exact_deduplication:
-        table, report.repeated = without_repeats(table, table.column_names)
+    table = _selected(table, settings, report)
     validation = None
     if settings.test_datasets:
         with engine.local_main_process_first():
@@ -110,14 +108,7 @@ def prepare_preference_data(
         )
     )
     rows = PreferenceRows(table)
-    loader = DataLoader(
-        rows,
-        batch_size=cfg.train.largest_micro_batch,
-        shuffle=not settings.curriculum_sampling,
-        drop_last=True,
-        collate_fn=collate,
-    )
-    return PreferenceData(rows, report, collate, loader, paired, validation)
+    return PreferenceData(rows, report, collate, _loader(rows, collate, settings, cfg), paired, validation)
 
 
 def _stepwise_data(engine: Engine, settings: Any, tokenizer: Any) -> PreferenceData:
@@ -130,9 +121,7 @@ def _stepwise_data(engine: Engine, settings: Any, tokenizer: Any) -> PreferenceD
             )
 
     table, report = load(settings.datasets)
-    table = shard(table, settings.dataset_shard_num, settings.dataset_shard_idx)
-    if settings.dataset_exact_deduplication:
-        table, report.repeated = without_repeats(table, table.column_names)
+    table = _selected(table, settings, report)
     validation = load(settings.test_datasets)[0] if settings.test_datasets else None
     if validation is None and settings.val_set_size:
         table, validation = _held_out(table, settings.val_set_size, cfg.seed)
@@ -143,14 +132,27 @@ def _stepwise_data(engine: Engine, settings: Any, tokenizer: Any) -> PreferenceD
             "micro_batch_size, or add data"
         )
     collate, rows = StepCollate(tokenizer.pad_token_id), PreferenceRows(table)
-    loader = DataLoader(
+    return PreferenceData(rows, report, collate, _loader(rows, collate, settings, cfg), False, validation)
+
+
+def _selected(table: Any, settings: Any, report: Any) -> Any:
+    """The records that train: the shard asked for (dataset_shard_num/idx), without exact repeats when asked
+    (counted in `report.repeated`)."""
+    table = shard(table, settings.dataset_shard_num, settings.dataset_shard_idx)
+    if settings.dataset_exact_deduplication:
+        table, report.repeated = without_repeats(table, table.column_names)
+    return table
+
+
+def _loader(rows: PreferenceRows, collate: Any, settings: Any, cfg: Any) -> DataLoader:
+    """This rank's batches: shuffled, or in the records' order under curriculum_sampling."""
+    return DataLoader(
         rows,
         batch_size=cfg.train.largest_micro_batch,
         shuffle=not settings.curriculum_sampling,
         drop_last=True,
         collate_fn=collate,
     )
-    return PreferenceData(rows, report, collate, loader, False, validation)
 
 
 def _held_out(table: Any, size: float, seed: int) -> tuple[Any, Any]:
