@@ -8,6 +8,7 @@ same count), so `gather_for_metrics` can return exactly the dataset's samples.
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -38,6 +39,7 @@ class ShardedLoader:
         self._read = 0  # batches of the current epoch read so far (0 once the epoch is over)
         self._epoch_start = 0  # global sample position this epoch's iteration began at (a resumed epoch)
         self._skip_batches = 0  # batches to drop at the next epoch start (resume without a ResumableSampler)
+        self._resumed_batches = 0  # batches a stream that restored its own place reads on after (not read again)
 
     @property
     def dataset(self) -> Any:
@@ -78,8 +80,9 @@ class ShardedLoader:
         self._epoch_start = sampler.start if isinstance(sampler, (ResumableSampler, UnevenBatchSampler)) else 0
         self.batch_index = -1
         skip, self._skip_batches = self._skip_batches, 0
-        self._read = skip
-        for index, batch in enumerate(self.loader):
+        offset, self._resumed_batches = self._resumed_batches, 0
+        self._read = skip + offset
+        for index, batch in enumerate(self.loader, start=offset):
             if index < skip:
                 continue
             self.batch_index = index
@@ -95,7 +98,7 @@ class ShardedLoader:
         self.epoch += 1
 
     # ------------------------------------------------------------------ resume
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Where the data stands: the epoch, and how many of its samples every rank together has read."""
         sampler = self._position
         if isinstance(sampler, UnevenBatchSampler):
@@ -104,15 +107,29 @@ class ShardedLoader:
         if isinstance(sampler, ResumableSampler):
             seen = sampler.start + self._read * batch * sampler.num_replicas
             return {"epoch": self.epoch, "samples_seen": seen}
-        return {"epoch": self.epoch, "batches_seen": self._read}
+        state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": self._read}
+        place = _stream_place(self.loader)
+        return {**state, "stream": place} if place is not None else state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue at `state`; the next iteration yields exactly the batches not read yet."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at `state`; the next iteration yields exactly the batches not read yet. A stream that keeps
+        its own place (`state["stream"]`, this rank's) reads on from there; any other is read again from its
+        start, the batches already read dropped."""
         self.epoch = int(state["epoch"])
         sampler = self._position
         if "samples_seen" in state and isinstance(sampler, (ResumableSampler, UnevenBatchSampler)):
             sampler.start = int(state["samples_seen"])
         elif "batches_seen" in state:
+            restore = getattr(self.loader.dataset, "load_state_dict", None)
+            if state.get("stream") is not None and callable(restore) and restore(state["stream"]) is not False:
+                self._resumed_batches = int(state["batches_seen"])
+                return
+            if state.get("stream") is not None:
+                warnings.warn(
+                    "the checkpoint's place in the data stream was saved by another data-parallel layout: this rank "
+                    f"reads its share from the start again and skips {state['batches_seen']} batches",
+                    stacklevel=2,
+                )
             self._skip_batches = int(state["batches_seen"])
         else:  # a sampler position saved by a ResumableSampler, resumed on a user's own sampler
             batch = self.loader.batch_size or 1
@@ -144,6 +161,20 @@ class ShardedLoader:
         # Rank r's j-th sample of this batch sits at position (start + j) * world + r of the padded index
         # list of the epoch's remaining samples; positions >= their count repeat earlier samples.
         return [sum(1 for j in range(size) if (start + j) * world + r < total) for r in range(world)]
+
+
+def _stream_place(loader: DataLoader) -> Any:
+    """An iterable dataset's own place in its stream (`state_dict()`, as `datasets`' and torchdata's stateful
+    datasets keep it), where it is read in this process and fits a checkpoint's JSON; else None."""
+    stream = getattr(loader.dataset, "state_dict", None)
+    if not isinstance(loader.dataset, IterableDataset) or not callable(stream) or loader.num_workers > 0:
+        return None
+    place = stream()
+    try:
+        json.dumps(place)
+    except (TypeError, ValueError):
+        return None
+    return place
 
 
 def shard_dataloader(

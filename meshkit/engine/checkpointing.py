@@ -136,11 +136,14 @@ class Checkpoints(EngineComponent):
             self.ctx.scaler.load_state_dict(meta["scaler"])
         for optimizer in objects.optimizers:
             optimizer.steps_taken = int(meta["step"])
-        # The data position is global (samples read by all ranks together): rank 0's file holds it for all.
+        # The data position is global (samples read by all ranks together): rank 0's file holds it for all. A
+        # stream's own place is each rank's own (its share of the stream), in its own file.
         first = path / "rank-00000.json"
         positions = (rank_data if self.ctx.info.rank == 0 else None) or _read_json(first)
-        for loader, state in zip(objects.loaders, positions.get("loaders", []), strict=False):
-            loader.load_state_dict(state)
+        own = (rank_data or {}).get("loaders", [])
+        for index, (loader, state) in enumerate(zip(objects.loaders, positions.get("loaders", []), strict=False)):
+            stream = own[index].get("stream") if index < len(own) else None
+            loader.load_state_dict({**state, "stream": stream})
         if rank_data is None:
             warnings.warn(
                 f"{path} has no RNG state for rank {self.ctx.info.rank} (saved by fewer ranks): "

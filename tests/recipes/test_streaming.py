@@ -48,6 +48,93 @@ def test_ranks_read_disjoint_records_that_cover_the_stream(tmp_path, tokenizer) 
     assert all(int((row["position_ids"] == 0).sum()) >= 2 for row in rows[:-1])  # several texts per row
 
 
+def _long_texts(path, count: int):
+    """Texts longer than a row, so that a record's pieces fall into two pack buffers."""
+    lines = [json.dumps({"text": f"record {i}: " + " ".join(WORDS[(i + j) % len(WORDS)] for j in range(30 + i % 40))})
+             for i in range(count)]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["pretraining", "supervised"])
+def test_a_stream_restored_from_its_own_place_reads_on_without_reading_the_records_before(
+    tmp_path, tokenizer, kind, monkeypatch
+) -> None:
+    """Stopped after any row (inside a pack buffer, at its end, within a record cut into pieces), a stream restored
+    from its `state_dict` yields exactly the rows the uninterrupted one yields next — and reads at most the
+    records of the one buffer it refills, never the stream from its start."""
+    if kind == "pretraining":
+        path, entry = (
+            _long_texts(tmp_path / "t.jsonl", 40),
+            DatasetEntry(path=str(tmp_path / "t.jsonl"), type="pretrain"),
+        )
+    else:
+        path = tmp_path / "c.jsonl"
+        path.write_text(
+            "".join(json.dumps({"text": "x " * (i % 7 + 1) * (40 if i % 9 == 0 else 1)}) + "\n" for i in range(60))
+        )  # fmt: skip  (every 9th record too long for a row: dropped)
+        entry = DatasetEntry(path=str(path), type="completion")
+
+    def rows(rank: int = 0) -> StreamedRows:
+        return StreamedRows([entry, entry], tokenizer, sequence_len=32, buffer_size=5, dp_rank=rank, dp_size=2,
+                            seed=0, shuffle=False, pretraining=kind == "pretraining")  # fmt: skip
+
+    whole = list(rows())
+    assert len(whole) > 12
+    read: list = []  # the records a resumed stream reads
+    original = StreamedRows.records
+
+    def counting(self, start=None):
+        for entry_and_record in original(self, start):
+            read.append(entry_and_record)
+            yield entry_and_record
+
+    for stop in (1, 4, 7, len(whole) // 2, len(whole) - 1):
+        reader = rows()
+        first = iter(reader)
+        head = [next(first) for _ in range(stop)]
+        state = json.loads(json.dumps(reader.state_dict()))  # (it travels in a checkpoint's JSON)
+        resumed = rows()
+        assert resumed.load_state_dict(state)
+        read.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(StreamedRows, "records", counting)
+            tail = list(resumed)
+        assert len(head) + len(tail) == len(whole)
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(head + tail, whole, strict=True) for k in a)
+        assert resumed.too_long == rows_too_long(rows())
+        records_after = sum(1 for _ in original(rows()))  # this rank's records
+        assert len(read) <= records_after  # (never the whole stream again when resumed past its first buffer)
+        if stop >= len(whole) // 2:
+            assert len(read) < records_after * 0.75
+    assert not rows(1).load_state_dict(state)  # another rank's share: refused, the loader then replays
+
+
+def rows_too_long(rows: StreamedRows) -> int:
+    list(rows)
+    return rows.too_long
+
+
+def test_a_shuffled_stream_mixes_each_buffer_by_epoch_and_resumes_exactly(tmp_path, tokenizer) -> None:
+    path = _texts(tmp_path / "t.jsonl", 40)
+
+    plain, shuffled = list(_rows(tokenizer, path, 0, 1)), _rows(tokenizer, path, 0, 1, shuffle=True)
+    first = list(shuffled)
+    shuffled.set_epoch(1)
+    second = list(shuffled)
+    assert [r["input_ids"].tolist() for r in first] != [r["input_ids"].tolist() for r in plain]
+    assert [r["input_ids"].tolist() for r in first] != [r["input_ids"].tolist() for r in second]  # per epoch
+    assert sum(int(r["labels"].ne(-100).sum()) for r in first) == sum(int(r["labels"].ne(-100).sum()) for r in plain)
+    reader = _rows(tokenizer, path, 0, 1, shuffle=True)
+    reader.set_epoch(1)
+    stream = iter(reader)
+    head = [next(stream) for _ in range(3)]
+    resumed = _rows(tokenizer, path, 0, 1, shuffle=True)
+    resumed.set_epoch(1)
+    assert resumed.load_state_dict(reader.state_dict())
+    assert [r["input_ids"].tolist() for r in head + list(resumed)] == [r["input_ids"].tolist() for r in second]
+
+
 def test_a_run_resumed_mid_stream_ends_with_the_same_weights(tmp_path, material) -> None:
     data = _texts(tmp_path / "pretrain.jsonl", 120)
     keys = {
@@ -57,6 +144,9 @@ def test_a_run_resumed_mid_stream_ends_with_the_same_weights(tmp_path, material)
     }  # fmt: skip
     whole_config = write_config(tmp_path / "whole.yaml", material, **keys)
     whole = run_world(run_finetune, 2, str(whole_config), [f"output_dir={tmp_path / 'whole'}"], timeout=TIMEOUT)[0]
+    saved = tmp_path / "whole" / "checkpoints" / "step-000003"
+    places = [json.loads((saved / f"rank-0000{r}.json").read_text())["loaders"][0]["stream"] for r in range(2)]
+    assert [place["dp"] for place in places] == [[0, 2], [1, 2]]  # each rank's own place in its share
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-000003", resumed_dir / "checkpoints" / "step-000003")
     resumed_config = write_config(tmp_path / "resumed.yaml", material, **keys, auto_resume_from_checkpoints=True)
