@@ -156,9 +156,11 @@ def _row(prompt: Sequence[int], completion: Sequence[int], width: int) -> tuple[
     return ids, labels
 
 
-def _padded(
-    rows: list[tuple[list[int], list[int]]], pad: int, multiple_of: int, width: int | None
+def padded(
+    rows: list[tuple[list[int], list[int]]], pad: int, multiple_of: int = 1, width: int | None = None
 ) -> dict[str, torch.Tensor]:
+    """(ids, labels) rows right-padded with `pad` (labels with -100) to the longest row — or to `width` (a
+    pipeline's fixed shapes) — rounded up to `multiple_of` (2 × cp under context parallel); with the mask."""
     longest = width or max(len(ids) for ids, _ in rows)
     longest = -(-longest // multiple_of) * multiple_of
     input_ids = torch.full((len(rows), longest), pad, dtype=torch.long)
@@ -166,7 +168,7 @@ def _padded(
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
     for index, (ids, row_labels) in enumerate(rows):
         input_ids[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        labels[index, : len(ids)] = torch.tensor(row_labels, dtype=torch.long)
+        labels[index, : len(row_labels)] = torch.tensor(row_labels, dtype=torch.long)
         mask[index, : len(ids)] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
@@ -187,12 +189,12 @@ class PreferenceCollate:
         if self.paired:
             rows = [_row(r["prompt_ids"], r["chosen_ids"], cut) for r in records]
             rows += [_row(r["prompt_ids"], r["rejected_ids"], cut) for r in records]
-            batch = _padded(rows, self.pad_token_id, self.multiple_of, self.width)
+            batch = padded(rows, self.pad_token_id, self.multiple_of, self.width)
             if "reference_chosen" in records[0]:
                 reference = [r["reference_chosen"] for r in records] + [r["reference_rejected"] for r in records]
                 batch["reference_logps"] = torch.tensor(reference, dtype=torch.float64)
             return batch
-        batch = _padded(
+        batch = padded(
             [_row(r["prompt_ids"], r["completion_ids"], cut) for r in records],
             self.pad_token_id,
             self.multiple_of,
@@ -200,7 +202,7 @@ class PreferenceCollate:
         )
         batch["desirable"] = torch.tensor([bool(r["label"]) for r in records])
         if "kl_completion_ids" in records[0]:
-            kl = _padded(
+            kl = padded(
                 [_row(r["prompt_ids"], r["kl_completion_ids"], cut) for r in records],
                 self.pad_token_id,
                 self.multiple_of,
@@ -227,16 +229,13 @@ def with_kl_completions(table: Any, group: int) -> Any:
 @dataclass(frozen=True)
 class RewardCollate:
     """Reward pairs -> [chosen rows..., rejected rows...] right-padded with `pad_token_id` (the head scores each
-    row's last token that is not padding), with the attention mask."""
+    row's last token that is not padding), with the attention mask; widths as `padded` makes them."""
 
     pad_token_id: int
+    multiple_of: int = 1
+    width: int | None = None
 
     def __call__(self, records: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         rows = [list(r["chosen_ids"]) for r in records] + [list(r["rejected_ids"]) for r in records]
-        width = max(len(ids) for ids in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for index, ids in enumerate(rows):
-            input_ids[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            mask[index, : len(ids)] = 1
-        return {"input_ids": input_ids, "attention_mask": mask}
+        batch = padded([(ids, []) for ids in rows], self.pad_token_id, self.multiple_of, self.width)
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}

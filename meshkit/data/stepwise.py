@@ -19,6 +19,7 @@ import torch
 
 from meshkit.data.dataset_entry import DatasetEntry
 from meshkit.data.jsonl import DataFormatError
+from meshkit.data.preference_tokens import padded
 from meshkit.data.sources import load_source
 
 IGNORE_INDEX = -100
@@ -103,18 +104,13 @@ def load_stepwise_records(
 
 @dataclass
 class StepCollate:
-    """Rows right-padded with `pad_token_id` (labels with -100), with the attention mask."""
+    """Rows right-padded with `pad_token_id` (labels with -100), with the attention mask; widths as
+    `meshkit.data.preference_tokens.padded` makes them."""
 
     pad_token_id: int
+    multiple_of: int = 1
+    width: int | None = None
 
     def __call__(self, records: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        width = max(len(r["input_ids"]) for r in records)
-        input_ids = torch.full((len(records), width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(records), width), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(records), width), dtype=torch.long)
-        for index, record in enumerate(records):
-            length = len(record["input_ids"])
-            input_ids[index, :length] = torch.tensor(record["input_ids"], dtype=torch.long)
-            labels[index, :length] = torch.tensor(record["labels"], dtype=torch.long)
-            mask[index, :length] = 1
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+        rows = [(list(r["input_ids"]), list(r["labels"])) for r in records]
+        return padded(rows, self.pad_token_id, self.multiple_of, self.width)

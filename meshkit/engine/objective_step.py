@@ -20,6 +20,7 @@ from torch import nn
 
 from meshkit.engine.context import EngineContext
 from meshkit.engine.gradients import GradientSync
+from meshkit.engine.head_sums import head_sums, pipelined_head_step
 from meshkit.engine.pipelined_objective import pipeline_scores, pipelined_objective_step
 from meshkit.engine.prepared import EngineError
 from meshkit.engine.sequence_scores import row_scores, scoring_targets
@@ -72,21 +73,15 @@ class LayoutScorer:
             reshard(module)  # (a forward without backward leaves FSDP's gathered parameters in place)
         return scores
 
-    def outputs(self, inputs: dict[str, torch.Tensor], grad: bool = True) -> torch.Tensor:
-        ctx = self.ctx
-        grad = grad and not self.forward_only
-        if ctx.objects.pipeline is not None or ctx.mesh.size("cp") > 1 or ctx.mesh.size("tp") > 1:
-            raise EngineError(
-                "a model's whole outputs (a reward model's scores) are read in DDP and ZeRO layouts: set tp, cp and "
-                "pp to 1"
-            )
-        module = ctx.objects.only_model()
-        moved = {name: value.to(ctx.mesh.device) for name, value in inputs.items()}
-        with contextlib.nullcontext() if grad else torch.no_grad():
-            logits = logits_of(module(**moved))
-        if not grad and ctx.placement.zero_stage == 3:
-            reshard(module)
-        return logits
+    def head_sums(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        terms: int,
+        grad: bool = True,
+    ) -> torch.Tensor:
+        return head_sums(self.ctx, input_ids, targets, values, terms, grad and not self.forward_only)
 
 
 def objective_micro_step(
@@ -94,6 +89,8 @@ def objective_micro_step(
 ) -> ObjectiveResult:
     """One micro-step: the objective's loss, backward weighted by its example count over every rank; returns
     the result with `loss` the mean over every rank's examples of this micro-step."""
+    if ctx.objects.pipeline is not None and objective.reads_head:
+        return pipelined_head_step(ctx, objective, batch, gradients, LayoutScorer(ctx))  # type: ignore[arg-type]
     if ctx.objects.pipeline is not None:
         return pipelined_objective_step(ctx, objective, batch, gradients, LayoutScorer(ctx))
     result = objective(LayoutScorer(ctx), batch)

@@ -42,7 +42,7 @@ def _unpacked(target: torch.Tensor, width: int, names: list[str]) -> tuple[torch
     return targets, completion, extras
 
 
-def _broadcast_from_last(ctx: EngineContext, tensor: torch.Tensor) -> torch.Tensor:
+def broadcast_from_last(ctx: EngineContext, tensor: torch.Tensor) -> torch.Tensor:
     runner = ctx.objects.pipeline
     assert runner is not None
     dist.broadcast(tensor, src=runner.last_stage_rank, group=runner.group)
@@ -93,14 +93,14 @@ def pipeline_scores(
     parts = [scores for marker, scores in kept if id(marker) in used]  # (once per micro-batch, in order)
     columns = (4 if whole else 2) + int(weighting)
     found = torch.cat(parts) if parts else torch.zeros((rows, columns), device=input_ids.device)
-    found = _broadcast_from_last(ctx, found.contiguous())
+    found = broadcast_from_last(ctx, found.contiguous())
     log_weights = found[:, -1] if weighting else None
     if not whole:
         return SequenceScores(found[:, 0], found[:, 1], log_weights=log_weights)
     return SequenceScores(found[:, 0], found[:, 1], found[:, 2], found[:, 3], log_weights)
 
 
-def _pair_order(rows: int, microbatches: int) -> torch.Tensor:
+def pair_order(rows: int, microbatches: int) -> torch.Tensor:
     """Row order putting each micro-batch's pairs' chosen rows, then their rejected rows, together."""
     pairs = rows // 2
     if pairs % microbatches:
@@ -127,7 +127,7 @@ def pipelined_objective_step(
     extras = objective.references(scorer, batch)
     input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
     rows = input_ids.shape[0]
-    order = _pair_order(rows, runner.microbatches) if objective.pairs_together else torch.arange(rows)
+    order = pair_order(rows, runner.microbatches) if objective.pairs_together else torch.arange(rows)
     order = order.to(device)
     whole_mask = batch["attention_mask"].to(device)[order] if objective.needs_whole else None
     first, targets, completion = _split_for_pipeline(ctx, input_ids[order], labels[order], whole_mask)
@@ -165,12 +165,12 @@ def pipelined_objective_step(
     # torch's schedule may call the loss more than once for a micro-batch (its first, to settle shapes): the
     # results that count are those whose loss it kept
     kept = {id(loss) for loss in used}
-    return _gathered_result(
+    return gathered_result(
         ctx, [result for loss, result in results if id(loss) in kept], group, global_items, int(items)
     )
 
 
-def _gathered_result(
+def gathered_result(
     ctx: EngineContext, results: list[ObjectiveResult], group: Any, global_items: float, items: int
 ) -> ObjectiveResult:
     """The step's loss (mean over every rank's examples) and this rank's metric sums, known on every stage."""

@@ -78,6 +78,7 @@ class Preparation(EngineComponent):
         objects.user_modules[id(done.model)] = model
         objects.tied_aliases[id(done.model)] = done.structure.aliases() if done.structure else {}
         objects.causal_lm = done.structure is not None and done.structure.causal_lm  # HF batches get the LM loss
+        objects.classifier = done.structure.classifier if done.structure else None
         objects.training_inputs = dict(done.structure.training_inputs) if done.structure else {}
         if done.structure is not None:
             structure, tp = done.structure, ctx.mesh.size("tp")
@@ -106,6 +107,8 @@ class Preparation(EngineComponent):
             loss_fn = objects.loss_fn
             if loss_fn is None and done.structure is not None and done.structure.causal_lm:
                 loss_fn = CausalLMLoss()  # HF batches with labels: the token-mean next-token loss
+            elif loss_fn is None and done.structure is not None and done.structure.classifier is not None:
+                loss_fn = _objective_only  # (a reward model's objective brings its own loss to the last stage)
             objects.pipeline = PipelineRunner(done.model, ctx.mesh, ctx.config.pipeline, loss_fn)
             balancing, group = objects.balancing
             if balancing is not None and done.structure is not None:  # (each stage adds its MoE layers' terms)
@@ -140,3 +143,10 @@ class Preparation(EngineComponent):
             optimizer, objects.models, ctx.mesh, ctx.config, ctx.placement.zero_stage, elsewhere, objects.expert_params
         )
         return PreparedOptimizer(sharded, ctx.gradient_state, ctx.scaler, self._after_step)
+
+
+def _objective_only(output: Any, target: torch.Tensor) -> torch.Tensor:
+    raise EngineError(
+        "a classification model under pipeline parallel trains through engine.objective_step(batch, objective), "
+        "or pass loss_fn= to prepare()"
+    )

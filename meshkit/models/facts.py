@@ -79,6 +79,10 @@ class ModelStructure:
     position_argument: str | None = None  # forward keyword that takes global token positions
     tied: tuple[tuple[str, ...], ...] = ()  # parameter names that share one tensor
     causal_lm: bool = False  # forward returns next-token logits (with .logits / a tensor)
+    # a classification model's head (its per-token scores, before any pooling: a reward model's `score`), and whether
+    # the forward pools them at each row's last token that is not padding (sequence classification)
+    classifier: str | None = None
+    pooled: bool = False
     # keyword inputs of a training forward (transformers: use_cache=False, so that no cache is built and a packed
     # row's position_ids keep its samples apart, as they do in a pipeline stage and under ring attention)
     training_inputs: tuple[tuple[str, Any], ...] = ()

@@ -147,6 +147,16 @@ def _unattended(blocks_path: str, blocks: BlockList, attention: tuple[AttentionF
     return out
 
 
+def _classifier(model: Any, base: nn.Module) -> str | None:
+    """A sequence- or token-classification model's head: its one child beside the base model that has weights
+    (`score`, GPT-2's `classifier`; a dropout beside it has none)."""
+    if not type(model).__name__.endswith(("ForSequenceClassification", "ForTokenClassification")) or base is model:
+        return None
+    heads = [name for name, child in model.named_children()
+             if child is not base and next(child.parameters(), None) is not None]  # fmt: skip
+    return heads[0] if len(heads) == 1 else None
+
+
 def describe(model: Any, blocks_override: str | None) -> ModelStructure:
 
     version = int(str(getattr(sys.modules.get("transformers"), "__version__", "5")).split(".")[0])
@@ -179,6 +189,9 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
     if head is not None and head is not base and id(head) in names:
         last.append(names[id(head)])
     causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    classifier = _classifier(model, base)
+    if classifier is not None:
+        last.append(classifier)
     moe = describe_experts(path, block_units(blocks), config)
     attention = _attention(config, path, blocks)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -194,11 +207,13 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
         blocks=path,
         first_stage=tuple(first),
         last_stage=tuple(last),
-        stage_style="hf" if causal and base_name and first else None,
+        stage_style="hf" if (causal or classifier) and base_name and first else None,
         attention=attention,
         position_argument="position_ids" if takes_argument(model.forward, "position_ids") else None,
         tied=tied_parameters(model),
         causal_lm=causal,
+        classifier=classifier,
+        pooled=classifier is not None and type(model).__name__.endswith("ForSequenceClassification"),
         training_inputs=(("use_cache", False),) if takes_argument(model.forward, "use_cache") else (),
         notes=_cannot(config, family, _unattended(path, blocks, attention)),
         vocabulary=tuple(dict.fromkeys(vocabulary)),

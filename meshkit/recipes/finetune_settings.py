@@ -313,20 +313,18 @@ class FinetuneSettings(Section):
                 "preference data (chat_template.default, chatml.*, llama3.*, bradley_terry.*, ...) needs rl: dpo (or "
                 "ipo, kto, orpo, simpo) or reward_model: true"
             )
-        if self.reward_model and (self.rl is not None or self.adapter or self.sample_packing):
+        if self.reward_model and (self.rl is not None or self.sample_packing):
             raise ValueError(
-                "reward_model: true trains a whole sequence-classification model on unpacked pairs: drop rl, adapter "
-                "(LoRA reward models are not supported yet) and sample_packing"
+                "reward_model: true trains a sequence-classification model on unpacked pairs: drop rl and "
+                "sample_packing"
             )
         if self.num_labels not in (None, 1) and self.reward_model:
             raise ValueError("a reward model has one output: num_labels: 1 (or leave it unset)")
         stepwise = [is_stepwise_type(entry.type) for entry in (*self.datasets, *(self.test_datasets or ()))]
-        if self.process_reward_model and (
-            self.rl is not None or self.reward_model or self.adapter or self.sample_packing
-        ):
+        if self.process_reward_model and (self.rl is not None or self.reward_model or self.sample_packing):
             raise ValueError(
-                "process_reward_model: true trains a whole token-classification model on unpacked rows: drop rl, "
-                "reward_model, adapter (LoRA process reward models are not supported yet) and sample_packing"
+                "process_reward_model: true trains a token-classification model on unpacked rows: drop rl, "
+                "reward_model and sample_packing"
             )
         if self.process_reward_model and not all(stepwise):
             raise ValueError(

@@ -101,7 +101,7 @@ def adapt(job: FinetuneJob, base: torch.nn.Module, tokenizer: Any, attention: st
         freeze_all_but(base, s.unfrozen_parameters)
     peft_model = apply_lora(base, s) if s.adapter else None
     model = peft_model.get_base_model() if peft_model is not None else base
-    if s.quantization and peft_model is not None:  # built whole: adapters seeded as a meta-built model's are
+    if s.loads_whole and peft_model is not None:  # built whole: adapters seeded as a meta-built model's are
         reset_adapters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     layers = (

@@ -20,6 +20,7 @@ from torch import nn
 from meshkit.core.errors import MeshkitError
 from meshkit.core.io import write_atomically
 from meshkit.models.adapters import adapter_parameter_name, is_adapter_state
+from meshkit.models.structure import describe
 from meshkit.recipes.lora_init import InitialAdapters, converted_adapter
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -59,14 +60,18 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
 
 
 def linear_targets(model: nn.Module) -> list[str]:
-    """`lora_target_linear`: every Linear layer but the output head, by name — and nothing else. (peft's own
-    "all-linear" also wraps the fused expert banks of a mixture-of-experts model, which only
-    lora_target_parameters asks for.) Layer names where they name Linear layers only; full paths otherwise."""
+    """`lora_target_linear`: every Linear layer but the output head (or a classification head: a reward model's
+    trains whole, as peft's classification tasks save it), by name — and nothing else. (peft's own "all-linear"
+    also wraps the fused expert banks of a mixture-of-experts model, which only lora_target_parameters asks for.)
+    Layer names where they name Linear layers only; full paths otherwise."""
     from transformers.pytorch_utils import Conv1D  # (GPT-2's linear layers)
 
     kinds = (nn.Linear, Conv1D)
     outputs: Any = getattr(model, "get_output_embeddings", None)
     head = outputs() if callable(outputs) else None
+    classifier = describe(model).classifier
+    if classifier is not None:
+        head = model.get_submodule(classifier)
     linear = [name for name, module in model.named_modules() if isinstance(module, kinds) and module is not head]
     if not linear:
         raise LoraSetupError("lora_target_linear: the model has no Linear layer besides its head")
@@ -107,10 +112,20 @@ def _new_config(settings: Any, LoraConfig: Any, model: nn.Module) -> Any:  # noq
         layers_pattern=_listed(getattr(settings, "peft_layers_pattern", None)),
         rank_pattern=dict(getattr(settings, "lora_rank_pattern", None) or {}),
         alpha_pattern=dict(getattr(settings, "lora_alpha_pattern", None) or {}),
-        task_type="CAUSAL_LM",
+        task_type=task_type(settings),
         base_model_name_or_path=str(settings.base_model),
     )
     return config
+
+
+def task_type(settings: Any) -> str:
+    """peft's task of the model: a reward model's adapter carries its new head (peft saves a classification
+    task's head with the adapter), so `AutoPeftModelFor...Classification` loads it whole."""
+    if getattr(settings, "reward_model", False):
+        return "SEQ_CLS"
+    if getattr(settings, "process_reward_model", False):
+        return "TOKEN_CLS"
+    return "CAUSAL_LM"
 
 
 def _listed(value: Any) -> Any:

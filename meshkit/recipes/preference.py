@@ -99,6 +99,7 @@ class PairedObjective:
         self.needs_whole = loss.needs_whole
         self.needs_weighting = getattr(loss, "use_weighting", False)  # WPO
         self.pairs_together = True  # a micro-batch holds both rows of each of its pairs
+        self.reads_head = False
 
     def references(self, score: Scorer, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         rows = batch["input_ids"].shape[0]
@@ -145,6 +146,7 @@ class UnpairedObjective:
         self.needs_whole = False
         self.needs_weighting = False
         self.pairs_together = False
+        self.reads_head = False
 
     def references(self, score: Scorer, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         input_ids, labels = batch["input_ids"], batch["labels"]

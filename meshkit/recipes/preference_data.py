@@ -98,14 +98,11 @@ def prepare_preference_data(
         table = with_kl_completions(table, per_window)
         if validation is not None and len(validation):
             validation = with_kl_completions(validation, per_window)
-    cp = engine.mesh.size("cp")
-    fixed = cfg.train.seq_len if engine.mesh.size("pp") > 1 else None  # (a pipeline's stages take fixed shapes)
+    multiple_of, fixed = _widths(engine)
     collate: PreferenceCollate | RewardCollate = (
-        RewardCollate(tokenizer.pad_token_id)
+        RewardCollate(tokenizer.pad_token_id, multiple_of, fixed)
         if reward
-        else PreferenceCollate(
-            tokenizer.pad_token_id, cfg.train.seq_len, paired, multiple_of=2 * cp if cp > 1 else 1, width=fixed
-        )
+        else PreferenceCollate(tokenizer.pad_token_id, cfg.train.seq_len, paired, multiple_of, fixed)
     )
     rows = PreferenceRows(table)
     return PreferenceData(rows, report, collate, _loader(rows, collate, settings, cfg), paired, validation)
@@ -131,8 +128,15 @@ def _stepwise_data(engine: Engine, settings: Any, tokenizer: Any) -> PreferenceD
             f"{len(table)} stepwise records are fewer than one global micro-batch ({per_window}): lower "
             "micro_batch_size, or add data"
         )
-    collate, rows = StepCollate(tokenizer.pad_token_id), PreferenceRows(table)
+    collate, rows = StepCollate(tokenizer.pad_token_id, *_widths(engine)), PreferenceRows(table)
     return PreferenceData(rows, report, collate, _loader(rows, collate, settings, cfg), False, validation)
+
+
+def _widths(engine: Engine) -> tuple[int, int | None]:
+    """(what a batch's width is a multiple of, its fixed width): 2 × cp under context parallel (each rank takes two
+    equal chunks), sequence_len under pipeline parallel (the stages take fixed shapes)."""
+    cp = engine.mesh.size("cp")
+    return 2 * cp if cp > 1 else 1, engine.config.train.seq_len if engine.mesh.size("pp") > 1 else None
 
 
 def _selected(table: Any, settings: Any, report: Any) -> Any:

@@ -89,7 +89,7 @@ def train_preference(
     if s.process_reward_model:
         objective = loss
     elif s.reward_model:
-        objective = RewardObjective(loss)
+        objective = RewardObjective(loss, tokenizer.pad_token_id)  # (pooled where the model pools)
     elif paired:
         objective = PairedObjective(loss, reference, engine)
     else:

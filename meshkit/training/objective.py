@@ -1,7 +1,8 @@
 """An objective over whole sequences: what `Engine.objective_step` runs instead of the token loss.
 
 An objective reads the model through a `Scorer` — per sequence, the summed log-probability of its completion
-tokens (labels other than -100) and their count, computed in the run's layout — and returns an `ObjectiveResult`:
+tokens (labels other than -100) and their count, or (a `HeadObjective`, reward models) row sums of terms of a
+classification head's outputs, computed in the run's layout — and returns an `ObjectiveResult`:
 the mean loss over this rank's examples, their count (gradients average over every rank's examples) and metric
 sums with their counts (a step's metric is the sum over ranks and micro-steps divided by the summed count).
 """
@@ -54,8 +55,17 @@ class Scorer(Protocol):
         mask): also score every real token, prompt included; `weighting`: also WPO's `log_weights`."""
         ...
 
-    def outputs(self, inputs: dict[str, torch.Tensor], grad: bool = True) -> torch.Tensor:
-        """The prepared model's logits for `inputs` (a sequence-classification head: [rows, labels])."""
+    def head_sums(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        terms: int,
+        grad: bool = True,
+    ) -> torch.Tensor:
+        """[terms, rows]: per row, the sum over its tokens of `values(outputs, targets)` ([terms, rows, seq]), where
+        `outputs` are the prepared model's classification head's per-token outputs (before any pooling) and
+        `targets` the per-token targets given ([rows, seq])."""
         ...
 
 
@@ -64,6 +74,7 @@ class Objective(Protocol):
     `references` (per-row tensors scored without a graph, `valid` among them) before the schedule, and `loss_of`
     on the last stage for each micro-batch's rows."""
 
+    reads_head: bool  # a `HeadObjective`: reads a classification head's outputs, not log-probabilities
     needs_whole: bool  # the policy's scores of every real token too (ORPO's NLL)
     needs_weighting: bool  # the policy's WPO weights too (`SequenceScores.log_weights`)
     pairs_together: bool  # rows are [chosen..., rejected...]: a micro-batch must hold both rows of its pairs
@@ -73,3 +84,26 @@ class Objective(Protocol):
     def references(self, score: Scorer, batch: Any) -> dict[str, torch.Tensor]: ...
 
     def loss_of(self, policy_rows: SequenceScores, extras: dict[str, torch.Tensor]) -> ObjectiveResult: ...
+
+
+class HeadObjective(Protocol):
+    """An objective over a classification head's per-token outputs (reward models): `token_values` of the outputs
+    and each row's `head_targets`, summed over every row's tokens, make `loss_of_sums`'s input. `references` gives
+    per-row extras (`valid`: an evaluation batch's filler rows count nothing); `count` the examples a batch's
+    gradient averages over. A pipeline runs `loss_of_sums` on its last stage for each micro-batch's rows."""
+
+    reads_head: bool  # True
+    pairs_together: bool
+    terms: int  # the rows of `token_values`
+
+    def __call__(self, score: Scorer, batch: Any) -> ObjectiveResult: ...
+
+    def references(self, score: Scorer, batch: Any) -> dict[str, torch.Tensor]: ...
+
+    def head_targets(self, batch: Any) -> torch.Tensor: ...
+
+    def token_values(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def count(self, targets: torch.Tensor, extras: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def loss_of_sums(self, sums: torch.Tensor, extras: dict[str, torch.Tensor]) -> ObjectiveResult: ...

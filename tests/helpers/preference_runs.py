@@ -169,8 +169,10 @@ def make_reward_base(root: Path) -> Path:
     return out
 
 
-def trl_reward_metrics(base: Path, out: Path, records: list[dict[str, str]]) -> list[dict]:
-    """TRL's RewardTrainer on the same pairs as conversations (its chat template renders them)."""
+def trl_reward_metrics(base: Path, out: Path, records: list[dict[str, str]], lora: dict | None = None) -> list[dict]:
+    """TRL's RewardTrainer on the same pairs as conversations (its chat template renders them). `lora`: peft's
+    LoraConfig arguments of a SEQ_CLS adapter, started as meshkit starts one (seeded by the run seed, 0, and each
+    layer's name), handed to TRL as the model."""
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardConfig, RewardTrainer
@@ -178,6 +180,14 @@ def trl_reward_metrics(base: Path, out: Path, records: list[dict[str, str]]) -> 
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, attn_implementation="eager")
     model.config.pad_token_id = tokenizer.pad_token_id
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        from meshkit.parallel.materialize import reset_adapters
+
+        model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", **lora))
+        torch.manual_seed(0)
+        reset_adapters(model.get_base_model())
     conversations = [
         {
             "chosen": [{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["chosen"]}],

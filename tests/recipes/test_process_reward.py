@@ -32,11 +32,11 @@ def stepwise_records(count: int, offset: int = 0) -> list[dict]:
     return records
 
 
-def run_prm(rank: int, config: str) -> dict:
+def run_prm(rank: int, config: str, assignments: tuple[str, ...] = ()) -> dict:
     from meshkit.recipes.finetune import finetune
     from meshkit.recipes.finetune_config import resolve_finetune
 
-    summary = finetune(resolve_finetune(config, []))
+    summary = finetune(resolve_finetune(config, list(assignments)))
     return {key: summary[key] for key in ("losses", "metrics", "outputs", "evals", "rl")}
 
 
@@ -131,3 +131,29 @@ def test_two_ranks_equal_one_process(tmp_path, prm_base, zero_stage) -> None:
     two = run_world(run_prm, 2, config, timeout=TIMEOUT)[0]
     torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
     assert two["metrics"][-1]["accuracy"] == pytest.approx(one["metrics"][-1]["accuracy"])
+
+
+@pytest.mark.parametrize(("layout", "adapter"), [("tp=2", None), ("cp=2", None), ("pp=2", None), ("pp=2", "lora"),
+                                                 ("zero_stage=3", "lora")])  # fmt: skip
+def test_model_parallel_and_lora_equal_one_process(tmp_path, prm_base, layout, adapter) -> None:
+    """Every layout splits the head's per-token terms (cp: each rank its chunks; pp: the last stage), evaluation
+    included; a LoRA process reward model trains its head whole beside the adapters."""
+    train, test = stepwise_records(8), stepwise_records(4, offset=100)
+    lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_linear": True} if adapter else {}
+    one = run_world(run_prm, 1, _config(tmp_path / "one", prm_base, train, test, **lora), timeout=TIMEOUT)[0]
+    halves = {"micro_batch_size": 4} if layout.startswith("zero") else {}  # (data parallel: half the rows a rank)
+    two_config = _config(tmp_path / "two", prm_base, train, test, **lora, **halves)
+    two = run_world(run_prm, 2, two_config, (layout,), timeout=TIMEOUT)[0]
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
+    assert two["evals"][-1]["eval_loss"] == pytest.approx(one["evals"][-1]["eval_loss"], rel=1e-5)
+    assert two["metrics"][-1]["accuracy"] == pytest.approx(one["metrics"][-1]["accuracy"])
+    if adapter:  # the head trains whole beside the adapters and is saved with them (peft's TOKEN_CLS task)
+        from safetensors import safe_open
+
+        with safe_open(str(Path(two["outputs"]["adapter"]) / "adapter_model.safetensors"), framework="pt") as saved:
+            names = list(saved.keys())
+        assert any(".score." in name for name in names) and any("lora_A" in name for name in names), names
+        assert (
+            "score"
+            not in json.loads((Path(two["outputs"]["adapter"]) / "adapter_config.json").read_text())["target_modules"]
+        )

@@ -93,3 +93,52 @@ def test_two_ranks_equal_one_process(tmp_path, reward_base, zero_stage) -> None:
     )[0]  # fmt: skip
     torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
     assert two["metrics"][-1]["accuracy"] == pytest.approx(one["metrics"][-1]["accuracy"])
+
+
+@pytest.mark.parametrize("layout", ["tp=2", "cp=2", "pp=2"])
+def test_model_parallel_equals_one_process(tmp_path, reward_base, layout) -> None:
+    records = bradley_terry_records(8)
+    (tmp_path / "one").mkdir()
+    one = run_world(run_reward, 1, _config(tmp_path / "one", reward_base, records), [], timeout=TIMEOUT)[0]
+    two = run_world(run_reward, 2, _config(tmp_path, reward_base, records), [layout], timeout=TIMEOUT)[0]
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
+
+
+LORA = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"]}
+
+
+def test_a_lora_reward_model_equals_trl_with_the_same_adapter_and_exports_its_head(tmp_path, reward_base) -> None:
+    """LoRA over the base with the new head trained whole (peft's SEQ_CLS task saves it with the adapter), equal to
+    TRL's RewardTrainer given the same peft model; the adapter loads over the base and scores as merged/ does."""
+    from peft import AutoPeftModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    records = bradley_terry_records()
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+    theirs = trl_reward_metrics(reward_base, tmp_path / "trl", records, lora=lora)
+    ours = run_world(run_reward, 1, _config(tmp_path, reward_base, records, **LORA), [], timeout=TIMEOUT)[0]
+    for step, (their, loss) in enumerate(zip(theirs, ours["losses"], strict=True)):
+        assert loss == pytest.approx(their["loss"], rel=1e-5, abs=1e-6), step
+    assert ours["losses"][-1] < ours["losses"][0]
+    tokenizer = AutoTokenizer.from_pretrained(ours["outputs"]["merged"])
+    texts = [f"Shout {word}" for word in ("apple", "river", "stone")]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    merged = AutoModelForSequenceClassification.from_pretrained(ours["outputs"]["merged"]).eval()
+    adapter = AutoPeftModelForSequenceClassification.from_pretrained(ours["outputs"]["adapter"]).eval()
+    base = AutoModelForSequenceClassification.from_pretrained(reward_base).eval()
+    with torch.no_grad():
+        merged_scores, adapter_scores = merged(**batch).logits, adapter(**batch).logits
+        base_scores = base(**batch).logits
+    torch.testing.assert_close(adapter_scores, merged_scores, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(base_scores, merged_scores)  # (the head and adapters trained)
+
+
+@pytest.mark.parametrize("layout", ["zero_stage=3", "tp=2", "pp=2"])
+def test_a_lora_reward_model_on_two_ranks_equals_one_process(tmp_path, reward_base, layout) -> None:
+    records = bradley_terry_records(8)
+    (tmp_path / "one").mkdir()
+    one = run_world(run_reward, 1, _config(tmp_path / "one", reward_base, records, **LORA), [], timeout=TIMEOUT)[0]
+    halves = {"micro_batch_size": 4} if layout.startswith("zero") else {}  # (data parallel: half the pairs a rank)
+    config = _config(tmp_path, reward_base, records, **LORA, **halves)
+    two = run_world(run_reward, 2, config, [layout], timeout=TIMEOUT)[0]
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)

@@ -7,7 +7,8 @@ and so recomputes all of it for its own layers:
   hidden states received from the previous stage replace the input of this stage's first layer;
 - an earlier stage runs the base model (not the LM head's forward, which may post-process logits) with the
   final norm as an identity stand-in, and hands its last layer's output on;
-- the last stage runs the whole causal-LM forward and returns logits.
+- the last stage runs the whole causal-LM forward and returns logits; a classification model's last stage (a
+  reward model) returns its head's per-token outputs, taken from the head before the model pools them.
 Parameter names stay those of the whole model. A stage's input is token ids [batch, seq] on the first stage,
 hidden states [batch, seq, hidden] on the others.
 """
@@ -113,6 +114,9 @@ def make_transformers_stage(
         for name in structure.last_stage:
             chunk.set_submodule(name, StandIn())
     forward = chunk.forward  # the causal-LM forward of this instance's class
+    head: dict[str, torch.Tensor] = {}
+    if last and structure.classifier is not None:
+        chunk.get_submodule(structure.classifier).register_forward_hook(lambda _m, _a, out: head.update(outputs=out))
 
     def stage_forward(value: torch.Tensor, **kwargs: Any) -> torch.Tensor:  # kwargs: e.g. cp's position_ids
         if first:
@@ -120,6 +124,9 @@ def make_transformers_stage(
         else:  # hidden states [batch, seq, hidden]: the ids only give the forward its shapes
             received.hidden = value
             ids = torch.zeros(value.shape[:2], dtype=torch.long, device=value.device)
+        if last and structure.classifier is not None:
+            forward(input_ids=ids, use_cache=False, **kwargs)  # (its pooling reads ids this stage lacks: not used)
+            return head.pop("outputs")
         if last:
             return forward(input_ids=ids, use_cache=False, **kwargs).logits
         return base(input_ids=ids, use_cache=False, **kwargs).last_hidden_state

@@ -123,7 +123,8 @@ def apply_tensor_parallel(
             f"sequence parallel must gather the sequence before {type(model).__name__}'s head, which meshkit "
             "cannot find: name its final norm and head in structure.last_stage"
         )
-    plan = named_plan(model, cfg, tuple(f"{facts.path}.{facts.router}" for facts in structure.moe))
+    whole = tuple(f"{facts.path}.{facts.router}" for facts in structure.moe)  # (routers, a classifier: replicated)
+    plan = named_plan(model, cfg, whole + ((structure.classifier,) if structure.classifier else ()))
     if cfg.sequence_parallel:  # an MoE block runs whole on this rank's sequence shard, shared expert included
         moe = tuple(f"{facts.path}." for facts in structure.moe)  # (it may see the tokens flattened: Qwen2-MoE)
         plan = {name: kind for name, kind in plan.items() if not name.startswith(moe)}

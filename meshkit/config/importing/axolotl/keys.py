@@ -147,12 +147,12 @@ _add(G, "dpo_use_weighting",
               "reply's tokens, in every layout (vocab-parallel under tp)"))
 _add(G, ("reward_model", "num_labels", "center_rewards_coefficient"),
      honoured("a reward model: a sequence-classification head (1 label) trained with TRL's Bradley-Terry loss on "
-              "bradley_terry.chat_template (or any pair type) data, full fine-tune in DDP and ZeRO; merged/ loads "
-              "with AutoModelForSequenceClassification"))
+              "bradley_terry.chat_template (or any pair type) data, full or LoRA (the head trains whole), in every "
+              "layout; merged/ loads with AutoModelForSequenceClassification"))
 _add(G, "process_reward_model",
      honoured("a process reward model: a token-classification head (2 labels) judges each step of stepwise_supervised "
-              "data at its last token (step_separator, train_on_last_step_only, max_completion_length), full "
-              "fine-tune in DDP and ZeRO; merged/ loads with AutoModelForTokenClassification"))
+              "data at its last token (step_separator, train_on_last_step_only, max_completion_length), full or "
+              "LoRA, in every layout; merged/ loads with AutoModelForTokenClassification"))
 _add(G, "trl", refused("the trl: block configures online RL (GRPO, vLLM generation), which meshkit does not run; "
                        "rl_beta sets beta"))
 
