@@ -95,6 +95,19 @@ class DatasetEntry(Section):
         None, description="which end-of-turn tokens (eot_tokens) train; null = as train_on_eos"
     )
     drop_system_message: bool = Field(False, description="leave system turns out")
+    field_system: str | None = Field(None, description="chat_template: a record's system text; null = system")
+    field_tools: str | None = Field(None, description="chat_template: a record's tool definitions; null = tools")
+    field_thinking: str | None = Field(None, description="a turn's reasoning; null = reasoning_content")
+    template_thinking_key: str | None = Field(
+        None, description="the template's reasoning property; null = reasoning_content"
+    )
+    split_thinking: bool = Field(False, description="move <think>...</think> out of an assistant's content")
+    message_field_training: str | None = Field(None, description="a turn's key saying whether it trains")
+    message_field_training_detail: str | None = Field(
+        None, description="a turn's key holding [{begin_offset, end_offset, train}] spans of its content"
+    )
+    shards: int | None = Field(None, ge=1, description="split the records into this many shards (with shards_idx)")
+    shards_idx: int | None = Field(None, ge=0, description="the shard read; null = 0")
     step_separator: str = Field("\n", description="stepwise_supervised: the text after each step (its label's token)")
     max_completion_length: int | None = Field(
         None, ge=1, description="stepwise_supervised: the steps' tokens cut to this many; null = no cut"
@@ -107,6 +120,16 @@ class DatasetEntry(Section):
     @classmethod
     def _empty_means_unset(cls, data: Any) -> Any:
         return without_empty(data)
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> DatasetEntry:
+        if self.shards_idx is not None and self.shards is None:
+            raise ValueError(f"dataset '{self.path}': shards_idx needs shards (how many shards)")
+        if self.shards is not None and (self.shards_idx or 0) >= self.shards:
+            raise ValueError(
+                f"dataset '{self.path}': shards_idx {self.shards_idx} of {self.shards} shards: it counts from 0"
+            )
+        return self
 
     @field_validator("type")
     @classmethod

@@ -22,6 +22,7 @@ from typing import Any
 from meshkit.data.chat_templates import chat_template
 from meshkit.data.dataset_entry import CustomPrompt, DatasetEntry
 from meshkit.data.jsonl import DataFormatError, record_field
+from meshkit.data.messages import CharSpans, conversation
 from meshkit.training.loss import IGNORE_INDEX
 
 ALPACA_WITH_INPUT = (
@@ -51,15 +52,17 @@ def render_chat(
     generation_prompt: bool,
     template: str | None,
     template_kwargs: dict[str, Any],
+    tools: list[Any] | None = None,
 ) -> str:
-    """`messages` as the chat template writes them (text); a template that rejects them is one line naming the
-    record."""
+    """`messages` as the chat template writes them (text), with the record's `tools`; a template that rejects them
+    is one line naming the record."""
     if not messages:
         return ""
     try:
         return str(
             tokenizer.apply_chat_template(
                 messages,
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=generation_prompt,
                 chat_template=template,
@@ -109,8 +112,9 @@ class Formatter:
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _sample(self, pieces: Sequence[tuple[str, bool]], bos: bool, eos: bool) -> TokenizedSample:
-        """`pieces`: (text, trained) in order; the labels copy the ids of trained pieces."""
+    def _sample(self, pieces: Sequence[tuple[str, bool | CharSpans]], bos: bool, eos: bool) -> TokenizedSample:
+        """`pieces`: (text, trained) in order; the labels copy the ids of trained pieces — or, where `trained` is
+        character spans of the text, of the tokens overlapping one."""
         ids: list[int] = []
         labels: list[int] = []
         specials = self.tokenizer
@@ -118,6 +122,11 @@ class Formatter:
             ids.append(specials.bos_token_id)
             labels.append(IGNORE_INDEX)
         for text, trained in pieces:
+            if isinstance(trained, tuple) and not self.train_on_inputs:
+                piece, piece_labels = self._spans(text, trained)
+                ids.extend(piece)
+                labels.extend(piece_labels)
+                continue
             piece = self._ids(text)
             ids.extend(piece)
             labels.extend(piece if trained or self.train_on_inputs else [IGNORE_INDEX] * len(piece))
@@ -125,6 +134,20 @@ class Formatter:
             ids.append(specials.eos_token_id)
             labels.append(specials.eos_token_id)
         return TokenizedSample(tuple(ids), tuple(labels))
+
+    def _spans(self, text: str, spans: CharSpans) -> tuple[list[int], list[int]]:
+        """`text`'s ids, and labels copying those of the tokens that overlap a span (Axolotl widens a span to the
+        tokens it touches: a token runs up to the next one's first character)."""
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise DataFormatError("message_field_training_detail needs a fast tokenizer (character offsets)")
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        piece, offsets = list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]]
+        ends = [*(start - 1 for start in offsets[1:]), len(text) - 1]
+        labels = [
+            token if any(begin <= end and start <= last for begin, last in spans) else IGNORE_INDEX
+            for token, start, end in zip(piece, offsets, ends, strict=True)
+        ]
+        return piece, labels
 
     def alpaca(self, record: dict[str, Any], where: object, variant: str = "alpaca") -> TokenizedSample:
         instruction = record_field(record, "instruction", where)
@@ -170,53 +193,38 @@ class Formatter:
             pieces.append((record_field(segment, "text", place), bool(segment.get("label", True))))
         return self._sample(pieces, bos=False, eos=False)
 
-    def _messages(self, record: dict[str, Any], where: object, sharegpt: bool) -> list[dict[str, str]]:
-        entry = self.entry or DatasetEntry(path=".", type="chat_template")
-        key = entry.field_messages or ("conversations" if sharegpt and "conversations" in record else "messages")
-        mapping = entry.mappings()
-        if sharegpt and not entry.message_property_mappings and "from" in str(record.get(key)):
-            mapping = {"role": "from", "content": "value"}
-        roles = entry.role_names()
-        messages = []
-        for index, message in enumerate(record_field(record, key, where, kind=list)):
-            place = f"{where}: {key}[{index}]"
-            if not isinstance(message, dict):
-                raise DataFormatError(f"{place} must be an object with '{mapping['role']}' and '{mapping['content']}'")
-            role = record_field(message, mapping["role"], place)
-            content = record_field(message, mapping["content"], place)
-            role = roles.get(role, role)
-            if not (role == "system" and entry.drop_system_message):
-                messages.append({"role": role, "content": content})
-        if self.default_system_message and not any(m["role"] == "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": self.default_system_message})
-        return messages
-
     def chat_template(self, record: dict[str, Any], where: object, sharegpt: bool = False) -> TokenizedSample:
-        messages = self._messages(record, where, sharegpt)
+        entry = self.entry or DatasetEntry(path=".", type="chat_template")
+        chat = conversation(record, entry, where, sharegpt, self.default_system_message)
+        messages = chat.messages
         if (self.template or self.tokenizer.chat_template) is None:
             raise DataFormatError(
                 f"{where}: type chat_template needs a chat template; the base model's tokenizer has none: set "
                 "chat_template (e.g. chatml, llama3)"
             )
-        entry = self.entry
-        trained_roles = set(entry.roles_to_train or ("assistant",)) if entry else {"assistant"}
-        pieces: list[tuple[str, bool]] = []
+        trained_roles = set(entry.roles_to_train or ("assistant",))
+        pieces: list[tuple[str, bool | CharSpans]] = []
         rendered = ""
         for index, message in enumerate(messages):
-            before = self._render(messages[:index], where, generation_prompt=message["role"] == "assistant")
-            after = self._render(messages[: index + 1], where, generation_prompt=False)
+            before = self._render(messages[:index], where, message["role"] == "assistant", chat.tools)
+            after = self._render(messages[: index + 1], where, False, chat.tools)
             if not (before.startswith(rendered) and after.startswith(before)):
                 raise DataFormatError(
                     f"{where}: the chat template does not render the conversation turn by turn (message {index} "
                     "changes earlier text); use type completion with the rendered text instead"
                 )
+            turn = after[len(before) :]
+            own = chat.trains[index]
+            trains = own if own is not None else message["role"] in trained_roles
+            detail = chat.details[index]
             pieces.append((before[len(rendered) :], False))
-            pieces.append((after[len(before) :], message["role"] in trained_roles))
+            spans = _turn_spans(turn, message, detail, where) if trains and detail is not None else None
+            pieces.append((turn, spans if spans is not None else trains))
             rendered = after
         sample = self._sample([p for p in pieces if p[0]], bos=False, eos=False)
-        on_eos = entry.train_on_eos if entry else None
+        on_eos = entry.train_on_eos
         sample = self._train_on_ends(sample, {self.tokenizer.eos_token_id} - {None}, on_eos)
-        on_eot = (entry.train_on_eot if entry else None) or on_eos  # (Axolotl: train_on_eos when unset)
+        on_eot = entry.train_on_eot or on_eos  # (Axolotl: train_on_eos when unset)
         return self._train_on_ends(sample, self.eot_ids - {self.tokenizer.eos_token_id}, on_eot)
 
     def _train_on_ends(self, sample: TokenizedSample, ends: set[int], mode: str | None) -> TokenizedSample:
@@ -231,8 +239,12 @@ class Formatter:
             labels[i] = sample.input_ids[i] if trained else IGNORE_INDEX
         return TokenizedSample(sample.input_ids, tuple(labels))
 
-    def _render(self, messages: list[dict[str, Any]], where: object, generation_prompt: bool) -> str:
-        return render_chat(self.tokenizer, messages, where, generation_prompt, self.template, self.template_kwargs)
+    def _render(
+        self, messages: list[dict[str, Any]], where: object, generation_prompt: bool, tools: list[Any] | None = None
+    ) -> str:
+        return render_chat(
+            self.tokenizer, messages, where, generation_prompt, self.template, self.template_kwargs, tools
+        )
 
     def convert(self, record: dict[str, Any], where: object, kind: Any) -> TokenizedSample:
         if isinstance(kind, CustomPrompt):
@@ -245,3 +257,17 @@ class Formatter:
         if kind in ("chat_template", "sharegpt"):
             return self.chat_template(record, where, sharegpt=kind == "sharegpt")
         return getattr(self, kind)(record, where)
+
+
+def _turn_spans(turn: str, message: dict[str, Any], content_spans: CharSpans, where: object) -> CharSpans:
+    """A turn's trained character spans: the content's spans (`message_field_training_detail`) moved to where the
+    content sits in the rendered turn, and the turn's end after the content (its end-of-turn marks) as trained."""
+    content = str(message.get("content", ""))
+    start = turn.find(content) if content else -1
+    if start < 0:
+        raise DataFormatError(
+            f"{where}: message_field_training_detail: the chat template does not write the turn's content as is"
+        )
+    spans = tuple((start + begin, start + end) for begin, end in content_spans)
+    closing = start + len(content)
+    return spans + (((closing, len(turn) - 1),) if closing < len(turn) else ())

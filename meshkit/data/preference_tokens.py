@@ -109,6 +109,7 @@ def load_preference_records(
     keep_in_memory: bool = False,
     reward: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    seed: int = 0,
 ) -> tuple[Any, PreferenceReport]:
     """Every dataset's records tokenized (an Arrow table: prompt_ids, chosen_ids, rejected_ids — or KTO's
     prompt_ids, completion_ids, label), in dataset then record order; records whose prompt fills `sequence_len`
@@ -117,7 +118,7 @@ def load_preference_records(
 
     report, tables = PreferenceReport(), []
     for entry in datasets:
-        source = load_source(entry, keep_in_memory)
+        source = load_source(entry, keep_in_memory, seed)
         formatter = PreferenceFormatter(tokenizer, entry, template, template_kwargs)
         records = source.dataset
         table = records.map(

@@ -49,13 +49,19 @@ class RecordSource:
         return f"{self.label}: row {index + 1}"
 
 
-def load_source(entry: DatasetEntry, keep_in_memory: bool = False) -> RecordSource:
+def load_source(entry: DatasetEntry, keep_in_memory: bool = False, seed: int = 0) -> RecordSource:
     """The records of `entry`'s split — `datasets`' slicing included (`train[:20%]`, `train[10:100]`,
-    `train[:10%]+train[-5%:]`); every failure is one line naming the dataset and what to do."""
+    `train[:10%]+train[-5%:]`), then the entry's shard (`shards`, `shards_idx`: shuffled with the run's `seed` and
+    cut into that many shards, as Axolotl does); every failure is one line naming the dataset and what to do."""
     name, sliced = split_name(entry.split)
     whole = entry.model_copy(update={"split": name}) if sliced else entry
     source = _load_split(whole, keep_in_memory)
-    return _sliced(source, entry.split) if sliced else source
+    source = _sliced(source, entry.split) if sliced else source
+    if entry.shards is None:
+        return source
+    index = entry.shards_idx or 0
+    records = source.dataset.shuffle(seed=seed).shard(num_shards=entry.shards, index=index)
+    return RecordSource(f"{source.label} [shard {index} of {entry.shards}]", records)  # (rows numbered within it)
 
 
 def split_name(split: str) -> tuple[str, bool]:

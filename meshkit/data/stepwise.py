@@ -73,7 +73,7 @@ class _Tokenize:
 
 
 def load_stepwise_records(
-    datasets: Sequence[DatasetEntry], tokenizer: Any, *, sequence_len: int, keep_in_memory: bool = False
+    datasets: Sequence[DatasetEntry], tokenizer: Any, *, sequence_len: int, keep_in_memory: bool = False, seed: int = 0
 ) -> tuple[Any, StepwiseReport]:
     """Every dataset's records as rows (an Arrow table: input_ids, labels), in dataset then record order."""
     from datasets import Features, Sequence, Value, concatenate_datasets
@@ -84,7 +84,7 @@ def load_stepwise_records(
     )
     report, tables = StepwiseReport(), []
     for entry in datasets:
-        source = load_source(entry, keep_in_memory)
+        source = load_source(entry, keep_in_memory, seed)
         records = source.dataset
         table = records.map(
             _Tokenize(tokenizer, entry, sequence_len, source),

@@ -24,7 +24,7 @@ from meshkit.data.jsonl import DataFormatError
 from meshkit.data.sources import RecordSource, load_source
 from meshkit.training.loss import IGNORE_INDEX
 
-FORMAT_VERSION = 2  # bumped whenever the same records and settings would tokenize differently
+FORMAT_VERSION = 3  # bumped whenever the same records and settings would tokenize differently
 KEPT, TOO_LONG, NOTHING_TO_TRAIN = 0, 1, 2
 ROWS_PER_PROCESS = 512  # below this many records per process, extra tokenizing processes cost more than they save
 
@@ -124,13 +124,16 @@ def _features() -> Any:
     )
 
 
-def _key(entry: DatasetEntry, options: TokenizeOptions, tokenizer: Any, source: RecordSource) -> str:
+def _key(entry: DatasetEntry, options: TokenizeOptions, tokenizer: Any, source: RecordSource, seed: int = 0) -> str:
     from datasets.fingerprint import Hasher
 
     files = [*source.files, *(item["filename"] for item in source.dataset.cache_files)]
     stats = [(name, os.stat(name).st_size, os.stat(name).st_mtime_ns) for name in files if os.path.exists(name)]
     identity = stats or Hasher.hash(source.dataset)
-    return Hasher.hash([FORMAT_VERSION, entry.model_dump(mode="json"), options, Hasher.hash(tokenizer), identity])
+    shuffled = seed if entry.shards else None  # (an entry's shard depends on the seed its records are shuffled with)
+    return Hasher.hash(
+        [FORMAT_VERSION, entry.model_dump(mode="json"), options, Hasher.hash(tokenizer), identity, shuffled]
+    )
 
 
 def tokenize_entry(
@@ -141,12 +144,13 @@ def tokenize_entry(
     prepared: Path | None = None,
     num_proc: int | None = None,
     keep_in_memory: bool = False,
+    seed: int = 0,
 ) -> tuple[Any, bool]:
     """(the entry's tokenized table with a `fate` column, whether it was read from `prepared`)."""
     from datasets import load_from_disk
 
-    source = load_source(entry, keep_in_memory)
-    key = _key(entry, options, tokenizer, source)
+    source = load_source(entry, keep_in_memory, seed)
+    key = _key(entry, options, tokenizer, source, seed)
     target = prepared / key if prepared is not None else None
     if target is not None and (target / "state.json").is_file():
         return load_from_disk(str(target), keep_in_memory=keep_in_memory), True
@@ -199,6 +203,7 @@ def load_samples(
     prepared: Path | None = None,
     num_proc: int | None = None,
     keep_in_memory: bool = False,
+    seed: int = 0,
 ) -> tuple[TokenizedRows, LoadReport]:
     """Every dataset's samples, tokenized, in dataset then record order; over-long and untrainable samples are
     dropped and counted."""
@@ -210,7 +215,7 @@ def load_samples(
     for item in datasets:
         entry = _entry(item)
         table, reused = tokenize_entry(
-            entry, tokenizer, options, prepared=prepared, num_proc=num_proc, keep_in_memory=keep_in_memory
+            entry, tokenizer, options, prepared=prepared, num_proc=num_proc, keep_in_memory=keep_in_memory, seed=seed
         )
         fates = list(table["fate"])
         counts = Counter(fates)

@@ -80,6 +80,7 @@ def prepare_data(engine: Engine, settings: Any, tokenizer: Any) -> InstructionDa
         "prepared": Path(settings.dataset_prepared_path) if settings.dataset_prepared_path else None,
         "num_proc": settings.dataset_processes or cpu_share(engine.info.local_world_size),
         "keep_in_memory": settings.dataset_keep_in_memory,
+        "seed": cfg.seed,  # (an entry's shards: shuffled with it)
     }
     with engine.local_main_process_first(), _progress_bars(engine.info.local_rank == 0):
         samples, report = load_samples(settings.datasets, tokenizer, **options)

@@ -78,13 +78,19 @@ def prepare_preference_data(
             keep_in_memory=settings.dataset_keep_in_memory,
             reward=reward,
             template_kwargs=settings.chat_template_kwargs,
+            seed=cfg.seed,
         )
     table = _selected(table, settings, report)
     validation = None
     if settings.test_datasets:
         with engine.local_main_process_first():
             validation = load_preference_records(
-                settings.test_datasets, tokenizer, paired=paired, sequence_len=cfg.train.seq_len, reward=reward
+                settings.test_datasets,
+                tokenizer,
+                paired=paired,
+                sequence_len=cfg.train.seq_len,
+                reward=reward,
+                seed=cfg.seed,
             )[0]
     elif settings.val_set_size:
         table, validation = _held_out(table, settings.val_set_size, cfg.seed)
@@ -114,7 +120,11 @@ def _stepwise_data(engine: Engine, settings: Any, tokenizer: Any) -> PreferenceD
     def load(entries: Any) -> tuple[Any, StepwiseReport]:
         with engine.local_main_process_first():
             return load_stepwise_records(
-                entries, tokenizer, sequence_len=cfg.train.seq_len, keep_in_memory=settings.dataset_keep_in_memory
+                entries,
+                tokenizer,
+                sequence_len=cfg.train.seq_len,
+                keep_in_memory=settings.dataset_keep_in_memory,
+                seed=cfg.seed,
             )
 
     table, report = load(settings.datasets)

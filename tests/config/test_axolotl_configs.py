@@ -333,7 +333,7 @@ def test_every_field_of_axolotls_schema_has_a_row() -> None:
 @pytest.mark.parametrize(
     ("entry", "expected"),
     [
-        ({"field_tools": "tools"}, "datasets\\[0\\].field_tools: 'tools' .* is not supported"),
+        ({"logprobs_field": "logprobs"}, "datasets\\[0\\].logprobs_field: 'logprobs' .* knowledge-distillation"),
         ({"conversation": "x"}, None),
     ],
 )

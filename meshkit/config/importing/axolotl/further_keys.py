@@ -141,9 +141,12 @@ DATASET_KEY_RULES: dict[str, KeyRule] = {
         noted("no effect here: the entry's type and fields say how records become tokens"),
     ),
     **dict.fromkeys(
-        ("field_human", "field_model", "field_thinking", "template_thinking_key", "split_thinking", "field_tools",
-         "message_field_training", "message_field_training_detail", "logprobs_field", "temperature", "shards",
-         "shards_idx"),
-        refused("not supported in a dataset entry yet: map the records to messages (role, content) first"),
+        ("field_human", "field_model"),
+        noted("no effect: Axolotl reads them nowhere (chat turns are mapped by message_property_mappings)"),
+    ),
+    **dict.fromkeys(
+        ("logprobs_field", "temperature"),
+        refused("a knowledge-distillation dataset (Axolotl's KD plugin) is not supported: train on the teacher's "
+                "completions as chat_template data instead"),
     ),
 }  # fmt: skip
