@@ -39,6 +39,7 @@ from meshkit.recipes.instruction_data import prepare_data
 from meshkit.recipes.loop import LoopPlan, LoopRecord, run_steps, write_summary
 from meshkit.recipes.lora import AdapterExport, continued_weights, save_adapter
 from meshkit.recipes.preference_run import train_preference
+from meshkit.recipes.qat import fake_quant_switch
 from meshkit.recipes.report import print_summary
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 from meshkit.recipes.streaming_data import prepare_stream
@@ -72,6 +73,10 @@ def check_layout(cfg: RunConfig, dims: Layout, job: FinetuneJob) -> None:
         raise FinetuneError(
             "lora_modules_to_save wraps whole modules, which tensor and pipeline parallel do not split yet: set "
             "tp=1 and pp=1, or drop lora_modules_to_save"
+        )
+    if job.settings.qat is not None and tp > 1:
+        raise FinetuneError(
+            "qat: torchao's fake-quantized layers do not split over tensor parallel: set tp=1 (ZeRO and pp run it)"
         )
     if job.settings.peft_use_dora and tp > 1:
         raise FinetuneError(
@@ -119,6 +124,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         evaluate=(lambda: evaluate(engine, model, val)) if val else None, eval_every=steps.eval_every,
         save_every=steps.save_every, watchdog=LossWatchdog(s.loss_watchdog_threshold, s.loss_watchdog_patience),
         early_stopping=EarlyStopping(s.early_stopping_patience),
+        before_step=fake_quant_switch(model, s.qat) if s.qat is not None else None,
     )  # fmt: skip
     record = run_steps(engine, loader, scheduler, plan, WindowLoss(engine))
     base.config.use_cache = True  # training turned it off; generation wants it

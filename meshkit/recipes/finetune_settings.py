@@ -13,6 +13,7 @@ from meshkit.data.dataset_entry import is_preference_type, is_stepwise_type
 from meshkit.data.formats import DatasetEntry
 from meshkit.recipes.lora_init import LoraInitError, changes_base, lora_init_mode
 from meshkit.recipes.optimizers import OPTIMIZERS
+from meshkit.recipes.qat import QATSettings
 from meshkit.recipes.schedules import SCHEDULERS
 
 
@@ -142,6 +143,7 @@ class FinetuneSettings(Section):
     )
     bnb_config_kwargs: dict[str, Any] | None = Field(None, description="further BitsAndBytesConfig arguments")
     gptq: bool = Field(False, description="the base is a GPTQ checkpoint (its config.json says how)")
+    qat: QATSettings | None = Field(None, description="quantization-aware training (torchao fake quantization)")
     loraplus_lr_ratio: float | None = Field(None, gt=0, description="LoRA+: lr of the B matrices = ratio × lr")
     unfrozen_parameters: tuple[str, ...] | None = Field(
         None, description="full fine-tune of the parameters matching these regexes only"
@@ -289,6 +291,11 @@ class FinetuneSettings(Section):
             raise ValueError("set eval_steps or evals_per_epoch, not both")
         if self.load_in_8bit and (self.load_in_4bit or self.adapter == "qlora"):
             raise ValueError("load_in_8bit and load_in_4bit / adapter: qlora ask for two quantizations: keep one")
+        if self.qat is not None and (self.adapter or self.load_in_8bit or self.load_in_4bit or self.gptq):
+            raise ValueError(
+                "qat trains the whole model's full-precision weights through fake quantization: drop adapter and "
+                "load_in_8bit / load_in_4bit / gptq (as Axolotl, QAT goes with neither)"
+            )
         if self.gptq and (self.load_in_8bit or self.load_in_4bit or self.adapter == "qlora"):
             raise ValueError("gptq: true loads an already quantized base: drop load_in_8bit / load_in_4bit / qlora")
         if self.quantization and self.adapter is None:

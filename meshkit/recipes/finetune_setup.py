@@ -30,6 +30,7 @@ from meshkit.recipes.lora import AdapterExport, apply_lora
 from meshkit.recipes.lora_init import InitialAdapters, PlannedLayer, changes_base, initialise, plan
 from meshkit.recipes.optimizers import axolotl_groups, build_optimizer, trainable_groups
 from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
+from meshkit.recipes.qat import prepare_for_qat
 from meshkit.recipes.quantized_base import INT8_CAST_NOTE, load_quantized_base
 from meshkit.recipes.quantized_base import check_layout as check_quantized_layout
 from meshkit.recipes.schedules import build_schedule, warmup_steps
@@ -78,6 +79,9 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
         base = build_meta_model(s, attention)
     if s.quantization == "8bit":
         engine.print(f"meshkit: {INT8_CAST_NOTE}")
+    if s.qat is not None:  # (before the weights stream in: the swapped layers keep the names)
+        prepare_for_qat(base, s.qat, engine.device)
+        engine.print(f"meshkit: {s.qat.describe()}")
     tokenizer = load_tokenizer(s)
     note = template_note(s.chat_template)
     if note:

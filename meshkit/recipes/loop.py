@@ -72,6 +72,7 @@ class LoopPlan:
     early_stopping: EarlyStopping | None = None
     measure_activations: bool = False  # the first micro-step's activations, for the summary
     step: Callable[[Any], torch.Tensor] | None = None  # a micro-step other than `engine.train_step`
+    before_step: Callable[[int], None] | None = None  # called with the step's number before its first micro-step
 
 
 @dataclass
@@ -138,7 +139,11 @@ def run_steps(engine: Engine, loader: Iterable[Any], scheduler: Any, plan: LoopP
     start = time.perf_counter()
     with TrainingProgress(plan.total_steps, enabled=engine.is_main_worker) as progress:
         progress.update(record.first_step, record.losses[-1] if record.losses else float("nan"), 0.0)
+        begun = -1
         while record.step < plan.total_steps and not record.stopped_early:
+            if plan.before_step is not None and begun != record.step:
+                plan.before_step(record.step)
+                begun = record.step
             batch = next(batches)
             with measuring:
                 loss.add(micro_step(batch), batch)

@@ -36,6 +36,7 @@ from meshkit.recipes.preference import (
 )
 from meshkit.recipes.preference_data import eval_batches, precompute_reference, prepare_preference_data
 from meshkit.recipes.process_reward import StepObjective
+from meshkit.recipes.qat import fake_quant_switch
 from meshkit.recipes.report import print_summary
 from meshkit.recipes.reward import RewardObjective
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
@@ -122,6 +123,7 @@ def train_preference(
         eval_every=steps.eval_every, save_every=steps.save_every,
         watchdog=LossWatchdog(s.loss_watchdog_threshold, s.loss_watchdog_patience),
         early_stopping=EarlyStopping(s.early_stopping_patience), step=window.step,
+        before_step=fake_quant_switch(model, s.qat) if s.qat is not None else None,
     )  # fmt: skip
     record = run_steps(engine, loader, scheduler, plan, window)
     base.config.use_cache = True

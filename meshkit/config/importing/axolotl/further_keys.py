@@ -111,8 +111,11 @@ _add(G, ("lisa_n_layers", "lisa_step_interval", "lisa_layers_attribute"),
      refused("LISA layer sampling is not supported: remove the lisa keys"))
 _add(G, ("use_eaft", "eaft_alpha", "eaft_k", "ebft", "dpo_norm_loss"),
      refused("not supported: remove the key (for preference training use rl:)"))
-_add(G, ("qat", "quantization"), refused("quantization-aware training and post-training quantization are not "
-                                         "supported: quantize the exported merged/ model with your quantizer"))
+_add(G, "qat", honoured("quantization-aware training through torchao (Axolotl's combinations: int4 weights alone or "
+                        "with int8/float8 activations, float8, mxfp4; nvfp4 on Blackwell GPUs), full fine-tune in "
+                        "every layout but tp; merged/ holds the full-precision weights"))
+_add(G, "quantization", noted("read by `axolotl quantize` (post-training quantization of the exported model), not by "
+                              "training: quantize merged/ with torchao's quantize_"))
 _add(G, ("trainer_cls", "dynamic_checkpoint"),
      refused("meshkit runs its own loop: checkpoints follow save_steps and preemption signals; remove the key"))
 
