@@ -112,7 +112,8 @@ def _configs(qat: QATSettings, device: torch.device) -> tuple[Any, Any]:
         acts = IntxFakeQuantizeConfig(dtype=torch.int8, granularity="per_token", is_symmetric=False)
     elif activation == "float8_e4m3fn":
         acts = Float8FakeQuantizeConfig(dtype=torch.float8_e4m3fn)
-    embedding = QATConfig(weight_config=IntxFakeQuantizeConfig(dtype=torch.int4, group_size=group or 32))
+    int4 = getattr(torch, "int4")  # noqa: B009 - (torch has the dtype; its stubs do not)
+    embedding = QATConfig(weight_config=IntxFakeQuantizeConfig(dtype=int4, group_size=group or 32))
     return QATConfig(weight_config=weights, activation_config=acts), embedding
 
 
@@ -139,7 +140,7 @@ def _toggle(module: torch.nn.Module, enabled: bool) -> None:
         if enabled:
             module.__dict__.pop("forward", None)
         else:
-            module.forward = partial(torch.nn.Linear.forward, module)
+            module.forward = partial(torch.nn.Linear.forward, module)  # type: ignore[method-assign]
 
 
 def fake_quant_switch(model: torch.nn.Module, qat: QATSettings) -> Callable[[int], None] | None:
