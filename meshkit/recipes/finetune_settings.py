@@ -285,6 +285,16 @@ class FinetuneSettings(Section):
             raise ValueError(f"'{value}' is not {what} meshkit runs; choose one of {', '.join(known)}")
         return value
 
+    @field_validator("rl", mode="before")
+    @classmethod
+    def _offline_rl(cls, value: Any) -> Any:
+        if value in ("grpo", "gdpo", "ebft"):
+            raise ValueError(
+                f"rl: {value} is online RL (the policy generates rollouts that reward functions score, through vLLM), "
+                "which meshkit does not run: train offline preference data with dpo, ipo, kto, orpo or simpo"
+            )
+        return value
+
     @model_validator(mode="after")
     def _one_way_each(self) -> FinetuneSettings:
         if self.eval_steps is not None and self.evals_per_epoch is not None:

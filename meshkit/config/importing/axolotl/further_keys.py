@@ -109,8 +109,10 @@ _add(G, ("dion_lr", "dion_momentum", "dion_rank_fraction", "dion_rank_multiple_o
      refused("the Dion and Q-GaLore optimizers are not supported: choose another optimizer"))
 _add(G, ("lisa_n_layers", "lisa_step_interval", "lisa_layers_attribute"),
      refused("LISA layer sampling is not supported: remove the lisa keys"))
-_add(G, ("use_eaft", "eaft_alpha", "eaft_k", "ebft", "dpo_norm_loss"),
+_add(G, ("use_eaft", "eaft_alpha", "eaft_k", "dpo_norm_loss"),
      refused("not supported: remove the key (for preference training use rl:)"))
+_add(G, "ebft", refused("EBFT (rl: ebft) is online RL with generated rollouts, which meshkit does not run: train "
+                        "offline preference data with rl: dpo, ipo, kto, orpo or simpo"))
 _add(G, "qat", honoured("quantization-aware training through torchao (Axolotl's combinations: int4 weights alone or "
                         "with int8/float8 activations, float8, mxfp4; nvfp4 on Blackwell GPUs), full fine-tune in "
                         "every layout but tp; merged/ holds the full-precision weights"))
