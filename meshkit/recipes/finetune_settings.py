@@ -95,8 +95,10 @@ class FinetuneSettings(Section):
     lora_r: int = Field(8, ge=1, description="LoRA rank")
     lora_alpha: float = Field(16, gt=0, description="LoRA scaling numerator (scaling = alpha / r)")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
-    lora_target_modules: tuple[str, ...] | None = Field(
-        None, description="module names to adapt, e.g. [q_proj, v_proj]"
+    lora_target_modules: str | tuple[str, ...] | None = Field(
+        None,
+        description="module names to adapt, e.g. [q_proj, v_proj]; one string: a regular expression peft "
+        "matches against whole module paths",
     )
     lora_target_linear: bool = Field(False, description="adapt every Linear layer except the output head")
     lora_target_parameters: tuple[str, ...] | None = Field(
@@ -258,7 +260,6 @@ class FinetuneSettings(Section):
         return value
 
     @field_validator(
-        "lora_target_modules",
         "lora_target_parameters",
         "lora_modules_to_save",
         "unfrozen_parameters",

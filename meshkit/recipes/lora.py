@@ -87,6 +87,8 @@ def _new_config(settings: Any, LoraConfig: Any, model: nn.Module) -> Any:  # noq
     parameters = list(getattr(settings, "lora_target_parameters", None) or []) or None
     if settings.lora_target_linear:
         targets: Any = linear_targets(model)
+    elif isinstance(settings.lora_target_modules, str):
+        targets = settings.lora_target_modules  # (peft: a regular expression over whole module paths)
     elif settings.lora_target_modules:
         targets = list(settings.lora_target_modules)
     elif parameters:

@@ -138,6 +138,22 @@ _add(G, ("use_trackio", "trackio_project_name", "trackio_run_name", "trackio_spa
      noted("metrics go to jsonl, and to tensorboard / wandb when asked; this tracker is not one of them"))
 # fmt: on
 
+G = "keys Axolotl's own examples write that its current schema no longer reads"
+_add(
+    G,
+    ("gptq_groupsize", "gptq_model_v1", "base_model_ignore_patterns"),
+    noted("an older Axolotl key (before its transformers-native GPTQ) that Axolotl no longer reads: no effect"),
+)
+_add(
+    G, "adam_eps", noted("Axolotl's older name of adam_epsilon, which it no longer reads: no effect (set adam_epsilon)")
+)
+_add(
+    G,
+    "eta_min",
+    noted("not read by Axolotl (its examples set it): no effect; cosine_min_lr_ratio sets the cosine schedule's floor"),
+)
+_add(G, "test_value", noted("not read by Axolotl (one of its examples sets it): no effect"))
+
 # Keys of a dataset entry that DatasetEntry does not hold: noted (dropped with a notice) or refused
 DATASET_KEY_RULES: dict[str, KeyRule] = {
     **dict.fromkeys(
