@@ -74,6 +74,10 @@ def record(entry: dict[str, Any], index: int) -> dict[str, Any]:
         out[rejected] = {**messages[1], next(iter(messages[1].keys() - {"role", "from"}), "content"): word}
         if kind.startswith("bradley_terry"):
             out["input"], out["chosen"], out["rejected"] = f"Shout {word}", word.upper(), word
+    elif kind.endswith(".ultra"):  # (UltraFeedback's binarized form: each reply a conversation ending in it)
+        user = {"role": "user", "content": f"Shout {word}"}
+        out["chosen"] = [user, {"role": "assistant", "content": word.upper()}]
+        out["rejected"] = [user, {"role": "assistant", "content": word}]
     else:
         out["chosen"], out["rejected"] = word.upper(), word
     return out
