@@ -167,6 +167,16 @@ def prepared(example: Path, bases: TinyBases, folder: Path, steps: int) -> tuple
     return path, f"base {kind}"
 
 
+def ranks_asked(config: dict[str, Any]) -> int:
+    """The world the config's parallel sizes need (dp_shard × dp_replicate × tp × cp; ep within it), 1 if none."""
+    sizes = [int(config.get(key) or 1) for key in
+             ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "context_parallel_size")]  # fmt: skip
+    world = 1
+    for size in sizes:
+        world *= max(size, 1)
+    return max(world, int(config.get("expert_parallel_size") or 1))
+
+
 def run(example: Path, bases: TinyBases, steps: int, timeout: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="axolotl-example-") as scratch:
         folder = Path(scratch)
@@ -175,11 +185,14 @@ def run(example: Path, bases: TinyBases, steps: int, timeout: int) -> dict[str, 
             status = "skipped" if note.startswith("skipped") else "no tiny base"
             return {"status": status, "detail": note}
         env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        ranks = ranks_asked(yaml.safe_load(config.read_text()))  # (the layout the config asks for, as written)
+        world = [f"launch.nproc_per_node={ranks}"] if ranks > 1 else []
+        note = f"{note}, {ranks} ranks" if ranks > 1 else note
         start = time.monotonic()
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "meshkit.cli", "finetune", str(config)], capture_output=True, text=True,
-                timeout=timeout, env=env, cwd=folder,
+                [sys.executable, "-m", "meshkit.cli", "finetune", str(config), *world], capture_output=True,
+                text=True, timeout=timeout, env=env, cwd=folder,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
             return {"status": "failed", "detail": f"no end within {timeout} s", "base": note}

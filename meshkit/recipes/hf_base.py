@@ -131,7 +131,20 @@ def attention_implementation(requested: str | None, device: str = "cpu") -> tupl
         return requested, None
     if requested.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
         return None, f"attn_implementation: {requested} needs flash-attn (a CUDA kernel, not installed): runs {default}"
+    if "/" in requested:  # a hub kernel (`kernels-community/...`): fetched by the kernels package, for CUDA
+        return None, f"attn_implementation: {requested} is a hub kernel (CUDA, fetched online): runs {default}"
+    if requested not in _registered_attention():  # e.g. xformers: Axolotl patches its CUDA kernel in
+        return None, f"attn_implementation: {requested} is not an attention transformers has here: runs {default}"
     return requested, None
+
+
+def _registered_attention() -> set[str]:
+    """The attention implementations transformers runs by name (its registry, with eager)."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        return {"eager", "sdpa"}
+    return {"eager", *AttentionInterface._global_mapping}
 
 
 def model_recipe(settings: Any, attention: str | None = "sdpa") -> tuple[Any, Any]:

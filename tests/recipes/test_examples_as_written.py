@@ -23,6 +23,10 @@ def test_an_attention_kernel_that_cannot_run_here_gives_way_to_the_models_defaul
     assert attention_implementation("sdpa", "cpu") == ("sdpa", None)
     implementation, note = attention_implementation("flash_attention_3", "cpu")
     assert implementation is None and "needs flash-attn" in str(note)  # (flash-attn is not installed here)
+    implementation, note = attention_implementation("xformers", "cpu")  # (Axolotl patches it in: 7 examples)
+    assert implementation is None and "not an attention transformers has here" in str(note)
+    implementation, note = attention_implementation("kernels-community/vllm-flash-attn3", "cuda")
+    assert implementation is None and "hub kernel" in str(note)
 
 
 def test_a_fractional_warmup_is_a_share_and_zero_evaluations_are_none(tmp_path, material) -> None:
