@@ -127,20 +127,55 @@ def prepare_for_qat(model: torch.nn.Module, qat: QATSettings, device: torch.devi
     quantize_(model, linear)
     if qat.quantize_embedding and embedding is not None:
         quantize_(model, embedding, filter_fn=lambda module, _name: isinstance(module, torch.nn.Embedding))
+    for module in model.modules():
+        if _is_low_precision_linear(module):
+            module.forward = partial(_low_precision_forward, module, type(module).forward)  # type: ignore[method-assign]
+
+
+def _is_low_precision_linear(module: torch.nn.Module) -> bool:
+    """torchao's MX / NVFP4 fake-quantized Linear: no quantizer objects (so no switch of their own), and a forward
+    that needs its input and weight in one dtype."""
+    return (
+        isinstance(module, torch.nn.Linear)
+        and hasattr(module, "to_linear")
+        and not hasattr(module, "weight_fake_quantizer")
+    )
+
+
+class _InDtype:
+    """A module's attributes as its forward reads them, with the weight and bias cast to `dtype`."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        self._module, self._dtype = module, dtype
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        return value.to(self._dtype) if name in ("weight", "bias") and value is not None else value
+
+
+def _low_precision_forward(module: torch.nn.Module, forward: Any, x: torch.Tensor) -> torch.Tensor:
+    """The layer's fake-quantized forward, or the plain Linear's while fake quantization is off
+    (`fake_quant_after_n_steps`); under autocast (the run's bf16 / fp16) in the autocast dtype, as the layer
+    itself would run under a bf16 model."""
+    if not module.__dict__.get("fake_quant_enabled", True):
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return forward(module, x)
+    dtype = torch.get_autocast_dtype(kind)
+    with torch.autocast(kind, enabled=False):
+        return forward(_InDtype(module, dtype), x.to(dtype))
 
 
 def _toggle(module: torch.nn.Module, enabled: bool) -> None:
     """Fake quantization on or off: by the quantizers' own switch, or (torchao's MX / NVFP4 linear layers have
-    none) by running the plain Linear forward meanwhile."""
-    quantizers = [getattr(module, name, None) for name in ("weight_fake_quantizer", "activation_fake_quantizer")]
-    switches = [quantizer for quantizer in quantizers if quantizer is not None and hasattr(quantizer, "enabled")]
-    for quantizer in switches:
-        quantizer.enabled = enabled
-    if not switches and isinstance(module, torch.nn.Linear) and hasattr(module, "to_linear"):
-        if enabled:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = partial(torch.nn.Linear.forward, module)  # type: ignore[method-assign]
+    none) by the flag their forward here reads."""
+    for name in ("weight_fake_quantizer", "activation_fake_quantizer"):
+        quantizer = getattr(module, name, None)
+        if quantizer is not None and hasattr(quantizer, "enabled"):
+            quantizer.enabled = enabled
+    if _is_low_precision_linear(module):
+        module.__dict__["fake_quant_enabled"] = enabled
 
 
 def fake_quant_switch(model: torch.nn.Module, qat: QATSettings) -> Callable[[int], None] | None:

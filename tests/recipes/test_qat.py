@@ -96,3 +96,15 @@ def test_tensor_parallel_is_refused_in_one_line(tmp_path, material) -> None:
     job = resolve_finetune(str(write_config(tmp_path / "c.yaml", material, qat=QAT)), [])
     with pytest.raises(FinetuneError, match="qat: torchao's fake-quantized layers do not split over tensor parallel"):
         check_layout(job.resolved.config, Layout(tp=2), job)
+
+
+@pytest.mark.parametrize(("weights", "activations"), [("int4", "int8"), ("mxfp4", "mxfp4"), ("fp8", "fp8")])
+def test_each_combination_runs_under_autocast(weights, activations) -> None:
+    """meshkit's bf16 is autocast over float32 weights: torchao's MX layer (which wants its input and weight in one
+    dtype) runs in the autocast dtype, as under a bf16 model."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    prepare_for_qat(model, QATSettings(weight_dtype=weights, activation_dtype=activations), torch.device("cpu"))
+    with torch.autocast("cpu", torch.bfloat16):
+        out = model(torch.randn(4, 64))
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and bool(model[0].weight.grad.abs().sum() > 0)
