@@ -128,7 +128,7 @@ def prepare_for_qat(model: torch.nn.Module, qat: QATSettings, device: torch.devi
     if qat.quantize_embedding and embedding is not None:
         quantize_(model, embedding, filter_fn=lambda module, _name: isinstance(module, torch.nn.Embedding))
     for module in model.modules():
-        if _is_low_precision_linear(module):
+        if isinstance(module, torch.nn.Linear) and _is_low_precision_linear(module):
             module.forward = partial(_low_precision_forward, module, type(module).forward)  # type: ignore[method-assign]
 
 
@@ -153,7 +153,7 @@ class _InDtype:
         return value.to(self._dtype) if name in ("weight", "bias") and value is not None else value
 
 
-def _low_precision_forward(module: torch.nn.Module, forward: Any, x: torch.Tensor) -> torch.Tensor:
+def _low_precision_forward(module: torch.nn.Linear, forward: Any, x: torch.Tensor) -> torch.Tensor:
     """The layer's fake-quantized forward, or the plain Linear's while fake quantization is off
     (`fake_quant_after_n_steps`); under autocast (the run's bf16 / fp16) in the autocast dtype, as the layer
     itself would run under a bf16 model."""
