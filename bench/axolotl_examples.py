@@ -199,7 +199,8 @@ def run(example: Path, bases: TinyBases, steps: int, timeout: int) -> dict[str, 
         seconds = round(time.monotonic() - start, 1)
         if proc.returncode == 0:
             return {"status": "ok", "detail": note, "seconds": seconds}
-        lines = [line.strip() for line in (proc.stderr + "\n" + proc.stdout).splitlines() if line.strip()]
+        lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip())  # (a launched rank prefixes its lines)
+                 for line in (proc.stderr + "\n" + proc.stdout).splitlines() if line.strip()]  # fmt: skip
         error = re.compile(r"^(meshkit: error|[A-Za-z_.]*(Error|Exception)\b)")
         last = next((line for line in reversed(lines) if error.match(line)), None)
         last = last or (lines[-1] if lines else f"exit {proc.returncode}")

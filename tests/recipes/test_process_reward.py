@@ -133,8 +133,16 @@ def test_two_ranks_equal_one_process(tmp_path, prm_base, zero_stage) -> None:
     assert two["metrics"][-1]["accuracy"] == pytest.approx(one["metrics"][-1]["accuracy"])
 
 
-@pytest.mark.parametrize(("layout", "adapter"), [("tp=2", None), ("cp=2", None), ("pp=2", None), ("pp=2", "lora"),
-                                                 ("zero_stage=3", "lora")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("layout", "adapter"),
+    [
+        pytest.param("tp=2", None, marks=pytest.mark.sweep),
+        ("cp=2", None),
+        pytest.param("pp=2", None, marks=pytest.mark.sweep),
+        ("pp=2", "lora"),
+        pytest.param("zero_stage=3", "lora", marks=pytest.mark.sweep),
+    ],
+)  # fmt: skip  (sweep: `make test-full`; the default suite runs each mechanism once)
 def test_model_parallel_and_lora_equal_one_process(tmp_path, prm_base, layout, adapter) -> None:
     """Every layout splits the head's per-token terms (cp: each rank its chunks; pp: the last stage), evaluation
     included; a LoRA process reward model trains its head whole beside the adapters."""

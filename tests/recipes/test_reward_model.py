@@ -95,7 +95,10 @@ def test_two_ranks_equal_one_process(tmp_path, reward_base, zero_stage) -> None:
     assert two["metrics"][-1]["accuracy"] == pytest.approx(one["metrics"][-1]["accuracy"])
 
 
-@pytest.mark.parametrize("layout", ["tp=2", "cp=2", "pp=2"])
+SWEEP = pytest.mark.sweep  # (`make test-full`: the same mechanism as a layout the default suite runs)
+
+
+@pytest.mark.parametrize("layout", [pytest.param("tp=2", marks=SWEEP), "cp=2", "pp=2"])
 def test_model_parallel_equals_one_process(tmp_path, reward_base, layout) -> None:
     records = bradley_terry_records(8)
     (tmp_path / "one").mkdir()
@@ -133,7 +136,9 @@ def test_a_lora_reward_model_equals_trl_with_the_same_adapter_and_exports_its_he
     assert not torch.allclose(base_scores, merged_scores)  # (the head and adapters trained)
 
 
-@pytest.mark.parametrize("layout", ["zero_stage=3", "tp=2", "pp=2"])
+@pytest.mark.parametrize(
+    "layout", [pytest.param("zero_stage=3", marks=SWEEP), pytest.param("tp=2", marks=SWEEP), "pp=2"]
+)
 def test_a_lora_reward_model_on_two_ranks_equals_one_process(tmp_path, reward_base, layout) -> None:
     records = bradley_terry_records(8)
     (tmp_path / "one").mkdir()
