@@ -126,8 +126,8 @@ class ShardedLoader:
                 return
             if state.get("stream") is not None:
                 warnings.warn(
-                    "the checkpoint's place in the data stream was saved by another data-parallel layout: this rank "
-                    f"reads its share from the start again and skips {state['batches_seen']} batches",
+                    "the checkpoint's place in the data stream is another rank's share: this rank reads its share "
+                    f"from the start again and skips {state['batches_seen']} batches",
                     stacklevel=2,
                 )
             self._skip_batches = int(state["batches_seen"])

@@ -140,9 +140,16 @@ class Checkpoints(EngineComponent):
         # stream's own place is each rank's own (its share of the stream), in its own file.
         first = path / "rank-00000.json"
         positions = (rank_data if self.ctx.info.rank == 0 else None) or _read_json(first)
-        own = (rank_data or {}).get("loaders", [])
+        own = (rank_data or {}).get("loaders", []) if meta.get("layout") == self.ctx.mesh.dims.as_dict() else []
         for index, (loader, state) in enumerate(zip(objects.loaders, positions.get("loaders", []), strict=False)):
             stream = own[index].get("stream") if index < len(own) else None
+            if stream is None and state.get("stream") is not None:
+                warnings.warn(
+                    f"{path} holds each rank's place in its data stream for another layout: this rank reads its "
+                    f"share of the stream from the start again and skips the {state.get('batches_seen', 0)} batches "
+                    "read",
+                    stacklevel=2,
+                )
             loader.load_state_dict({**state, "stream": stream})
         if rank_data is None:
             warnings.warn(

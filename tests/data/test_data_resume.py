@@ -86,7 +86,8 @@ def read_stream(rank: int, options: dict) -> list[list[int]]:
     seen: list[list[int]] = []
     if options.get("load_from"):
         engine.load_state(options["load_from"])
-        seen.append([-loader._resumed_batches])  # (read on from the stream's place: no batch read to be skipped)
+        # (read on from the stream's place, or read again skipping what was read)
+        seen.append([-loader._resumed_batches, loader._skip_batches])
     for batch in loader:
         seen.append(batch["id"].tolist())
         if options.get("save_to") and len(seen) == STOP_AFTER:
@@ -110,7 +111,10 @@ def test_a_stateful_stream_resumes_from_its_own_place(tmp_path) -> None:
     first = run_world(read_stream, 2, {"data": str(data), "save_to": str(directory)}, timeout=120)
     rest = run_world(read_stream, 2, {"data": str(data), "load_from": str(directory)}, timeout=120)
     for rank in range(2):
-        assert rest[rank][0] == [-STOP_AFTER]
+        assert rest[rank][0] == [-STOP_AFTER, 0]
         assert first[rank] + rest[rank][1:] == whole[rank]
         saved = json.loads((directory / f"rank-0000{rank}.json").read_text())["loaders"][0]
         assert saved["batches_seen"] == STOP_AFTER and "stream" in saved  # (this rank's own place)
+    # Another layout: the places are other ranks' shares, so the stream is read again, the batches read skipped
+    alone = run_world(read_stream, 1, {"data": str(data), "load_from": str(directory)}, timeout=120)[0]
+    assert alone[0] == [0, STOP_AFTER]
