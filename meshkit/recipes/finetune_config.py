@@ -245,11 +245,12 @@ def resolve_finetune(
     _exclusive(settings, {**from_file.meshkit, **from_args.meshkit})
     weights = weights_file(settings.base_model)
     # a quantized base (or a reward model's) is loaded by transformers; a plain one streams into this rank's shards
-    derived = {**RECIPE_DEFAULTS, **({} if settings.loads_whole else {"sharding.init_from": str(weights)})}
+    streams = not settings.loads_whole and not settings.reinit_weights  # (reinit: the model's own initialisation)
+    derived = {**RECIPE_DEFAULTS, **({"sharding.init_from": str(weights)} if streams else {})}
     file_values = {**derived, **from_file.meshkit}
     file_labels = {**{key: "finetune default" for key in RECIPE_DEFAULTS}, **from_file.labels}
     _accumulation_from_batch_size(settings, {**file_values, **from_args.meshkit}, file_values, file_labels, sources)
-    if not settings.loads_whole:
+    if streams:
         file_labels.setdefault("sharding.init_from", f"{sources['base_model']} (base_model)")
     flags, labels = launch_flags_from_env(env)
     flags.update(from_args.meshkit)

@@ -146,6 +146,7 @@ class FinetuneSettings(Section):
     bnb_config_kwargs: dict[str, Any] | None = Field(None, description="further BitsAndBytesConfig arguments")
     gptq: bool = Field(False, description="the base is a GPTQ checkpoint (its config.json says how)")
     qat: QATSettings | None = Field(None, description="quantization-aware training (torchao fake quantization)")
+    reinit_weights: bool = Field(False, description="start from the model's own random initialisation, not the weights")
     loraplus_lr_ratio: float | None = Field(None, gt=0, description="LoRA+: lr of the B matrices = ratio × lr")
     unfrozen_parameters: tuple[str, ...] | None = Field(
         None, description="full fine-tune of the parameters matching these regexes only"
@@ -306,6 +307,11 @@ class FinetuneSettings(Section):
             raise ValueError(
                 "qat trains the whole model's full-precision weights through fake quantization: drop adapter and "
                 "load_in_8bit / load_in_4bit / gptq (as Axolotl, QAT goes with neither)"
+            )
+        if self.reinit_weights and self.loads_whole:
+            raise ValueError(
+                "reinit_weights starts a model built here from its own initialisation; a quantized base or a reward "
+                "model's is loaded whole by transformers: drop reinit_weights or the quantization / reward keys"
             )
         if self.gptq and (self.load_in_8bit or self.load_in_4bit or self.adapter == "qlora"):
             raise ValueError("gptq: true loads an already quantized base: drop load_in_8bit / load_in_4bit / qlora")

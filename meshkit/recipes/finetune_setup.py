@@ -82,6 +82,8 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
     if s.qat is not None:  # (before the weights stream in: the swapped layers keep the names)
         prepare_for_qat(base, s.qat, engine.device)
         engine.print(f"meshkit: {s.qat.describe()}")
+    if s.reinit_weights:
+        engine.print("meshkit: reinit_weights: the model starts from its own random initialisation, not the weights")
     tokenizer = load_tokenizer(s)
     note = template_note(s.chat_template)
     if note:

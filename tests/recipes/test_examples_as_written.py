@@ -72,3 +72,27 @@ def test_stepwise_keys_are_read_by_stepwise_entries_and_noted_elsewhere(tmp_path
     job = resolve_finetune(write_config(tmp_path / "a.yaml", material, datasets=[entry]), [], env={})
     assert any("max_completion_length: 64" in note and "no effect here" in note for note in job.notes)
     assert job.settings.datasets[0].max_completion_length is None
+
+
+def test_reinit_weights_starts_from_the_models_own_initialisation(tmp_path, material) -> None:
+    """The checkpoint's weights are not read; the random start is the same on one rank and under ZeRO-3."""
+    job = resolve_finetune(write_config(tmp_path / "r.yaml", material, reinit_weights=True), [], env={})
+    assert job.resolved.config.sharding.init_from is None
+    first_loss = {}
+    for world, extra in ((1, []), (2, ["zero_stage=3"])):
+        (tmp_path / f"w{world}").mkdir()
+        path = write_config(
+            tmp_path / f"w{world}" / "r.yaml",
+            material,
+            reinit_weights=True,
+            max_steps=1,
+            learning_rate=1e-9,
+            micro_batch_size=2 // world,
+        )  # fmt: skip  (the same two samples)
+        summary = run_world(run_finetune, world, str(path), extra, timeout=240)[0]
+        first_loss[world] = summary["losses"][0]
+    (tmp_path / "p").mkdir()
+    plain = run_world(run_finetune, 1, str(write_config(tmp_path / "p" / "p.yaml", material, max_steps=1)), [],
+                      timeout=240)[0]  # fmt: skip
+    assert first_loss[1] == pytest.approx(first_loss[2], rel=1e-5)
+    assert abs(first_loss[1] - plain["losses"][0]) > 1e-3  # (not the checkpoint's weights)

@@ -54,9 +54,12 @@ _add(G, ("device", "device_map", "model_kwargs", "overrides_of_model_kwargs", "c
      noted("loading details: meshkit places each weight for the layout, new embedding rows start at the mean"))
 _add(G, ("model_quantization_config", "model_quantization_config_kwargs"),
      refused("quantize the base with load_in_4bit / load_in_8bit (bitsandbytes) or gptq: true"))
-_add(G, ("reinit_weights", "added_tokens_overrides", "tokenizer_use_mistral_common", "fix_untrained_tokens",
-         "processor_kwargs"),
+_add(G, "reinit_weights", honoured("the model starts from its own random initialisation (seeded, the same in every "
+                                   "layout) instead of the checkpoint's weights"))
+_add(G, ("added_tokens_overrides", "fix_untrained_tokens", "processor_kwargs"),
      refused("not supported: start from a base that holds the weights and tokens you want, then remove the key"))
+_add(G, "tokenizer_use_mistral_common", refused("Mistral's own tokenizer library (mistral-common) is not supported "
+                                                "yet: drop the key to use the checkpoint's transformers tokenizer"))
 
 G = "further adapter keys"
 _add(G, ("lora_rank_pattern", "lora_alpha_pattern", "peft_layers_pattern"),
