@@ -66,7 +66,12 @@ def record(entry: dict[str, Any], index: int) -> dict[str, Any]:
     messages = _messages(entry, word, index)
     field_messages = entry.get("field_messages") or ("conversations" if kind == "sharegpt" else "messages")
     out[field_messages] = messages
-    if kind.startswith("chat_template.") or kind.startswith("bradley_terry"):  # preference: replies as messages
+    if kind in ("chat_template.argilla", "chat_template.argilla_chat"):  # (whole conversations per reply)
+        user = {"role": "user", "content": f"Shout {word}"}
+        out["prompt"] = user["content"]
+        out["chosen"] = [user, {"role": "assistant", "content": word.upper()}]
+        out["rejected"] = [user, {"role": "assistant", "content": word}]
+    elif kind.startswith("chat_template.") or kind.startswith("bradley_terry"):  # preference: replies as messages
         chosen = entry.get("field_chosen") or "chosen"
         rejected = entry.get("field_rejected") or "rejected"
         out[field_messages] = messages[:1]

@@ -160,6 +160,10 @@ def test_axolotls_ray_keys_choose_the_ray_launch_backend(tmp_path, material) -> 
         ({"processor_type": "AutoProcessor"}, "processor_type: 'AutoProcessor' .*multimodal processors"),
         ({"rl": "grpo"}, "rl: grpo is online RL .* train offline preference data with dpo, ipo, kto, orpo or simpo"),
         ({"rl": "ebft"}, "rl: ebft is online RL"),
+        (
+            {"tokens": {"bos_token": "<s>"}},
+            "tokens: lists tokens to add; bos_token, eos_token, ... go under special_tokens",
+        ),
         ({"rl": "xpo"}, "'rl'.*'dpo', 'ipo', 'kto', 'orpo' or 'simpo'"),
         ({"process_reward_model": True}, "a process reward model reads type: stepwise_supervised datasets"),
         ({"reward_model": True, "rl": "dpo"}, "reward_model: true trains a sequence-classification model .* drop rl"),

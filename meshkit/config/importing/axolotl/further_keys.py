@@ -144,7 +144,7 @@ _add(G, ("use_trackio", "trackio_project_name", "trackio_run_name", "trackio_spa
 G = "keys Axolotl's own examples write that its current schema no longer reads"
 _add(
     G,
-    ("gptq_groupsize", "gptq_model_v1", "base_model_ignore_patterns"),
+    ("gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama", "base_model_ignore_patterns"),
     noted("an older Axolotl key (before its transformers-native GPTQ) that Axolotl no longer reads: no effect"),
 )
 _add(
