@@ -15,22 +15,7 @@ from meshkit.recipes.lora_init import LoraInitError, changes_base, lora_init_mod
 from meshkit.recipes.optimizers import OPTIMIZERS
 from meshkit.recipes.qat import QATSettings
 from meshkit.recipes.schedules import SCHEDULERS
-
-
-class LoftQBits(Section):
-    loftq_bits: int = Field(4, description="bits of LoftQ's quantization of the base (peft's LoftQConfig)")
-
-
-class PeftBlock(Section):
-    loftq_config: LoftQBits | None = Field(
-        None, description="LoftQ: the base quantized, the adapters start from the error"
-    )
-
-
-class LrGroup(Section):
-    name: str = Field(description="the group's name")
-    modules: tuple[str, ...] = Field(description="parameter-name parts: matrices whose names hold one join the group")
-    lr: float = Field(gt=0, description="the group's learning rate")
+from meshkit.recipes.settings_blocks import LrGroup, PeftBlock
 
 
 class FinetuneSettings(Section):
