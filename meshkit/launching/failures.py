@@ -20,6 +20,10 @@ from meshkit.core.errors import one_line
 # What the agent sends the others after a failure (its SIGKILL comes only 30 s later, and the supervisor's
 # own kills are known by pid): a tie between exits seen in one poll goes to the rank that did not get it.
 _AGENT_STOP = {signal.SIGTERM.value}
+# A SIGKILLed process shows as exited only once the kernel has torn down its memory (for a rank holding torch,
+# up to a few hundred ms on a loaded host), while its peers see its sockets close at once and may report
+# their error first: its death counts as this much earlier than it was seen.
+KILL_TEARDOWN_S = 0.5
 
 
 class ExitClock(Protocol):
@@ -55,6 +59,8 @@ def root_cause(
         recorded = os.stat(failure.error_file).st_mtime_ns / 1e9 if _recorded(failure) else float("inf")
         seen = supervisor.exit_time(failure.pid) if supervisor is not None else None
         if seen is not None and supervisor is not None and failure.pid not in supervisor.killed:
+            if failure.exitcode == -signal.SIGKILL.value:
+                seen -= KILL_TEARDOWN_S
             return seen, stopped, consequence, recorded, rank  # exits seen in one poll tie on time
         if timed:  # the supervisor saw other exits but not this one: it ended after them
             return float("inf"), stopped, consequence, recorded, rank

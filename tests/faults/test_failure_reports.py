@@ -134,3 +134,33 @@ def test_a_dead_node_is_not_counted_as_present(tmp_path) -> None:
     assert node0.returncode != 0
     last = err.strip().splitlines()[-1]
     assert "expected 2 nodes, 1 alive (node 1 stopped responding" in last, err[-3000:]
+
+
+class _Clock:
+    """An exit clock that saw each pid's exit at a given time."""
+
+    def __init__(self, seen: dict[int, float]) -> None:
+        self.seen, self.killed = seen, set()
+
+    def refresh(self) -> None:
+        pass
+
+    def exit_time(self, pid: int) -> float | None:
+        return self.seen.get(pid)
+
+
+def test_a_sigkilled_rank_seen_after_its_peers_error_is_still_the_root_cause(tmp_path) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from meshkit.launching.failures import KILL_TEARDOWN_S, failure_report
+
+    def failure(rank: int, exitcode: int) -> ProcessFailure:
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(tmp_path / "none"))
+
+    failures = {0: failure(0, 1), 3: failure(3, -9)}
+    # the peer's error was seen one poll before the killed rank's exit became visible
+    line, _ = failure_report(failures, 0, _Clock({100: 10.0, 103: 10.05}))
+    assert line.startswith("rank 3 (local rank 3) was killed by signal SIGKILL"), line
+    # an error well before a SIGKILL (the launcher did not send it) is still the first failure
+    line, code = failure_report(failures, 0, _Clock({100: 10.0, 103: 10.0 + 2 * KILL_TEARDOWN_S}))
+    assert line.startswith("rank 0 (local rank 0, exit code 1)") and code == 1, line
