@@ -5,7 +5,6 @@ model type their checkpoints hold. Used by the benches that sweep models (`bench
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,15 @@ TINY_SIZES: dict[str, Any] = {
     "v_head_dim": 8,
     "n_group": 1,
     "topk_group": 1,
+    "num_kv_shared_layers": 0,  # (Gemma-3n/4: later layers reuse earlier layers' caches)
+    # vision and audio towers of a multimodal checkpoint (built, never run by text data)
+    "vision_output_dim": 32,
+    "projector_input_dim": 32,
+    "projector_output_dim": 32,
+    "out_hidden_size": 32,
+    "image_size": 32,
+    "patch_size": 8,
+    "num_channels": 3,
 }
 
 # fragments of hub names (lower case) -> the model type the checkpoint's config.json names; first match wins
@@ -46,14 +54,19 @@ HUB_TYPES: tuple[tuple[str, str], ...] = (
     ("qwen2-moe", "qwen2_moe"),
     ("qwen", "qwen2"),
     ("skywork-reward-v2-qwen3", "qwen3"),
-    ("llama-4", "llama4_text"),
+    ("llama-4", "llama4"),
     ("mixtral", "mixtral"),
+    ("mistral-small-4", "mistral3"),
+    ("mistral-medium-3", "mistral3"),
     ("mistral", "mistral"),
     ("ministral", "mistral"),
     ("magistral", "mistral"),
     ("devstral", "mistral"),
     ("gemma-3n", "gemma3n_text"),
-    ("gemma-3", "gemma3_text"),
+    ("gemma-3-1b", "gemma3_text"),
+    ("gemma-3-270m", "gemma3_text"),
+    ("gemma-3", "gemma3"),
+    ("gemma-4", "gemma4"),
     ("gemma-2", "gemma2"),
     ("gemma", "gemma"),
     ("phi-3", "phi3"),
@@ -114,40 +127,72 @@ def hub_type(name: str) -> str | None:
 
 def tiny_config(model_type: str, vocab_size: int, **overrides: Any) -> Any:
     """The default config of `model_type` shrunk: every size attribute it has set to TINY_SIZES', the vocabulary to
-    `vocab_size`, per-layer lists cut to the layer count, dropout off."""
+    `vocab_size`, per-layer lists cut to the layer count (each kind of layer kept, with its per-layer sizes), dropout
+    off; a multimodal config's text, vision and audio configs each shrunk so."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(model_type)
-    sizes = dict(TINY_SIZES)
-    if getattr(config, "num_key_value_heads", None) == getattr(config, "num_attention_heads", 0):
-        sizes["num_key_value_heads"] = sizes["num_attention_heads"]  # multi-head (MLA, e.g.) stays so
-    for name, value in {**sizes, "vocab_size": vocab_size, **overrides}.items():
-        if hasattr(config, name):
-            _set(config, name, value)
-    layers = getattr(config, "num_hidden_layers", None)
+    values = AutoConfig.for_model(model_type).to_dict()
+    shrunk = _shrunk(values, {**TINY_SIZES, "vocab_size": vocab_size, "vocab_size_per_layer_input": vocab_size,
+                              "hidden_size_per_layer_input": 8, **overrides})  # fmt: skip
+    shrunk.pop("model_type", None)
+    return AutoConfig.for_model(model_type, **shrunk)
+
+
+def _shrunk(values: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
+    out = {k: _shrunk(v, sizes) if isinstance(v, dict) and "model_type" in v else v for k, v in values.items()}
+    if out.get("num_key_value_heads") == out.get("num_attention_heads"):
+        sizes = {**sizes, "num_key_value_heads": sizes["num_attention_heads"]}  # multi-head (MLA, e.g.) stays so
+    out.update({name: value for name, value in sizes.items() if isinstance(out.get(name), int)})
+    layers = out.get("num_hidden_layers")
+    kinds_of = values.get("layer_types")
+    for name, value in list(out.items()):  # anything given per layer (Gemma-3n's sparsity), cut to the tiny layers
+        if layers and isinstance(value, list) and len(value) == values.get("num_hidden_layers"):
+            out[name] = [sizes[name]] * layers if name in sizes else value[:layers]
     for name in ("layer_types", "layers_block_type", "mlp_only_layers"):
-        value = getattr(config, name, None)
-        if isinstance(value, list) and layers:
-            _set(config, name, (value * layers)[:layers] if value else value)
+        value = out.get(name)
+        if isinstance(value, list) and value and layers:
+            kinds = list(dict.fromkeys(value)) if all(isinstance(v, str) for v in value) else value
+            out[name] = (kinds * layers)[:layers] if len(kinds) <= layers else value[:layers]
+    if isinstance(out.get("per_layer_config"), dict) and isinstance(kinds_of, list) and layers:
+        out["per_layer_config"] = _per_layer(values, out, sizes)
     for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
-        if isinstance(getattr(config, name, None), float):
-            _set(config, name, 0.0)
-    return config
+        if isinstance(out.get(name), float):
+            out[name] = 0.0
+    return out
 
 
-def _set(config: Any, name: str, value: Any) -> None:
-    with contextlib.suppress(AttributeError):  # a derived property (computed from other sizes): the config's
-        setattr(config, name, value)
+def _per_layer(values: dict[str, Any], out: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
+    """Per-layer overrides for the tiny layers: each takes the first original layer of its kind's, its sizes scaled
+    as the global ones were (Gemma 4's full-attention layers: twice the head size)."""
+    originals = {int(index): entry for index, entry in values["per_layer_config"].items()}
+    first_of = {}
+    for index, kind in enumerate(values["layer_types"]):
+        first_of.setdefault(kind, originals.get(index))
+    tiny = {}
+    for index, kind in enumerate(out["layer_types"]):
+        entry = first_of.get(kind)
+        if entry:
+            tiny[str(index)] = {
+                name: max(1, value * out[name] // values[name])
+                if isinstance(value, int) and isinstance(values.get(name), int) and name in sizes else value
+                for name, value in entry.items()
+            }  # fmt: skip
+    return tiny
 
 
 def save_tiny_model(model_type: str, tokenizer: Any, out: Path, head: str = "AutoModelForCausalLM") -> Path:
     """A tiny random `head` model of `model_type` with `tokenizer`, written in save_pretrained layout."""
     import torch
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = tiny_config(model_type, len(tokenizer))
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        setattr(config, name, getattr(tokenizer, name))
+    for part in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            setattr(part, name, getattr(tokenizer, name))
+    if head == "AutoModelForCausalLM" and (model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or
+                                           getattr(config, "vision_config", None) is not None):  # fmt: skip
+        head = "AutoModelForImageTextToText"  # a multimodal checkpoint, as published (vision tower and all)
     torch.manual_seed(0)
     model = getattr(transformers, head).from_config(config, dtype=torch.float32)
     model.save_pretrained(out)

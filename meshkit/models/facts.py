@@ -90,6 +90,8 @@ class ModelStructure:
     notes: dict[str, str] = field(default_factory=dict)  # layout -> why this model cannot run it
     moe: tuple[ExpertFacts, ...] = ()  # mixture-of-experts blocks, in block order (empty: a dense model)
     router_loss: RouterLoss | None = None
+    # modules with weights that text batches never run: a multimodal model's vision or audio encoder and projector
+    towers: tuple[str, ...] = ()
 
     @property
     def expert_parameters(self) -> tuple[str, ...]:

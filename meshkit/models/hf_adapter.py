@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshkit.models.blocks import BlockList, block_units, find_blocks
+from meshkit.models.blocks import BlockError, BlockList, block_units, find_blocks
 from meshkit.models.experts import describe_experts, router_loss
 from meshkit.models.facts import AttentionFacts, ModelStructure, StructureError, takes_argument, tied_parameters
 
@@ -157,6 +157,38 @@ def _classifier(model: Any, base: nn.Module) -> str | None:
     return heads[0] if len(heads) == 1 else None
 
 
+def _text_blocks(model: Any, names: dict[int, str], blocks_override: str | None) -> tuple[str, BlockList]:
+    """The decoder layers: searched inside the model's decoder (`get_decoder()`) first, so that a multimodal
+    model's vision encoder layers are never taken for them."""
+    if blocks_override is None:
+        try:
+            decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+        except (AttributeError, NotImplementedError, ValueError):
+            decoder = None
+        if isinstance(decoder, nn.Module) and decoder is not model and id(decoder) in names:
+            try:
+                path, blocks = find_blocks(decoder)
+            except BlockError:
+                pass
+            else:
+                return ".".join(part for part in (names[id(decoder)], path) if part), blocks
+    return find_blocks(model, blocks_override)
+
+
+def _towers(model: nn.Module, names: dict[int, str], base_name: str, head: str | None) -> tuple[str, ...]:
+    """Modules with weights beside the path from the model to its text model (a multimodal model's vision or
+    audio encoder and projector): text batches never run them."""
+    out, parent, parts = [], model, base_name.split(".") if base_name else []
+    for depth in range(len(parts)):
+        on_path = parent.get_submodule(parts[depth])
+        for child in parent.children():
+            name = names[id(child)]
+            if child is not on_path and name != head and next(child.parameters(), None) is not None:
+                out.append(name)
+        parent = on_path
+    return tuple(out)
+
+
 def describe(model: Any, blocks_override: str | None) -> ModelStructure:
 
     version = int(str(getattr(sys.modules.get("transformers"), "__version__", "5")).split(".")[0])
@@ -166,8 +198,8 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
         )
     config = model.config
     family = str(getattr(config, "model_type", type(model).__name__))
-    path, blocks = find_blocks(model, blocks_override)
     names = {id(module): name for name, module in model.named_modules()}
+    path, blocks = _text_blocks(model, names, blocks_override)
     # the module that holds the blocks beside the embeddings and final norm (the model's base_model; Llama 4's
     # text model is not under the name its base_model_prefix gives)
     base_name = path.rpartition(".")[0]
@@ -188,7 +220,10 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and head is not base and id(head) in names:
         last.append(names[id(head)])
-    causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    # a multimodal model trained on text (Gemma 3's ForConditionalGeneration) is a causal LM with towers beside it
+    causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) and not getattr(
+        config, "is_encoder_decoder", False
+    )
     classifier = _classifier(model, base)
     if classifier is not None:
         last.append(classifier)
@@ -219,4 +254,5 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
         vocabulary=tuple(dict.fromkeys(vocabulary)),
         moe=moe,
         router_loss=router_loss(config, moe),
+        towers=_towers(model, names, base_name, names.get(id(head)) if head is not None else None),
     )

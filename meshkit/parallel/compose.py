@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from meshkit.config.schema import RunConfig
+from meshkit.config.schema import DDPConfig, RunConfig
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.parallel.activation import CheckpointedBlock, apply_activation_checkpointing
 from meshkit.parallel.compile import apply_compile
@@ -143,7 +143,7 @@ def _parallelize_one(
         if tp > 1 or in_pipeline:
             result.needs_gradient_reduce = True
         else:
-            model = apply_ddp(model, mesh, config.ddp, ignored=result.experts)
+            model = apply_ddp(model, mesh, _ddp_settings(config, model, structure), ignored=result.experts)
             if config.ddp.static_graph and config.grad_accum_steps > 1:
                 result.notice = (
                     f"meshkit: ddp.static_graph with grad_accum_steps={config.grad_accum_steps}: gradients are "
@@ -154,6 +154,15 @@ def _parallelize_one(
         autocast_forward(model, config.precision, mesh.device.type)
     result.model = model
     return result
+
+
+def _ddp_settings(config: RunConfig, model: nn.Module, structure: ModelStructure) -> DDPConfig:
+    """`ddp:` as given, but looking for unused parameters where trainable encoders sit beside the text model (a
+    multimodal model's vision tower gets no gradient from a text batch)."""
+    towers = [param for name in structure.towers for param in model.get_submodule(name).parameters()]
+    if config.ddp.find_unused_parameters or not any(param.requires_grad for param in towers):
+        return config.ddp
+    return config.ddp.model_copy(update={"find_unused_parameters": True})
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -14,7 +14,7 @@ import json
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -160,8 +160,8 @@ def load_safetensors(
     parameters with one row per token; where the model has more rows than the file (tokens added to the
     tokenizer), the extra rows start as the mean of the file's rows (transformers' resize_token_embeddings).
     """
-    files = safetensors_files(source)
     targets = model.state_dict(keep_vars=True)  # parameters and persistent buffers, as the model holds them
+    files, file_keys = _as_model_names(model, safetensors_files(source), targets)
     aliases = aliases or {}
     stored_as = {}
     for name in targets:
@@ -171,6 +171,10 @@ def load_safetensors(
             stored_as[name] = stored if stored in files or tied not in files else tied
     missing = sorted(name for name, stored in stored_as.items() if stored not in files)
     converted = _converted(model, files, missing, stored_as)
+    for name in missing:  # a tied weight whose one copy the file holds under an older name (Gemma 3's multimodal
+        tied = base_checkpoint_name(aliases.get(name, name))  # checkpoints: language_model.model.embed_tokens)
+        if stored_as[name] not in converted and tied in converted:
+            stored_as[name] = tied
     missing = [name for name in missing if stored_as[name] not in converted]
     used = set(stored_as.values()) | {key for parts in converted.values() for key, _ in parts}
     unexpected = [] if stage_only else sorted(set(files) - used)
@@ -186,17 +190,43 @@ def load_safetensors(
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as handle:
             for name in names:
-                _fill(targets[name], name, handle.get_tensor(stored_as[name]), file.name, vocabulary, split_weights)
+                full = handle.get_tensor(file_keys.get(stored_as[name], stored_as[name]))
+                _fill(targets[name], name, full, file.name, vocabulary, split_weights)
     for name, stored in stored_as.items():
         if stored in converted:  # merged from several tensors, as transformers' from_pretrained does
-            full = converted.conversion.tensor(stored, converted[stored], lambda key: _read(files[key], key))
+            full = converted.conversion.tensor(
+                stored, converted[stored], lambda key: _read(files[key], file_keys.get(key, key))
+            )
             _fill(targets[name], name, full, "the merged checkpoint tensors", vocabulary, split_weights)
     init = getattr(model, "init_module", None) or hf_adapter.module_initializer(model)
     for name, module in model.named_modules():
         _reset_adapters(name, module)
-        owns_parameters = any(True for _ in module.parameters(recurse=False))
-        if init and module._non_persistent_buffers_set and not owns_parameters:  # e.g. RoPE tables
-            init(name, module)
+        if init and module._non_persistent_buffers_set:  # RoPE tables; Gemma's embedding scale beside its weight
+            _recompute_buffers(init, name, module)
+
+
+@torch.no_grad()
+def _recompute_buffers(init: Any, name: str, module: nn.Module) -> None:
+    """The module's buffers that no checkpoint holds, recomputed by the model's own initialisation; the weights
+    the module owns (just loaded) are kept."""
+    loaded = {key: param.detach().clone() for key, param in module.named_parameters(recurse=False)}
+    init(name, module)
+    for key, param in module.named_parameters(recurse=False):
+        param.copy_(loaded[key])
+
+
+def _as_model_names(
+    model: nn.Module, files: dict[str, Path], targets: dict[str, torch.Tensor]
+) -> tuple[dict[str, Path], dict[str, str]]:
+    """(files by the names the model reads, those names -> the file's own). The model may be one part of the
+    checkpoint's model — Llama 4's language model in a multimodal checkpoint, its tensors under `language_model.`
+    (its base_model_prefix), as transformers' from_pretrained reads them: then only that part's tensors count."""
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    names = {base_checkpoint_name(name) for name in targets if not is_adapter_parameter(name)}
+    if prefix == "." or names & files.keys() or not any(prefix + name in files for name in names):
+        return files, {}
+    inner = {key[len(prefix) :]: key for key in files if key.startswith(prefix)}
+    return {name: files[key] for name, key in inner.items()}, inner
 
 
 class _Converted(dict):

@@ -15,6 +15,7 @@ from meshkit.core.errors import MeshkitError
 from meshkit.data.chat_templates import template_note
 from meshkit.engine.engine import Engine
 from meshkit.models.quantized import parameter_count
+from meshkit.models.structure import describe
 from meshkit.parallel.materialize import reset_adapters
 from meshkit.recipes.finetune_config import FinetuneJob
 from meshkit.recipes.hf_base import (
@@ -24,6 +25,7 @@ from meshkit.recipes.hf_base import (
     grow_vocabulary,
     load_model,
     load_tokenizer,
+    loaded_as_note,
     weights_file,
 )
 from meshkit.recipes.lora import AdapterExport, apply_lora
@@ -91,6 +93,10 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
     if s.reward_model:  # (the head reads each row's last token that is not padding)
         config: Any = base.config
         config.pad_token_id = tokenizer.pad_token_id
+    loaded_as = loaded_as_note(s, base)
+    if loaded_as:
+        engine.print(f"meshkit: {loaded_as}")
+    freeze_towers(engine, base)
     added = add_tokens(tokenizer, s)
     rows = grow_vocabulary(base, len(tokenizer))
     if added:
@@ -98,6 +104,22 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
         frozen = " (frozen under LoRA: merged/ holds them)" if s.adapter and not s.lora_modules_to_save else ""
         engine.print(f"meshkit: added tokens {added}{grown if len(tokenizer) > rows else ''}{frozen}")
     return base, tokenizer, attention
+
+
+def freeze_towers(engine: Engine, base: torch.nn.Module) -> None:
+    """A multimodal base trained on text: its vision/audio encoders never run, so they are frozen (exported as
+    loaded) instead of holding optimizer state and unused gradients."""
+    towers = describe(base).towers
+    if not towers:
+        return
+    count = 0
+    for name in towers:
+        for param in base.get_submodule(name).parameters():
+            param.requires_grad_(False)
+            count += param.numel()
+    engine.print(
+        f"meshkit: text data never runs {', '.join(towers)} ({count:,} parameters): frozen, exported as loaded"
+    )
 
 
 def adapt(job: FinetuneJob, base: torch.nn.Module, tokenizer: Any, attention: str | None) -> FinetuneModel:

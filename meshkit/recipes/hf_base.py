@@ -158,10 +158,6 @@ def model_recipe(settings: Any, attention: str | None = "sdpa") -> tuple[Any, An
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as err:
         raise BaseModelError(f"cannot read config.json in '{directory}': {str(err).splitlines()[0]}") from None
-    for key, value in (settings.overrides_of_model_config or {}).items():
-        setattr(config, key, value)
-    config._attn_implementation = attention
-    config.use_cache = False  # training: packed rows keep attention inside each sample
     kind = settings.model_type
     if getattr(settings, "reward_model", False):  # a sequence-classification head with one output
         kind = kind if kind.endswith("ForSequenceClassification") else "AutoModelForSequenceClassification"
@@ -169,20 +165,55 @@ def model_recipe(settings: Any, attention: str | None = "sdpa") -> tuple[Any, An
     if getattr(settings, "process_reward_model", False):  # a token-classification head: each step wrong or right
         kind = kind if kind.endswith("ForTokenClassification") else "AutoModelForTokenClassification"
         config.num_labels = 2
-    model_class = getattr(transformers, kind, None)
+    model_class = getattr(transformers, text_model_class(kind, config), None)
     if model_class is None or not hasattr(model_class, "from_pretrained"):
         raise BaseModelError(f"model_type '{kind}' is not a transformers model class (e.g. AutoModelForCausalLM)")
+    wanted = getattr(model_class, "config_class", None)
+    if isinstance(wanted, type) and not isinstance(config, wanted) and isinstance(config.get_text_config(), wanted):
+        config = config.get_text_config()  # a multimodal checkpoint's language model: its own (text) config
+    for key, value in (settings.overrides_of_model_config or {}).items():
+        setattr(config, key, value)
+    config._attn_implementation = attention
+    config.use_cache = False  # training: packed rows keep attention inside each sample
     return model_class, config
+
+
+def loaded_as_note(settings: Any, model: nn.Module) -> str | None:
+    """One line when the class trained is not the multimodal class `model_type` named (`text_model_class`)."""
+    asked, loaded = str(settings.model_type), type(model).__name__
+    if asked.startswith("Auto") or asked == loaded or not asked.endswith("ForConditionalGeneration"):
+        return None
+    return (f"model_type {asked} on text data trains its language model, {loaded} (text batches never run the "
+            "vision tower; the export holds the language model)")  # fmt: skip
+
+
+def text_model_class(kind: str, config: Any) -> str:
+    """The class that trains `config`'s checkpoint on text, for the `model_type` asked: a multimodal checkpoint that
+    transformers maps to no causal LM (Mistral 3) loads as Axolotl loads it, image-text-to-text; one it maps to a
+    causal LM loads as that (Llama 4: its language model, Llama4ForCausalLM) when the multimodal class is asked by
+    name — text batches never run the vision tower."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = str(getattr(config, "model_type", ""))
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if kind == "AutoModelForCausalLM" and causal is None and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return "AutoModelForImageTextToText"
+    if kind == MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type) and causal and causal.endswith("ForCausalLM"):
+        return causal
+    return kind
 
 
 def _causal_lm(model: Any, settings: Any) -> nn.Module:
     model.config.use_cache = False
-    heads: tuple[str, ...] = ("ForCausalLM", "LMHeadModel")
+    heads: tuple[str, ...] = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")  # (a multimodal LM on text)
     if getattr(settings, "reward_model", False):
         heads = ("ForSequenceClassification",)
     if getattr(settings, "process_reward_model", False):
         heads = ("ForTokenClassification",)
-    if not type(model).__name__.endswith(heads):
+    if not type(model).__name__.endswith(heads) or getattr(model.config, "is_encoder_decoder", False):
         directory = settings.base_model_config or settings.base_model
         raise BaseModelError(f"meshkit finetune trains causal LMs; '{directory}' builds {type(model).__name__}")
     return model
@@ -243,9 +274,11 @@ def generate_samples(
 ) -> list[dict[str, Any]]:
     """Greedy answers of the exported model to a few tokenized prompts (one process, CPU); `stop`: token ids
     that end an answer besides the EOS (end-of-turn tokens)."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    model_class = getattr(transformers, text_model_class("AutoModelForCausalLM", config))
+    model = model_class.from_pretrained(model_dir, local_files_only=True)
     model.eval()
     out = []
     for prompt in prompts:

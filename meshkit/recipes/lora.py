@@ -61,7 +61,8 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
 
 def linear_targets(model: nn.Module) -> list[str]:
     """`lora_target_linear`: every Linear layer but the output head (or a classification head: a reward model's
-    trains whole, as peft's classification tasks save it), by name — and nothing else. (peft's own "all-linear"
+    trains whole, as peft's classification tasks save it) and a multimodal model's encoders, by name — and nothing
+    else. (peft's own "all-linear"
     also wraps the fused expert banks of a mixture-of-experts model, which only lora_target_parameters asks for.)
     Layer names where they name Linear layers only; full paths otherwise."""
     from transformers.pytorch_utils import Conv1D  # (GPT-2's linear layers)
@@ -69,13 +70,19 @@ def linear_targets(model: nn.Module) -> list[str]:
     kinds = (nn.Linear, Conv1D)
     outputs: Any = getattr(model, "get_output_embeddings", None)
     head = outputs() if callable(outputs) else None
-    classifier = describe(model).classifier
-    if classifier is not None:
-        head = model.get_submodule(classifier)
-    linear = [name for name, module in model.named_modules() if isinstance(module, kinds) and module is not head]
+    structure = describe(model)
+    if structure.classifier is not None:
+        head = model.get_submodule(structure.classifier)
+
+    def in_tower(name: str) -> bool:  # (a multimodal model's encoders: text batches never run them)
+        return any(name == tower or name.startswith(tower + ".") for tower in structure.towers)
+
+    linear = [name for name, module in model.named_modules()
+              if isinstance(module, kinds) and module is not head and not in_tower(name)]  # fmt: skip
     if not linear:
         raise LoraSetupError("lora_target_linear: the model has no Linear layer besides its head")
-    others = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if not isinstance(module, kinds)}
+    others = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+              if not isinstance(module, kinds) or in_tower(name)}  # fmt: skip
     short = {name.rsplit(".", 1)[-1] for name in linear}
     head_name = next((name for name, module in model.named_modules() if module is head), None)
     if short & others or (head_name is not None and head_name.rsplit(".", 1)[-1] in short):

@@ -257,8 +257,10 @@ GROUPS = {
         "falcon": ["cp2", "pp2_1f1b"],
         "nemotron": ["tp2_sp", "pp2_tp2_sp"],
     },
-    # blocks that return tuples in a pipeline (Bloom, Falcon); Bloom's embedding norm belongs to the first stage
-    "bloom": {"bloom": ["pp2_1f1b", "cp2"]},
+    # blocks that return tuples in a pipeline (Bloom, Falcon); Bloom's embedding norm belongs to the first stage.
+    # Gemma 3 as published, a multimodal model on text batches: its vision tower (more layers than the text model)
+    # gets no gradient, in every layout
+    "bloom-gemma3_vision": {"bloom": ["pp2_1f1b", "cp2"], "gemma3_vision": [*MATRIX, "ddp4", "zero3_4"]},
 }
 TESTED = {family: layouts for group in GROUPS.values() for family, layouts in group.items()}
 # (family, layout) -> the words of meshkit's one-line refusal; every other cell must match the reference

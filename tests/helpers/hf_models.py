@@ -11,8 +11,9 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, POSITIONS = 64, 32, 4, 2, 4, 64
 # configs of their own shape, outside the FAMILIES every structure test runs: OPT (its final norm registered before
 # its layers, tokens flattened in its MLP), GPT-J (fc_in/fc_out/out_proj), Falcon (attention computed in the model,
-# blocks that return tuples), Bloom (an embedding norm before its blocks, blocks that return tuples)
-OTHER_FAMILIES = ("opt", "gptj", "falcon", "bloom")
+# blocks that return tuples), Bloom (an embedding norm before its blocks, blocks that return tuples), Gemma 3 as
+# published (Gemma3ForConditionalGeneration: a vision tower with layers of its own beside the language model)
+OTHER_FAMILIES = ("opt", "gptj", "falcon", "bloom", "gemma3_vision")
 WINDOW = 6  # sliding window of the families that have one (gemma2 and gemma3 alternate windowed and full layers)
 WINDOWED = ("mistral", "gemma2", "gemma3")
 FAMILIES = (
@@ -101,6 +102,18 @@ def _other(family: str, overrides: dict[str, Any]) -> Any:
         settings = dict(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS, hidden_dropout=0.0,
                         attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
         return transformers.BloomConfig(**{**settings, **overrides})
+    if family == "gemma3_vision":
+        overrides = dict(overrides)
+        text = overrides.pop("text_config", None) or config("gemma3").to_dict()
+        vision = dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=LAYERS + 2,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=8,
+        )  # fmt: skip (more layers than the text: never taken for blocks)
+        return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, **overrides)
     settings = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                     new_decoder_architecture=True, num_kv_heads=KV_HEADS, pad_token_id=0, bos_token_id=1,
                     eos_token_id=2)  # fmt: skip

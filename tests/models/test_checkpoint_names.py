@@ -1,5 +1,6 @@
 """A checkpoint in the hub's layout (one tensor per expert: `block_sparse_moe.experts.3.w1.weight`) loads into
-transformers 5's fused expert banks through meshkit's streaming loader exactly as from_pretrained loads it."""
+transformers 5's fused expert banks through meshkit's streaming loader exactly as from_pretrained loads it; a model
+built on the meta device and streamed computes what from_pretrained's does."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from meshkit.models.facts import tied_parameters
 from meshkit.parallel.materialize import MaterializeError, materialize
+from tests.helpers.hf_models import FAMILIES, causal_lm, config
 from tests.helpers.moe_models import moe_causal_lm, moe_config, transformers
 
 
@@ -33,3 +36,18 @@ def test_a_checkpoint_of_another_model_is_still_one_line(tmp_path) -> None:
         model = transformers.AutoModelForCausalLM.from_config(moe_config("qwen3_moe"), dtype=torch.float32)
     with pytest.raises(MaterializeError, match="does not match the model: missing .* unexpected"):
         materialize(model, torch.device("cpu"), tmp_path / "model.safetensors")
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma3_vision"])
+def test_a_model_streamed_from_meta_computes_what_from_pretrained_loads(tmp_path, family: str) -> None:
+    """Weights, and the buffers no checkpoint holds (rotary tables; Gemma 3's embedding scale, a buffer beside the
+    embedding's weight); Gemma 3 as published also keeps its tied head in the checkpoint's older names."""
+    causal_lm(family, seed=3).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config(family), dtype=torch.float32)
+    aliases = {alias: group[0] for group in tied_parameters(model) for alias in group[1:]}
+    materialize(model, torch.device("cpu"), tmp_path / "model.safetensors", aliases=aliases)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.arange(3, 19).reshape(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected(input_ids=ids).logits, rtol=0, atol=0)
