@@ -208,11 +208,16 @@ def load_safetensors(
 @torch.no_grad()
 def _recompute_buffers(init: Any, name: str, module: nn.Module) -> None:
     """The module's buffers that no checkpoint holds, recomputed by the model's own initialisation; the weights
-    the module owns (just loaded) are kept."""
-    loaded = {key: param.detach().clone() for key, param in module.named_parameters(recurse=False)}
-    init(name, module)
-    for key, param in module.named_parameters(recurse=False):
-        param.copy_(loaded[key])
+    the module owns (just loaded) stand on the meta device meanwhile, so that it changes none of them."""
+    loaded = dict(module._parameters)
+    for key, param in loaded.items():
+        if param is not None:
+            stand_in = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            module._parameters[key] = nn.Parameter(stand_in, param.requires_grad)
+    try:
+        init(name, module)
+    finally:
+        module._parameters.update(loaded)
 
 
 def _as_model_names(
@@ -279,6 +284,16 @@ def grown_rows(stored: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([stored, mean.expand(rows - stored.shape[0], *stored.shape[1:])])
 
 
+def _tied_places(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute) of each parameter held by several modules (a head tied to the input embedding)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, key))
+    return [found for found in places.values() if len(found) > 1]
+
+
 def materialize(
     model: nn.Module,
     device: torch.device,
@@ -289,7 +304,12 @@ def materialize(
     vocabulary: tuple[str, ...] = (),
 ) -> None:
     """Allocate the meta-device model's (local) tensors on `device` and fill them (see `load_safetensors`)."""
-    model.to_empty(device=device)
+    tied = _tied_places(model)
+    model.to_empty(device=device)  # (gives each module a parameter of its own: a tied head stops being tied)
+    for places in tied:
+        first_module, first_key = places[0]
+        for module, key in places[1:]:
+            module._parameters[key] = first_module._parameters[first_key]
     if source is not None:
         load_safetensors(model, source, stage_only, aliases, split_weights, vocabulary)
     else:

@@ -144,3 +144,39 @@ def test_unsupported_combinations_name_the_nearest_supported_one() -> None:
 def test_zero_stage_makes_the_data_parallel_ranks_shards() -> None:
     parallel = resolve(code={"zero_stage": 3}, env={}).config.parallel
     assert (parallel.dp_replicate, parallel.dp_shard) == (1, -1)
+
+
+def tied_head_rank(rank: int, zero_stage: int, checkpoint: str, meta: bool) -> list[float]:
+    """A tied-head transformers model (GPT-2) trained 3 AdamW steps, built on meta (streamed) or loaded whole."""
+    import transformers
+
+    torch.distributed.init_process_group("gloo")
+    init = {"sharding": {"init_from": f"{checkpoint}/model.safetensors"}} if meta else {}
+    engine = Engine(seed=0, zero_stage=zero_stage, **init)
+    if meta:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(checkpoint))
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    model, _ = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(3, 60, (4, 16), generator=generator)[rank * 2 : rank * 2 + 2]
+        losses.append(engine.train_step({"input_ids": ids, "labels": ids}).item())
+    engine.end()
+    leave_world()
+    return losses
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_a_tied_head_built_on_meta_stays_tied(tmp_path, zero_stage: int) -> None:
+    """`to_empty` gives each module a parameter of its own; a head tied to the embedding must stay one tensor
+    (two copies trained apart under DDP drifted from step 2)."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from tests.helpers.hf_models import causal_lm
+
+    causal_lm("gpt2").save_pretrained(tmp_path)
+    loaded, streamed = (run_world(tied_head_rank, 2, zero_stage, str(tmp_path), meta, timeout=120)[0]
+                        for meta in (False, True))  # fmt: skip
+    assert streamed == loaded
