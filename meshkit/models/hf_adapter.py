@@ -175,7 +175,7 @@ def _text_blocks(model: Any, names: dict[int, str], blocks_override: str | None)
     return find_blocks(model, blocks_override)
 
 
-def _towers(model: nn.Module, names: dict[int, str], base_name: str, head: str | None) -> tuple[str, ...]:
+def _towers(model: nn.Module, names: dict[int, str], base_name: str, heads: tuple[str, ...]) -> tuple[str, ...]:
     """Modules with weights beside the path from the model to its text model (a multimodal model's vision or
     audio encoder and projector): text batches never run them."""
     out, parent, parts = [], model, base_name.split(".") if base_name else []
@@ -183,7 +183,7 @@ def _towers(model: nn.Module, names: dict[int, str], base_name: str, head: str |
         on_path = parent.get_submodule(parts[depth])
         for child in parent.children():
             name = names[id(child)]
-            if child is not on_path and name != head and next(child.parameters(), None) is not None:
+            if child is not on_path and name not in heads and next(child.parameters(), None) is not None:
                 out.append(name)
         parent = on_path
     return tuple(out)
@@ -254,5 +254,5 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
         vocabulary=tuple(dict.fromkeys(vocabulary)),
         moe=moe,
         router_loss=router_loss(config, moe),
-        towers=_towers(model, names, base_name, names.get(id(head)) if head is not None else None),
+        towers=_towers(model, names, base_name, tuple(last)),  # (the output head, a classifier: not towers)
     )

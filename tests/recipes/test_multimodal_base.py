@@ -35,6 +35,16 @@ def test_the_text_models_layers_are_the_blocks_and_the_towers_are_named() -> Non
     assert all(target.startswith("model.language_model.") for target in targets)
 
 
+def test_a_classifier_head_is_no_tower() -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.helpers.hf_models import config
+
+    reward = AutoModelForSequenceClassification.from_config(config("llama", num_labels=1))
+    structure = describe(reward)
+    assert structure.classifier == "score" and structure.towers == ()
+
+
 def test_the_class_trained_on_text_follows_transformers_mappings() -> None:
     from transformers import Gemma3Config, Llama4Config, Mistral3Config
 
