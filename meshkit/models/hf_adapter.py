@@ -175,9 +175,15 @@ def _text_blocks(model: Any, names: dict[int, str], blocks_override: str | None)
     return find_blocks(model, blocks_override)
 
 
+def _composite(config: Any) -> bool:
+    """A multimodal config: its text model has a config of its own (Gemma 3's text_config beside vision_config)."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return text is not config
+
+
 def _towers(model: nn.Module, names: dict[int, str], base_name: str, heads: tuple[str, ...]) -> tuple[str, ...]:
-    """Modules with weights beside the path from the model to its text model (a multimodal model's vision or
-    audio encoder and projector): text batches never run them."""
+    """Modules with weights beside the path from the model to its text model, other than the `heads` (a multimodal
+    model's vision or audio encoder and projector): text batches never run them."""
     out, parent, parts = [], model, base_name.split(".") if base_name else []
     for depth in range(len(parts)):
         on_path = parent.get_submodule(parts[depth])
@@ -254,5 +260,5 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
         vocabulary=tuple(dict.fromkeys(vocabulary)),
         moe=moe,
         router_loss=router_loss(config, moe),
-        towers=_towers(model, names, base_name, tuple(last)),  # (the output head, a classifier: not towers)
+        towers=_towers(model, names, base_name, tuple(last)) if _composite(config) else (),
     )
