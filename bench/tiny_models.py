@@ -32,8 +32,8 @@ TINY_SIZES: dict[str, Any] = {
     "v_head_dim": 8,
     "n_group": 1,
     "topk_group": 1,
-    "num_kv_shared_layers": 0,
-    "rotary_dim": 4,  # (GPT-J, CodeGen: rotary on part of each head, at most its size)  # (Gemma-3n/4: later layers reuse earlier layers' caches)
+    "num_kv_shared_layers": 0,  # (Gemma-3n/4: later layers reuse earlier layers' caches)
+    "rotary_dim": 4,  # (GPT-J, CodeGen: rotary on part of each head, at most its size)
     # vision and audio towers of a multimodal checkpoint (built, never run by text data)
     "vision_output_dim": 32,
     "projector_input_dim": 32,
