@@ -140,9 +140,15 @@ def tiny_config(model_type: str, vocab_size: int, **overrides: Any) -> Any:
 
 
 def _shrunk(values: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
+    from transformers import CONFIG_MAPPING
+
     out = {k: _shrunk(v, sizes) if isinstance(v, dict) and "model_type" in v else v for k, v in values.items()}
-    if out.get("num_key_value_heads") == out.get("num_attention_heads"):
+    kind = values.get("model_type")
+    aliases = getattr(CONFIG_MAPPING[kind], "attribute_map", {}) if kind in CONFIG_MAPPING else {}
+    heads, kv_heads = (aliases.get(name, name) for name in ("num_attention_heads", "num_key_value_heads"))
+    if out.get(kv_heads) == out.get(heads):
         sizes = {**sizes, "num_key_value_heads": sizes["num_attention_heads"]}  # multi-head (MLA, e.g.) stays so
+    sizes = {aliases.get(name, name): value for name, value in sizes.items()}  # (GPT-J's n_embd for hidden_size)
     out.update({name: value for name, value in sizes.items() if isinstance(out.get(name), int)})
     layers = out.get("num_hidden_layers")
     kinds_of = values.get("layer_types")
