@@ -16,7 +16,7 @@ from meshkit.recipes.hf_base import text_model_class  # noqa: E402
 from meshkit.recipes.lora import linear_targets  # noqa: E402
 from tests.helpers.distributed import run_world  # noqa: E402
 from tests.helpers.finetune_runs import run_finetune, write_config  # noqa: E402
-from tests.helpers.hf_models import causal_lm  # noqa: E402
+from tests.helpers.hf_models import causal_lm, config  # noqa: E402
 
 TOWERS = ("model.vision_tower", "model.multi_modal_projector")
 
@@ -37,8 +37,6 @@ def test_the_text_models_layers_are_the_blocks_and_the_towers_are_named() -> Non
 
 def test_a_classifier_head_is_no_tower() -> None:
     from transformers import AutoModelForSequenceClassification
-
-    from tests.helpers.hf_models import config
 
     reward = AutoModelForSequenceClassification.from_config(config("llama", num_labels=1))
     structure = describe(reward)
@@ -67,8 +65,7 @@ def _save(model: torch.nn.Module, tokenizer, out):
 def gemma3_base(tmp_path_factory, tokenizer):
     ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
            "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
-    model = causal_lm("gemma3_vision", text_config={**causal_lm("gemma3", vocab_size=len(tokenizer), **ids)
-                      .config.to_dict()})  # fmt: skip
+    model = causal_lm("gemma3_vision", text_config=config("gemma3", vocab_size=len(tokenizer), **ids).to_dict())
     return _save(model, tokenizer, tmp_path_factory.mktemp("gemma3-vision") / "base")
 
 
