@@ -68,6 +68,11 @@ class RouterLoss:
     enabled: bool = True  # the switch's value when the model was described: the model returns router logits
 
 
+# transformers class names of models whose forward gives next-token logits (a multimodal model trained on text,
+# Gemma 3's ForConditionalGeneration, included; an encoder-decoder's is told apart by its config)
+CAUSAL_LM_CLASSES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
 @dataclass(frozen=True)
 class ModelStructure:
     family: str  # "gpt" (reference), a transformers model_type ("llama", "gpt2", ...), or "generic"

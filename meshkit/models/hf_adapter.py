@@ -16,7 +16,14 @@ from torch import nn
 
 from meshkit.models.blocks import BlockError, BlockList, block_units, find_blocks
 from meshkit.models.experts import describe_experts, router_loss
-from meshkit.models.facts import AttentionFacts, ModelStructure, StructureError, takes_argument, tied_parameters
+from meshkit.models.facts import (
+    CAUSAL_LM_CLASSES,
+    AttentionFacts,
+    ModelStructure,
+    StructureError,
+    takes_argument,
+    tied_parameters,
+)
 
 ATTENTION_CHILDREN = {
     "q_proj",
@@ -226,10 +233,7 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and head is not base and id(head) in names:
         last.append(names[id(head)])
-    # a multimodal model trained on text (Gemma 3's ForConditionalGeneration) is a causal LM with towers beside it
-    causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) and not getattr(
-        config, "is_encoder_decoder", False
-    )
+    causal = type(model).__name__.endswith(CAUSAL_LM_CLASSES) and not getattr(config, "is_encoder_decoder", False)
     classifier = _classifier(model, base)
     if classifier is not None:
         last.append(classifier)

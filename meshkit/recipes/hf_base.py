@@ -15,6 +15,7 @@ from torch import nn
 
 from meshkit.core.errors import MeshkitError
 from meshkit.data.chat_templates import chat_template
+from meshkit.models.facts import CAUSAL_LM_CLASSES
 
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
 
@@ -208,7 +209,7 @@ def text_model_class(kind: str, config: Any) -> str:
 
 def _causal_lm(model: Any, settings: Any) -> nn.Module:
     model.config.use_cache = False
-    heads: tuple[str, ...] = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")  # (a multimodal LM on text)
+    heads: tuple[str, ...] = CAUSAL_LM_CLASSES
     if getattr(settings, "reward_model", False):
         heads = ("ForSequenceClassification",)
     if getattr(settings, "process_reward_model", False):
