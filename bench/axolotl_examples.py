@@ -206,7 +206,7 @@ def run(example: Path, bases: TinyBases, steps: int, timeout: int) -> dict[str, 
             return {"status": "ok", "detail": note, "seconds": seconds}
         lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip())  # (a launched rank prefixes its lines)
                  for line in (proc.stderr + "\n" + proc.stdout).splitlines() if line.strip()]  # fmt: skip
-        error = re.compile(r"^(meshkit: error|[A-Za-z_.]*(Error|Exception)\b)")
+        error = re.compile(r"^(meshkit: error|meshkit launch:|[A-Za-z_.]*(Error|Exception)\b)")
         last = next((line for line in reversed(lines) if error.match(line)), None)
         last = last or (lines[-1] if lines else f"exit {proc.returncode}")
         refused = proc.returncode == 2 or "not supported" in last or "refus" in last

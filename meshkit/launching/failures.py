@@ -16,6 +16,7 @@ from typing import Protocol
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from meshkit.core.errors import one_line
+from meshkit.launching.memory_kills import oom_kill_count, sigkill_hint
 
 # What the agent sends the others after a failure (its SIGKILL comes only 30 s later, and the supervisor's
 # own kills are known by pid): a tie between exits seen in one poll goes to the rank that did not get it.
@@ -91,11 +92,18 @@ def failure_report(
     max_restarts: int,
     supervisor: ExitClock | None = None,
     describe: Callable[[int, ProcessFailure], str] = describe_failure,
+    oom_kills_at_start: int | None = None,
 ) -> tuple[str, int]:
-    """The line the launcher prints, and its exit code (the first failure's, at least 1)."""
+    """The line the launcher prints, and its exit code (the first failure's, at least 1). A first failure by a
+    SIGKILL the launcher did not send says whether the out-of-memory killer struck meanwhile
+    (`oom_kills_at_start`: the cgroup's count when the job started)."""
     rank, first = root_cause(failures, supervisor)
+    hint = ""
+    ours = supervisor is not None and first.pid in supervisor.killed
+    if first.exitcode == -signal.SIGKILL.value and not _recorded(first) and not ours:
+        hint = sigkill_hint(oom_kills_at_start, oom_kill_count())
     # Ranks stopped by the agent after the first failure end by signal; only real failures are listed.
     others = sorted(r for r, f in failures.items() if r != rank and (f.exitcode > 0 or _recorded(f)))
     also = f"; also failed: rank {', '.join(map(str, others))}" if others else ""
     restarts = f"; restarts used up ({max_restarts} of {max_restarts})" if max_restarts else ""
-    return f"{describe(rank, first)}{also}{restarts}", first.exitcode if first.exitcode > 0 else 1
+    return f"{describe(rank, first)}{hint}{also}{restarts}", first.exitcode if first.exitcode > 0 else 1

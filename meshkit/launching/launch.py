@@ -32,6 +32,7 @@ from meshkit.config.schema import LaunchSettings
 from meshkit.launching.failures import failure_report
 from meshkit.launching.interfaces import quiet_port
 from meshkit.launching.job import LaunchError, LaunchPlan, LaunchTarget  # noqa: F401 - LaunchError: importable here
+from meshkit.launching.memory_kills import oom_kill_count
 from meshkit.launching.roster import NodeRoster
 from meshkit.launching.stderr_filter import filtered_stderr
 from meshkit.launching.stores import LOOPBACK, WILDCARD, listen, node_addresses, serve, wait_reachable
@@ -154,12 +155,13 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
         worker_port = functools.partial(quiet_port, addresses.bind) if one_node else None
         agent = functools.partial(TolerantAgent, tolerated=supervisor.tolerated, lost=lost, worker_port=worker_port)
         stack.enter_context(agent_class(agent))
+        oom_kills = oom_kill_count()
         try:
             launch_agent(config, sys.executable, target.worker_args())
         except ChildFailedError as err:
             if supervisor.preemption_announced() is not None:
                 return _report_preemption(supervisor, plan.preempt_signal)
-            line, code = failure_report(err.failures, settings.max_restarts, supervisor)
+            line, code = failure_report(err.failures, settings.max_restarts, supervisor, oom_kills_at_start=oom_kills)
             print(f"meshkit launch: {line}", file=sys.stderr, flush=True)
             return code
         except SignalException as err:

@@ -6,6 +6,10 @@ checkpoints people have (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek on the hub) hold 
 projection (`block_sparse_moe.experts.3.w1.weight`); transformers keeps a conversion per model type that merges
 them as it loads. `CheckpointConversion` asks transformers for that conversion and runs it, one model tensor at a
 time, so `sharding.init_from` reads such a checkpoint as `from_pretrained` would.
+
+A checkpoint released in MXFP4 (gpt-oss: each expert bank stored as `<name>_blocks`, packed 4-bit values, and
+`<name>_scales`, one power-of-two exponent per 32 values) is dequantized the same way, by transformers' own
+`convert_moe_packed_tensors` — what `from_pretrained` does with `Mxfp4Config(dequantize=True)`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from torch import nn
 
 # (file tensor name, the converter pattern it matched, or None: a plain rename)
 Source = tuple[str, "str | None"]
+MXFP4 = "mxfp4"  # the pattern of an MXFP4 tensor's two parts
+MXFP4_PARTS = ("_blocks", "_scales")
 
 
 @dataclass
@@ -43,8 +49,6 @@ class CheckpointConversion:
         transforms = get_model_conversion_mapping(cast(PreTrainedModel, model))  # (or one holding one)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
-        if not renamings and not converters:
-            return None
         by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
         return cls(model, renamings, converters, by_pattern)
 
@@ -54,10 +58,16 @@ class CheckpointConversion:
         from transformers.core_model_loading import dot_natural_key, rename_source_key
 
         made: dict[str, list[Source]] = {}
-        for key in sorted(stored, key=dot_natural_key):
+        stored = sorted(stored, key=dot_natural_key)
+        for key in stored:
             renamed, pattern = rename_source_key(key, self.renamings, self.converters)
             if renamed in wanted:
                 made.setdefault(renamed, []).append((key, pattern))
+        present = set(stored)
+        for name in wanted - made.keys():
+            parts = [name + part for part in MXFP4_PARTS]
+            if all(part in present for part in parts):
+                made[name] = [(part, MXFP4) for part in parts]
         return made
 
     def tensor(self, name: str, sources: list[Source], read: Callable[[str], torch.Tensor]) -> torch.Tensor:
@@ -65,6 +75,11 @@ class CheckpointConversion:
         pattern = sources[0][1]
         if pattern is None:  # renamed only
             return read(sources[0][0])
+        if pattern == MXFP4:
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+            blocks, scales = (read(key) for key, _ in sources)
+            return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
         converter = copy.deepcopy(self.by_pattern[pattern])
         for key, matched in sources:
             converter.add_tensor(name, key, matched, read(key))

@@ -130,6 +130,10 @@ class FinetuneSettings(Section):
     )
     bnb_config_kwargs: dict[str, Any] | None = Field(None, description="further BitsAndBytesConfig arguments")
     gptq: bool = Field(False, description="the base is a GPTQ checkpoint (its config.json says how)")
+    model_quantization_config: Literal["Mxfp4Config", "FineGrainedFP8Config"] | None = Field(
+        None, description="the format a base was released in: Mxfp4Config (gpt-oss) loads dequantized"
+    )
+    model_quantization_config_kwargs: dict[str, Any] | None = Field(None, description="its arguments (dequantize)")
     qat: QATSettings | None = Field(None, description="quantization-aware training (torchao fake quantization)")
     reinit_weights: bool = Field(False, description="start from the model's own random initialisation, not the weights")
     loraplus_lr_ratio: float | None = Field(None, gt=0, description="LoRA+: lr of the B matrices = ratio × lr")
@@ -300,6 +304,14 @@ class FinetuneSettings(Section):
                 "reinit_weights starts a model built here from its own initialisation; a quantized base or a reward "
                 "model's is loaded whole by transformers: drop reinit_weights or the quantization / reward keys"
             )
+        if self.model_quantization_config == "FineGrainedFP8Config":
+            raise ValueError(
+                "model_quantization_config: FineGrainedFP8Config (a base released in block-scaled FP8) is not "
+                "supported yet: start from the model's bf16 release"
+            )
+        if self.model_quantization_config and (self.load_in_8bit or self.load_in_4bit or self.gptq):
+            raise ValueError("model_quantization_config and load_in_8bit / load_in_4bit / gptq ask for two "
+                             "quantizations (as in Axolotl): keep one")  # fmt: skip
         if self.gptq and (self.load_in_8bit or self.load_in_4bit or self.adapter == "qlora"):
             raise ValueError("gptq: true loads an already quantized base: drop load_in_8bit / load_in_4bit / qlora")
         if self.quantization and self.adapter is None:

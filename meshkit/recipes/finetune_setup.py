@@ -22,6 +22,7 @@ from meshkit.recipes.hf_base import (
     add_tokens,
     attention_implementation,
     build_meta_model,
+    dequantized_note,
     grow_vocabulary,
     load_model,
     load_tokenizer,
@@ -30,6 +31,7 @@ from meshkit.recipes.hf_base import (
 )
 from meshkit.recipes.lora import AdapterExport, apply_lora
 from meshkit.recipes.lora_init import InitialAdapters, PlannedLayer, changes_base, initialise, plan
+from meshkit.recipes.muon import split_for_muon
 from meshkit.recipes.optimizers import axolotl_groups, build_optimizer, trainable_groups
 from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
 from meshkit.recipes.qat import prepare_for_qat
@@ -79,6 +81,9 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
         base = load_model(s, attention, engine.device)
     else:
         base = build_meta_model(s, attention)
+    dequantized = dequantized_note(s)
+    if dequantized:
+        engine.print(f"meshkit: {dequantized}")
     if s.quantization == "8bit":
         engine.print(f"meshkit: {INT8_CAST_NOTE}")
     if s.qat is not None:  # (before the weights stream in: the swapped layers keep the names)
@@ -188,6 +193,8 @@ def make_optimizer(model: torch.nn.Module, job: FinetuneJob, engine: Engine) -> 
             for is_b, extra in ((False, {}), (True, {"lr": cfg.train.lr * s.loraplus_lr_ratio}))
         ]
         groups = [group for group in groups if group["params"]]
+    if s.optimizer == "muon":
+        groups = split_for_muon(groups, _embedding_parameters(model))
     optimizer, notes = build_optimizer(
         s.optimizer,
         groups,

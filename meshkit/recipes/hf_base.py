@@ -15,7 +15,7 @@ from torch import nn
 
 from meshkit.core.errors import MeshkitError
 from meshkit.data.chat_templates import chat_template
-from meshkit.models.facts import CAUSAL_LM_CLASSES
+from meshkit.models.structure import describe
 
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
 
@@ -179,6 +179,26 @@ def model_recipe(settings: Any, attention: str | None = "sdpa") -> tuple[Any, An
     return model_class, config
 
 
+def checkpoint_quantization(config: Any) -> str | None:
+    """The quantization a checkpoint was released in (its config's `quantization_config.quant_method`), if any."""
+    found = getattr(config, "quantization_config", None)
+    method = found.get("quant_method") if isinstance(found, dict) else getattr(found, "quant_method", None)
+    return str(getattr(method, "value", method)) if method else None
+
+
+def dequantized_note(settings: Any) -> str | None:
+    """One line when the base was released quantized in a format meshkit trains dequantized (MXFP4: gpt-oss)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(settings.base_model_config or settings.base_model, local_files_only=True)
+    if checkpoint_quantization(config) != "mxfp4":
+        return None
+    kept = (settings.model_quantization_config_kwargs or {}).get("dequantize", True) is False
+    asked = " (dequantize: false asks to keep MXFP4, which does not train)" if kept else ""
+    return (f"the base is stored in MXFP4: its expert weights are dequantized as they load{asked}, as transformers' "
+            "Mxfp4Config(dequantize=True) does")  # fmt: skip
+
+
 def loaded_as_note(settings: Any, model: nn.Module) -> str | None:
     """One line when the class trained is not the multimodal class `model_type` named (`text_model_class`)."""
     asked, loaded = str(settings.model_type), type(model).__name__
@@ -208,15 +228,19 @@ def text_model_class(kind: str, config: Any) -> str:
 
 
 def _causal_lm(model: Any, settings: Any) -> nn.Module:
+    """The model, if it is what the recipe trains (the structure layer says): a causal LM, or for a reward model a
+    sequence classifier (a process reward model: a token classifier)."""
     model.config.use_cache = False
-    heads: tuple[str, ...] = CAUSAL_LM_CLASSES
+    structure = describe(model)
+    wanted, fits = "causal LMs", structure.causal_lm
     if getattr(settings, "reward_model", False):
-        heads = ("ForSequenceClassification",)
+        wanted, fits = "sequence classifiers as reward models", structure.classifier is not None and structure.pooled
     if getattr(settings, "process_reward_model", False):
-        heads = ("ForTokenClassification",)
-    if not type(model).__name__.endswith(heads) or getattr(model.config, "is_encoder_decoder", False):
+        wanted = "token classifiers as process reward models"
+        fits = structure.classifier is not None and not structure.pooled
+    if not fits:
         directory = settings.base_model_config or settings.base_model
-        raise BaseModelError(f"meshkit finetune trains causal LMs; '{directory}' builds {type(model).__name__}")
+        raise BaseModelError(f"meshkit finetune trains {wanted}; '{directory}' builds {type(model).__name__}")
     return model
 
 
@@ -227,6 +251,8 @@ def build_meta_model(settings: Any, attention: str | None = "sdpa") -> nn.Module
     build = getattr(model_class, "from_config", None) or getattr(model_class, "_from_config", None)
     if build is None:
         raise BaseModelError(f"model_type '{settings.model_type}' cannot build a model from a config")
+    if checkpoint_quantization(config) == "mxfp4":  # streamed dequantized: the model (and its export) is not MXFP4
+        del config.quantization_config
     with torch.device("meta"):
         model = build(config)
     return _causal_lm(model, settings)
@@ -236,6 +262,15 @@ def load_model(settings: Any, attention: str | None, device: torch.device, **opt
     """The base model loaded whole by transformers' `from_pretrained` onto `device` (a quantized base: its
     `quantization_config` in `options` quantizes each weight as it loads); other parameters in float32."""
     model_class, config = model_recipe(settings, attention)
+    if checkpoint_quantization(config) == "mxfp4":
+        if "quantization_config" in options:
+            raise BaseModelError(
+                f"'{settings.base_model}' is stored in MXFP4 and loads dequantized; load_in_8bit / load_in_4bit cannot "
+                "quantize it again in the same load: drop them (LoRA trains over the dequantized base)"
+            )
+        from transformers import Mxfp4Config  # type: ignore[attr-defined]
+
+        options["quantization_config"] = Mxfp4Config(dequantize=True)  # trainable weights, on every device
     try:
         model = model_class.from_pretrained(
             settings.base_model,

@@ -2,7 +2,8 @@
 bitsandbytes' 8-bit optimizers, whose two Adam states take 1 byte per parameter each instead of 4 (blockwise
 quantised; tensors under 4096 elements keep 32-bit states, as bitsandbytes decides), and torchao's low-bit AdamW
 (`adamw_torch_8bit`, `adamw_torch_4bit`: ½ byte per state; `ao_adamw_fp8`), whose update is plain torch (compiled
-by torchao with torch.compile) and so runs on a CPU as on a GPU.
+by torchao with torch.compile) and so runs on a CPU as on a GPU; `muon` (`meshkit.recipes.muon`: Muon for the
+hidden matrices, AdamW for the rest).
 
 Paged optimizers page their states to host memory through CUDA unified memory; on a CPU there is nothing to page,
 so they run as their unpaged twin (one notice line). bitsandbytes' kernels take plain tensors: they run under DDP,
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from meshkit.core.errors import MeshkitError
+from meshkit.recipes.muon import MuonWithAdamW
 
 
 class OptimizerError(MeshkitError):
@@ -28,7 +30,7 @@ class OptimizerError(MeshkitError):
 
 @dataclass(frozen=True)
 class OptimizerKind:
-    family: str  # adamw | sgd | adafactor | bnb | torchao
+    family: str  # adamw | sgd | adafactor | bnb | torchao | muon
     bnb_class: str | None = None  # bitsandbytes.optim (or torchao.optim) class
     unpaged: str | None = None  # the class a CPU runs instead of a paged one
     state_bytes: int = 8  # optimizer state bytes per parameter (estimator)
@@ -52,6 +54,7 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
     "adamw_torch_4bit": OptimizerKind("torchao", "AdamW4bit", state_bytes=1),
     "ao_adamw_4bit": OptimizerKind("torchao", "AdamW4bit", state_bytes=1),
     "ao_adamw_fp8": OptimizerKind("torchao", "AdamWFp8", state_bytes=2),
+    "muon": OptimizerKind("muon", state_bytes=4),  # one momentum buffer for the matrices (most parameters)
 }
 PLAIN_TENSOR_FAMILIES = ("bnb", "torchao")  # stepped on plain tensors: a rank's local pieces of DTensors
 
@@ -71,6 +74,8 @@ def build_optimizer(
 
         options = {"scale_parameter": False, "relative_step": False, "warmup_init": False, **extra}
         return Adafactor(groups, lr=lr, **options), notes
+    if kind.family == "muon":
+        return MuonWithAdamW(groups, lr=lr, betas=betas, eps=eps, **extra), notes
     if kind.family == "torchao":
         return _torchao(name, str(kind.bnb_class))(groups, lr=lr, betas=betas, eps=eps, **extra), notes
     try:
@@ -105,6 +110,11 @@ def check_layout(name: str, zero_stage: int, tp: int) -> None:
     ZeRO-1/2's flat chunks, or the local pieces of ZeRO-3's and tp's DTensors
     (`meshkit.parallel.zero.local_shards`); ZeRO-1/2's flat chunks of tp shards are refused in one line."""
     family = OPTIMIZERS[name].family
+    if family == "muon" and zero_stage in (1, 2):
+        raise OptimizerError(
+            f"optimizer: muon orthogonalises whole weight matrices, but zero_stage {zero_stage} steps flat chunks of "
+            "many parameters: use zero_stage 3 (FSDP; each rank gathers one matrix at a time) or 0"
+        )
     if family in PLAIN_TENSOR_FAMILIES and zero_stage in (1, 2) and tp > 1:
         library = "bitsandbytes" if family == "bnb" else "torchao"
         raise OptimizerError(

@@ -164,3 +164,34 @@ def test_a_sigkilled_rank_seen_after_its_peers_error_is_still_the_root_cause(tmp
     # an error well before a SIGKILL (the launcher did not send it) is still the first failure
     line, code = failure_report(failures, 0, _Clock({100: 10.0, 103: 10.0 + 2 * KILL_TEARDOWN_S}))
     assert line.startswith("rank 0 (local rank 0, exit code 1)") and code == 1, line
+
+
+def test_the_out_of_memory_killer_is_named_when_the_cgroups_count_rose(tmp_path, monkeypatch) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from meshkit.launching import failures
+    from meshkit.launching.memory_kills import oom_kill_count
+
+    # cgroup v1 (the process's own memory cgroup) and v2 (the namespace's root) files, as the kernel writes them
+    (tmp_path / "memory" / "job").mkdir(parents=True)
+    (tmp_path / "memory" / "job" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    (tmp_path / "v1").write_text("4:memory:/job\n1:cpu:/\n")
+    assert oom_kill_count(tmp_path, tmp_path / "v1") == 3
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 2\noom 2\noom_kill 1\noom_group_kill 0\n")
+    (tmp_path / "v2").write_text("0::/elsewhere\n")
+    assert oom_kill_count(tmp_path, tmp_path / "v2") == 1
+    assert oom_kill_count(tmp_path / "none", tmp_path / "v2") is None
+
+    killed = {2: ProcessFailure(local_rank=2, pid=102, exitcode=-9, error_file=str(tmp_path / "none"))}
+    monkeypatch.setattr(failures, "oom_kill_count", lambda: 5)
+    line, code = failures.failure_report(killed, 0, oom_kills_at_start=4)
+    assert line.startswith("rank 2 (local rank 2) was killed by signal SIGKILL — most likely by the kernel's "
+                           "out-of-memory killer (1 OOM kill in this job's memory cgroup"), line  # fmt: skip
+    assert "lower micro_batch_size" in line and code == 1
+    line, _ = failures.failure_report(killed, 0, oom_kills_at_start=5)  # no rise: the usual sender, not a verdict
+    assert line.endswith("was killed by signal SIGKILL (nobody in the job sent it; the kernel's out-of-memory "
+                         "killer is the usual sender: see `dmesg`)"), line  # fmt: skip
+    clock = _Clock({102: 1.0})
+    clock.killed = {102}  # the launcher's own kill after the grace: no hint
+    line, _ = failures.failure_report(killed, 0, clock, oom_kills_at_start=4)
+    assert line == "rank 2 (local rank 2) was killed by signal SIGKILL", line

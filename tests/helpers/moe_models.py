@@ -163,3 +163,31 @@ def moe_causal_lm(family: str, seed: int = 0, **overrides: Any) -> Any:
         for layer in model.model.layers:
             torch.nn.init.zeros_(layer.mlp.gate.weight)
     return model
+
+
+def save_mxfp4_gpt_oss(out: Any, tokenizer: Any = None, **overrides: Any) -> list[str]:
+    """A tiny gpt-oss saved as released, its expert banks in MXFP4 (packed 4-bit `_blocks`, one exponent per 32
+    values in `_scales`, random) with `quantization_config` saying so; returns the banks' model names."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    moe_causal_lm("gpt_oss", seed=3, **overrides).save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    tensors = load_file(out / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    banks = [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    for name in banks:
+        experts, inputs, outputs = tensors.pop(name).shape  # packed along the inputs, one row per output
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8, generator=generator)
+        tensors[f"{name}_blocks"] = blocks
+        tensors[f"{name}_scales"] = torch.randint(118, 124, blocks.shape[:-1], dtype=torch.uint8, generator=generator)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    settings = json.loads((out / "config.json").read_text())
+    settings["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (out / "config.json").write_text(json.dumps(settings))
+    return banks

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from meshkit.models.facts import tied_parameters
 from meshkit.parallel.materialize import MaterializeError, materialize
 from tests.helpers.hf_models import FAMILIES, causal_lm, config
-from tests.helpers.moe_models import moe_causal_lm, moe_config, transformers
+from tests.helpers.moe_models import moe_causal_lm, moe_config, save_mxfp4_gpt_oss, transformers
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
@@ -51,3 +51,20 @@ def test_a_model_streamed_from_meta_computes_what_from_pretrained_loads(tmp_path
     ids = torch.arange(3, 19).reshape(2, 8)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, expected(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_an_mxfp4_checkpoint_streams_dequantized_as_from_pretrained_loads_it(tmp_path) -> None:
+    """gpt-oss as released: each expert bank as packed 4-bit values (`_blocks`) and one exponent per 32 of them
+    (`_scales`); transformers dequantizes it with Mxfp4Config(dequantize=True), meshkit as it streams."""
+    banks = save_mxfp4_gpt_oss(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(moe_config("gpt_oss"), dtype=torch.float32)
+    materialize(model, torch.device("cpu"), tmp_path / "model.safetensors")
+    expected = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).state_dict()
+    got = model.state_dict()
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    assert got[banks[0]].abs().max() > 0  # the values, not zeros

@@ -43,6 +43,35 @@ def test_a_classifier_head_is_no_tower() -> None:
     assert structure.classifier == "score" and structure.towers == ()
 
 
+def test_the_recipe_takes_what_the_structure_layer_calls_a_causal_lm_or_a_classifier() -> None:
+    from types import SimpleNamespace
+
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    from meshkit.recipes.hf_base import BaseModelError, _causal_lm
+
+    def settings(**flags: bool) -> SimpleNamespace:
+        return SimpleNamespace(base_model="base", base_model_config=None, **flags)
+
+    assert _causal_lm(causal_lm("gemma3_vision"), settings())  # a multimodal model's text forward: a causal LM
+    reward = AutoModelForSequenceClassification.from_config(config("llama", num_labels=1))
+    assert _causal_lm(reward, settings(reward_model=True)) is reward
+    steps = AutoModelForTokenClassification.from_config(config("llama", num_labels=2))
+    assert _causal_lm(steps, settings(process_reward_model=True)) is steps
+    with pytest.raises(BaseModelError, match="trains causal LMs; 'base' builds LlamaForSequenceClassification"):
+        _causal_lm(reward, settings())
+    with pytest.raises(BaseModelError, match="trains sequence classifiers .* builds LlamaForTokenClassification"):
+        _causal_lm(steps, settings(reward_model=True))
+    encoder_decoder = T5ForConditionalGeneration(T5Config(d_model=16, d_ff=32, num_layers=2, num_heads=2, d_kv=8))
+    with pytest.raises(BaseModelError, match="builds T5ForConditionalGeneration"):  # no next-token logits of its input
+        _causal_lm(encoder_decoder, settings())
+
+
 def test_the_class_trained_on_text_follows_transformers_mappings() -> None:
     from transformers import Gemma3Config, Llama4Config, Mistral3Config
 

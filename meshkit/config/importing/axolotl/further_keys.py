@@ -53,7 +53,9 @@ _add(G, ("device", "device_map", "model_kwargs", "overrides_of_model_kwargs", "c
          "mean_resizing_embeddings", "shrink_embeddings", "freeze_mm_modules"),
      noted("loading details: meshkit places each weight for the layout, new embedding rows start at the mean"))
 _add(G, ("model_quantization_config", "model_quantization_config_kwargs"),
-     refused("quantize the base with load_in_4bit / load_in_8bit (bitsandbytes) or gptq: true"))
+     honoured("Mxfp4Config: a base released in MXFP4 (gpt-oss) loads dequantized, as it streams in (MXFP4 does not "
+              "train; meshkit does so with or without the key); FineGrainedFP8Config is refused (use the bf16 "
+              "release)"))
 _add(G, "reinit_weights", honoured("the model starts from its own random initialisation (seeded, the same in every "
                                    "layout) instead of the checkpoint's weights"))
 _add(G, ("added_tokens_overrides", "fix_untrained_tokens", "processor_kwargs"),

@@ -207,7 +207,8 @@ _add(G, ("lr_scheduler", "lr_scheduler_kwargs", "cosine_min_lr_ratio"),
 _add(G, ("optimizer", "optim_args", "adam_beta1", "adam_beta2", "adam_epsilon"),
      honoured("torch AdamW / SGD, transformers Adafactor, bitsandbytes 8-bit (adamw_bnb_8bit, adamw_8bit, "
               "paged_adamw_8bit, lion_8bit, ...), torchao low-bit AdamW (adamw_torch_8bit, adamw_torch_4bit, "
-              "ao_adamw_fp8)"))
+              "ao_adamw_fp8), muon (torch's Muon for the hidden matrices, AdamW for the rest; not with zero_stage "
+              "1/2)"))
 _add(G, "bf16", honoured("`precision: bf16` (true; auto = where the device has it)", "precision", _precision("bf16")))
 _add(G, "fp16", honoured("`precision: fp16`", "precision", _precision("fp16")))
 _add(G, ("bfloat16", "float16", "fp8"), noted("weights stay fp32 masters; precision: bf16/fp16 runs mixed precision"))
