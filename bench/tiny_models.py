@@ -156,10 +156,15 @@ def _shrunk(values: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
         if layers and isinstance(value, list) and len(value) == values.get("num_hidden_layers"):
             out[name] = [sizes[name]] * layers if name in sizes else value[:layers]
     for name in ("layer_types", "layers_block_type", "mlp_only_layers"):
-        value = out.get(name)
+        value = values.get(name)  # (the original list: every kind of layer it has is kept, each at least once)
         if isinstance(value, list) and value and layers:
             kinds = list(dict.fromkeys(value)) if all(isinstance(v, str) for v in value) else value
             out[name] = (kinds * layers)[:layers] if len(kinds) <= layers else value[:layers]
+    if isinstance(out.get("full_attn_idxs"), list) and isinstance(out.get("layer_types"), list):  # LFM2: both say it
+        out["full_attn_idxs"] = [i for i, kind in enumerate(out["layer_types"]) if kind == "full_attention"]
+    for name in ("attn_layer", "expert_layer"):  # Jamba: every period-th layer from offset on; tiny: every other
+        if isinstance(out.get(f"{name}_period"), int) and layers and layers >= 2:
+            out[f"{name}_period"], out[f"{name}_offset"] = 2, 1
     if isinstance(out.get("per_layer_config"), dict) and isinstance(kinds_of, list) and layers:
         out["per_layer_config"] = _per_layer(values, out, sizes)
     for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):

@@ -88,7 +88,7 @@ def save_model_weights(
 
     def shape_and_dtype(name: str) -> tuple[tuple[int, ...], str]:
         if name in quantized:
-            return quantized[name].shape, str(quantized[name].dtype)
+            return quantized[name].checkpoint_shape, str(quantized[name].dtype)
         return tuple(local[name].shape), str(local[name].dtype)
 
     mine = [(out, *shape_and_dtype(name)) for out, name in exported.items()]
@@ -124,6 +124,8 @@ def save_model_weights(
                 if merge is not None:
                     magnitude = full(merge.magnitude) if merge.magnitude else None
                     tensor = merged_weight(tensor, full(merge.a), full(merge.b), merge, magnitude)
+                if exported[info.name] in quantized:  # (merged in the quantized layer's layout first)
+                    tensor = quantized[exported[info.name]].as_checkpoint(tensor)
                 if rank == leads[stage] and rank != 0:
                     dist.send(tensor.to("cpu").contiguous(), dst=0)
             elif rank == 0:

@@ -85,6 +85,21 @@ class QuantizedWeight:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
+    @property
+    def stored_transposed(self) -> bool:
+        """The unquantized model holds this weight transposed ([in, out]: GPT-2's Conv1D, which transformers
+        quantizes as a Linear); its checkpoint does too."""
+        source = getattr(self.module, "source_cls", None)
+        return isinstance(source, type) and source.__name__ == "Conv1D"
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.shape)) if self.stored_transposed else self.shape
+
+    def as_checkpoint(self, weight: torch.Tensor) -> torch.Tensor:
+        """A dequantized (and merged) weight in the layout the model's checkpoint holds it."""
+        return weight.t().contiguous() if self.stored_transposed else weight
+
     @torch.no_grad()
     def dequantize(self, stored: torch.Tensor) -> torch.Tensor:
         """The full-precision weight from the whole stored one (under ZeRO-3: once gathered)."""
@@ -136,5 +151,5 @@ def full_precision_state(model: nn.Module, state: dict[str, torch.Tensor]) -> di
     out = {name: tensor for name, tensor in state.items() if not is_bookkeeping(name)}
     for name, weight in weights.items():
         if name in out:
-            out[name] = weight.dequantize(out[name])
+            out[name] = weight.as_checkpoint(weight.dequantize(out[name]))
     return out

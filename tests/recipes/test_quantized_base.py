@@ -102,6 +102,31 @@ def test_two_ranks_equal_one_and_the_merged_export_is_the_adapter_on_the_base(tm
     torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE[kind] * 20)
 
 
+def test_a_conv1d_base_quantized_exports_its_weights_in_the_checkpoints_layout(tmp_path, material) -> None:
+    """GPT-2's Conv1D layers hold [in, out] weights; transformers quantizes them as Linear ([out, in]): the merged
+    export writes them back as the GPT-2 checkpoint holds them (from_pretrained stopped on the shapes)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from meshkit.models.quantized import keep_training_layout
+    from meshkit.recipes.finetune_settings import FinetuneSettings
+    from meshkit.recipes.quantized_base import quantization_config
+    from tests.helpers.finetune_runs import make_gpt2_base
+
+    base = make_gpt2_base(tmp_path, material)
+    keys = lora_keys(**QUANTIZED["4bit"], lora_target_linear=False, lora_target_modules=["c_attn", "c_fc"])
+    summary = _train(tmp_path, {**material, "base": base}, "gpt2", **keys)
+    settings = FinetuneSettings(base_model=base, datasets=[{"path": "x", "type": "alpaca"}], **keys)
+    quantized = AutoModelForCausalLM.from_pretrained(base, quantization_config=quantization_config(settings))
+    keep_training_layout(quantized)  # (see `_quantized`)
+    adapted = PeftModel.from_pretrained(quantized, summary["outputs"]["adapter"]).eval()
+    merged = AutoModelForCausalLM.from_pretrained(summary["outputs"]["merged"]).eval()
+    assert merged.transformer.h[0].mlp.c_fc.weight.shape == (32, 128)  # [in, out], as GPT-2 holds it
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=0, atol=TOLERANCE["4bit"] * 20)
+
+
 @pytest.mark.parametrize(
     ("keys", "assignments", "expected"),
     [
