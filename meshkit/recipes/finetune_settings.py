@@ -28,6 +28,9 @@ class FinetuneSettings(Section):
     tokenizer_type: str | None = Field(None, description="AutoTokenizer or a tokenizer class name; null = auto")
     tokenizer_config: Path | None = Field(None, description="directory of the tokenizer files; null = base_model")
     tokenizer_use_fast: bool = Field(True, description="the fast (tokenizers) tokenizer where one exists")
+    added_tokens_overrides: dict[int, str] | None = Field(
+        None, description="{added token id: new string}: reserved tokens renamed, their ids (and rows) kept"
+    )
     overrides_of_model_config: dict[str, Any] | None = Field(None, description="config.json values replaced")
     attn_implementation: str | None = Field(
         None, description="sdpa | eager | flash_attention_2 | ...; null = the model's default (sdpa where it has it)"

@@ -16,6 +16,7 @@ from torch import nn
 from meshkit.core.errors import MeshkitError
 from meshkit.data.chat_templates import chat_template
 from meshkit.models.structure import describe
+from meshkit.recipes.token_overrides import renamed_added_tokens
 
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
 
@@ -78,6 +79,8 @@ def load_tokenizer(settings: Any) -> Any:
             raise
         reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip())  # (one line, not cut)
         raise BaseModelError(f"cannot load the tokenizer from '{directory}': {reason[:400]}") from None
+    if settings.added_tokens_overrides:
+        tokenizer = renamed_added_tokens(tokenizer, settings.added_tokens_overrides)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise BaseModelError(f"the tokenizer in '{directory}' has neither a pad nor an eos token: add one")

@@ -58,7 +58,9 @@ _add(G, ("model_quantization_config", "model_quantization_config_kwargs"),
               "release)"))
 _add(G, "reinit_weights", honoured("the model starts from its own random initialisation (seeded, the same in every "
                                    "layout) instead of the checkpoint's weights"))
-_add(G, ("added_tokens_overrides", "fix_untrained_tokens", "processor_kwargs"),
+_add(G, "added_tokens_overrides", honoured("reserved added tokens renamed ({id: string}), their ids and embedding rows "
+                                          "kept; an id that is not an added token is one line"))
+_add(G, ("fix_untrained_tokens", "processor_kwargs"),
      refused("not supported: start from a base that holds the weights and tokens you want, then remove the key"))
 _add(G, "tokenizer_use_mistral_common", refused("Mistral's own tokenizer library (mistral-common) is not supported "
                                                 "yet: drop the key to use the checkpoint's transformers tokenizer"))
