@@ -125,6 +125,7 @@ def test_recipe_settings_that_cannot_train_are_one_line(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # (in-process: tests/paramserver; under meshkit launch: its lost-worker tests)
 def test_meshkit_train_through_a_parameter_server_equals_ddp(tmp_path) -> None:
     """1 server + 2 workers (sync) against DDP on 2 ranks: the same weights; the first worker reports."""
     runs = {}

@@ -43,11 +43,15 @@ from tests.helpers.training import assert_close_relative, assert_state_close
 ANY_MODEL_PAGE = Path(__file__).resolve().parents[2] / "docs" / "any-model.md"
 
 
-# test-quick keeps Mixtral; the other families run in make test
-@pytest.mark.parametrize(
-    "family",
-    [family if family == "mixtral" else pytest.param(family, marks=pytest.mark.slow) for family in sorted(CELLS)],
-)
+def _tier(family: str) -> object:
+    """test-quick keeps Mixtral; the other families run in make test, but DeepSeek-V3, whose every part (shared
+    experts, a dense first block, latent attention) its low-rank-query variant has too, runs in make test-full."""
+    if family == "mixtral":
+        return family
+    return pytest.param(family, marks=[pytest.mark.slow, *([pytest.mark.sweep] if family == "deepseek_v3" else [])])
+
+
+@pytest.mark.parametrize("family", [_tier(family) for family in sorted(CELLS)])
 def test_moe_models_train_like_one_process_under_expert_parallel(family: str) -> None:
     results = run_world(run_families, 4, {family: CELLS[family]}, timeout=400)
     for layout in CELLS[family]:
