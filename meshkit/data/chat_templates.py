@@ -23,6 +23,27 @@ _CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# Qwen3's: ChatML, and an assistant turn's reasoning (`reasoning_content`, or a `<think>` block in its content) written
+# only for the turns after the last user message; `enable_thinking: false` opens the reply with an empty block.
+_QWEN3 = (
+    "{%- set ns = namespace(last=messages|length - 1, searching=true) -%}"
+    "{%- for m in messages[::-1] -%}{%- if ns.searching and m['role'] == 'user' -%}"
+    "{%- set ns.last = messages|length - 1 - loop.index0 -%}{%- set ns.searching = false -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}{%- set content = m['content'] if m['content'] is string else '' -%}"
+    "{%- if m['role'] == 'assistant' -%}{%- set reasoning = m.get('reasoning_content') or '' -%}"
+    "{%- if not reasoning and '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}"
+    "{%- set content = content.split('</think>')[-1] -%}{%- endif -%}"
+    "{%- if loop.index0 > ns.last and reasoning -%}"
+    "{{ '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}"
+    "{%- else -%}{{ '<|im_start|>assistant\n' + content.lstrip('\n') if reasoning else '<|im_start|>assistant\n' + "
+    "content }}{%- endif -%}{{ '<|im_end|>\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m['role'] + '\n' + content + '<|im_end|>\n' }}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\n\n</think>\n\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
 _LLAMA3 = (
     "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + "
     "m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
@@ -51,7 +72,7 @@ _ALPACA = (
 TEMPLATES: dict[str, str] = {
     "chatml": _CHATML,
     "qwen_25": _CHATML,
-    "qwen3": _CHATML,
+    "qwen3": _QWEN3,
     "llama3": _LLAMA3,
     "phi_3": _PHI3,
     "phi_35": _PHI3,

@@ -22,8 +22,11 @@ from typing import Any
 from meshkit.data.chat_templates import chat_template
 from meshkit.data.dataset_entry import CustomPrompt, DatasetEntry
 from meshkit.data.jsonl import DataFormatError, record_field
-from meshkit.data.messages import CharSpans, conversation
+from meshkit.data.messages import CharSpans, Conversation, conversation
+from meshkit.data.turn_regions import closing_text, message_regions
 from meshkit.training.loss import IGNORE_INDEX
+
+Piece = tuple[str, "bool | CharSpans"]  # (text, trained: whole, or the trained character spans of the text)
 
 ALPACA_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -203,29 +206,65 @@ class Formatter:
                 "chat_template (e.g. chatml, llama3)"
             )
         trained_roles = set(entry.roles_to_train or ("assistant",))
-        pieces: list[tuple[str, bool | CharSpans]] = []
-        rendered = ""
-        for index, message in enumerate(messages):
-            before = self._render(messages[:index], where, message["role"] == "assistant", chat.tools)
-            after = self._render(messages[: index + 1], where, False, chat.tools)
-            if not (before.startswith(rendered) and after.startswith(before)):
-                raise DataFormatError(
-                    f"{where}: the chat template does not render the conversation turn by turn (message {index} "
-                    "changes earlier text); use type completion with the rendered text instead"
-                )
-            turn = after[len(before) :]
-            own = chat.trains[index]
-            trains = own if own is not None else message["role"] in trained_roles
-            detail = chat.details[index]
-            pieces.append((before[len(rendered) :], False))
-            spans = _turn_spans(turn, message, detail, where) if trains and detail is not None else None
-            pieces.append((turn, spans if spans is not None else trains))
-            rendered = after
+        trains = [
+            own if own is not None else message["role"] in trained_roles
+            for message, own in zip(messages, chat.trains, strict=True)
+        ]
+        pieces = self._turn_by_turn(chat, trains, where)
+        if pieces is None:  # (a template that renders an earlier turn differently once later turns exist)
+            pieces = self._regions_of_the_whole(chat, trains, entry, where)
         sample = self._sample([p for p in pieces if p[0]], bos=False, eos=False)
         on_eos = entry.train_on_eos
         sample = self._train_on_ends(sample, {self.tokenizer.eos_token_id} - {None}, on_eos)
         on_eot = entry.train_on_eot or on_eos  # (Axolotl: train_on_eos when unset)
         return self._train_on_ends(sample, self.eot_ids - {self.tokenizer.eos_token_id}, on_eot)
+
+    def _turn_by_turn(self, chat: Conversation, trains: list[bool], where: object) -> list[Piece] | None:
+        """Each turn as what rendering one more message adds (its generation prompt untrained); None where the
+        template changes earlier text when a message comes."""
+        pieces: list[Piece] = []
+        rendered = ""
+        for index, message in enumerate(chat.messages):
+            before = self._render(chat.messages[:index], where, message["role"] == "assistant", chat.tools)
+            after = self._render(chat.messages[: index + 1], where, False, chat.tools)
+            if not (before.startswith(rendered) and after.startswith(before)):
+                return None
+            turn, detail = after[len(before) :], chat.details[index]
+            pieces.append((before[len(rendered) :], False))
+            spans = _turn_spans(turn, message, detail, where) if trains[index] and detail is not None else None
+            pieces.append((turn, spans if spans is not None else trains[index]))
+            rendered = after
+        return pieces
+
+    def _regions_of_the_whole(
+        self, chat: Conversation, trains: list[bool], entry: DatasetEntry, where: object
+    ) -> list[Piece]:
+        """The conversation rendered whole, each message's own text found in it (`meshkit.data.turn_regions`)."""
+        own_keys = ("content", entry.template_thinking_key or "reasoning_content")
+        whole, regions = message_regions(lambda turns: self._render(turns, where, False, chat.tools), chat.messages,
+                                         own_keys)  # fmt: skip
+        pieces: list[Piece] = []
+        closings: dict[str, str] = {}
+        cursor = 0
+        for index, (start, end) in enumerate(regions):
+            if end <= start:
+                continue
+            role = chat.messages[index]["role"]
+            if role not in closings:
+                closings[role] = closing_text(lambda turns: self._render(turns, where, False), role)
+            closing = closings[role]
+            if closing and whole.startswith(closing, end):  # the turn's end (its end-of-turn marks) is the turn's
+                end += len(closing)
+            if start < cursor:
+                raise DataFormatError(
+                    f"{where}: the chat template's rendering of message {index} overlaps the one before; use type "
+                    "completion with the rendered text instead"
+                )
+            region, detail = whole[start:end], chat.details[index]
+            spans = _turn_spans(region, chat.messages[index], detail, where) if trains[index] and detail else None
+            pieces += [(whole[cursor:start], False), (region, spans if spans is not None else trains[index])]
+            cursor = end
+        return [*pieces, (whole[cursor:], False)]
 
     def _train_on_ends(self, sample: TokenizedSample, ends: set[int], mode: str | None) -> TokenizedSample:
         """Which of the `ends` tokens (EOS, or end-of-turn tokens) train: `turn` (default): those ending a trained
