@@ -56,7 +56,14 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             return get_peft_model(model, config)
     except ValueError as err:  # e.g. a target module name the model does not have
-        raise LoraSetupError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
+        reason = str(err).splitlines()[0]
+        if "ParamWrapper" in reason and "lora_dropout" in reason:
+            reason = (
+                f"peft puts the adapters of {getattr(model.config, 'model_type', 'this model')}'s projection names "
+                "(gate_proj, up_proj, down_proj, w1, ...) on its fused expert banks, which take no dropout: set "
+                "lora_dropout: 0, or list lora_target_modules without the expert projections"
+            )
+        raise LoraSetupError(f"LoRA cannot wrap this model: {reason}") from None
 
 
 def linear_targets(model: nn.Module) -> list[str]:

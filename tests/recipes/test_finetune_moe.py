@@ -123,3 +123,26 @@ def test_dpo_on_a_mixture_of_experts_under_expert_parallel_equals_one_process(tm
     assert ep["layout_description"].endswith("experts over ep2")
     torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
     assert one["losses"][-1] < one["losses"][0]
+
+
+def test_peft_putting_a_models_projection_names_on_its_expert_banks_with_dropout_is_one_line() -> None:
+    """For the MoE types transformers 5 fused (Qwen3-MoE, DeepSeek, OLMoE, AFMoE, ...) peft maps the projection
+    names of transformers 4 (gate_proj, up_proj, down_proj, the router's gate) onto the fused banks — at training as
+    at loading, so meshkit follows it — and those adapters take no dropout: one line saying what to change."""
+    from types import SimpleNamespace
+
+    from meshkit.recipes.lora import LoraSetupError, apply_lora
+    from tests.helpers.moe_models import moe_causal_lm
+
+    def settings(dropout: float) -> SimpleNamespace:
+        return SimpleNamespace(
+            lora_model_dir=None, lora_target_parameters=None, lora_target_linear=False,
+            lora_target_modules=["q_proj", "v_proj", "down_proj"], lora_r=4, lora_alpha=8, lora_dropout=dropout,
+            base_model="base",
+        )  # fmt: skip
+
+    with pytest.raises(LoraSetupError, match="peft puts the adapters of qwen3_moe's projection names .* set "
+                                             "lora_dropout: 0, or list lora_target_modules without"):  # fmt: skip
+        apply_lora(moe_causal_lm("qwen3_moe"), settings(0.05))
+    adapted = apply_lora(moe_causal_lm("qwen3_moe"), settings(0.0))
+    assert any("experts" in name and "lora" in name for name, _ in adapted.named_parameters())
