@@ -34,7 +34,7 @@ from meshkit.recipes.finetune_setup import (
     start_adapters,
     step_plan,
 )
-from meshkit.recipes.hf_base import generate_samples, prompt_ids, replace_directory, write_tokenizer
+from meshkit.recipes.hf_base import generate_samples, prompt_ids, replace_directory, weights_file, write_tokenizer
 from meshkit.recipes.instruction_data import prepare_data
 from meshkit.recipes.loop import LoopPlan, LoopRecord, run_steps, write_summary
 from meshkit.recipes.lora import AdapterExport, continued_weights, save_adapter
@@ -43,6 +43,7 @@ from meshkit.recipes.qat import fake_quant_switch
 from meshkit.recipes.report import print_summary
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 from meshkit.recipes.streaming_data import prepare_stream
+from meshkit.recipes.untrained_tokens import fix_untrained_tokens
 from meshkit.recipes.validation import WindowLoss, eval_batches, evaluate
 from meshkit.runtime import collectives
 from meshkit.training.loss import IGNORE_INDEX
@@ -113,6 +114,9 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     model_class = type(base).__name__  # (before prepare: FSDP2 renames a sharded module's class FSDP<name>)
     model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, data.loader, scheduler)
     start_adapters(engine, job, built)
+    if s.fix_untrained_tokens and not s.streams:  # (before a resumed checkpoint, which holds the fixed rows)
+        line = fix_untrained_tokens(built.model, s.fix_untrained_tokens, weights_file(Path(s.base_model)), data.train)
+        engine.print(f"meshkit: {line}")
     if continued is not None:  # into this rank's shards; a resumed checkpoint (below) still comes last
         engine.load_full_state_dict(continued)
         engine.print(f"meshkit: continuing the adapter in {s.lora_model_dir} ({len(continued)} tensors)")

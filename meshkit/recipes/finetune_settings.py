@@ -28,6 +28,9 @@ class FinetuneSettings(Section):
     tokenizer_type: str | None = Field(None, description="AutoTokenizer or a tokenizer class name; null = auto")
     tokenizer_config: Path | None = Field(None, description="directory of the tokenizer files; null = base_model")
     tokenizer_use_fast: bool = Field(True, description="the fast (tokenizers) tokenizer where one exists")
+    fix_untrained_tokens: bool | int | list[int] | None = Field(
+        None, description="untrained rows of tokens the data uses start at the mean (a list: those token ids)"
+    )
     added_tokens_overrides: dict[int, str] | None = Field(
         None, description="{added token id: new string}: reserved tokens renamed, their ids (and rows) kept"
     )
@@ -94,9 +97,7 @@ class FinetuneSettings(Section):
         description="parameters to adapt by name, e.g. [experts.gate_up_proj, experts.down_proj] (a "
         "mixture-of-experts bank: one low-rank update per expert); with or without lora_target_modules",
     )
-    lora_model_dir: Path | None = Field(
-        None, description="continue the adapter a LoRA run wrote there (its settings and weights)"
-    )
+    lora_model_dir: Path | None = Field(None, description="continue the adapter a LoRA run wrote there")
     peft_use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
     peft_use_dora: bool = Field(False, description="DoRA: LoRA plus a trained magnitude per output row")
     lora_modules_to_save: tuple[str, ...] | None = Field(
@@ -109,17 +110,13 @@ class FinetuneSettings(Section):
     lora_rank_pattern: dict[str, int] | None = Field(
         None, description="{layer-name regex: rank} for layers that take another rank than lora_r (peft's rank_pattern)"
     )
-    lora_alpha_pattern: dict[str, float] | None = Field(
-        None, description="{layer-name regex: alpha} (peft's alpha_pattern)"
-    )
+    lora_alpha_pattern: dict[str, float] | None = Field(None, description="{layer regex: alpha} (alpha_pattern)")
     peft_init_lora_weights: bool | str | None = Field(
         None,
         description="how LoRA starts (peft's init_lora_weights): true (A random, B zero), false, gaussian, "
         "orthogonal, pissa, pissa_niter_<n>, olora, loftq (PiSSA/OLoRA/LoftQ also rewrite the frozen base)",
     )
-    peft: PeftBlock | None = Field(
-        None, description="Axolotl's peft block: loftq_config.loftq_bits starts LoRA as LoftQ"
-    )
+    peft: PeftBlock | None = Field(None, description="Axolotl's peft block: loftq_config.loftq_bits (LoftQ)")
     # quantized base (bitsandbytes, through transformers' BitsAndBytesConfig)
     load_in_8bit: bool = Field(False, description="the frozen base in int8 (LLM.int8 Linear8bitLt)")
     load_in_4bit: bool = Field(False, description="the frozen base in 4 bits (Linear4bit; adapter: qlora)")
@@ -140,9 +137,7 @@ class FinetuneSettings(Section):
     qat: QATSettings | None = Field(None, description="quantization-aware training (torchao fake quantization)")
     reinit_weights: bool = Field(False, description="start from the model's own random initialisation, not the weights")
     loraplus_lr_ratio: float | None = Field(None, gt=0, description="LoRA+: lr of the B matrices = ratio × lr")
-    unfrozen_parameters: tuple[str, ...] | None = Field(
-        None, description="full fine-tune of the parameters matching these regexes only"
-    )
+    unfrozen_parameters: tuple[str, ...] | None = Field(None, description="train only parameters matching these")
     # schedule and optimizer
     num_epochs: float = Field(1.0, gt=0, description="epochs, when max_steps is not set")
     warmup_ratio: float | None = Field(None, ge=0, lt=1, description="warm-up share of the steps (or warmup_steps)")

@@ -60,8 +60,10 @@ _add(G, "reinit_weights", honoured("the model starts from its own random initial
                                    "layout) instead of the checkpoint's weights"))
 _add(G, "added_tokens_overrides", honoured("reserved added tokens renamed ({id: string}), their ids and embedding rows "
                                           "kept; an id that is not an added token is one line"))
-_add(G, ("fix_untrained_tokens", "processor_kwargs"),
-     refused("not supported: start from a base that holds the weights and tokens you want, then remove the key"))
+_add(G, "fix_untrained_tokens", honoured("rows never trained (≤ 1e-16 in embedding and head) of tokens the data "
+                                        "uses start at the mean of the trained rows, scaled by frequency; a list: "
+                                        "those token ids (supervised runs; not with streamed data)"))
+_add(G, "processor_kwargs", noted("a multimodal processor's arguments: text batches go through the tokenizer alone"))
 _add(G, "tokenizer_use_mistral_common", refused("Mistral's own tokenizer library (mistral-common) is not supported "
                                                 "yet: drop the key to use the checkpoint's transformers tokenizer"))
 
