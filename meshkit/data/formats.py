@@ -261,7 +261,9 @@ class Formatter:
                     "completion with the rendered text instead"
                 )
             region, detail = whole[start:end], chat.details[index]
-            spans = _turn_spans(region, chat.messages[index], detail, where) if trains[index] and detail else None
+            spans = None
+            if trains[index] and detail is not None:
+                spans = _turn_spans(region, chat.messages[index], detail, where)
             pieces += [(whole[cursor:start], False), (region, spans if spans is not None else trains[index])]
             cursor = end
         return [*pieces, (whole[cursor:], False)]

@@ -93,7 +93,9 @@ def fix_untrained_tokens(model: nn.Module, setting: bool | int | list[int], sour
     returns the line that says what it did."""
     vocabulary = describe(model).vocabulary
     names = [base_checkpoint_name(name) for name in vocabulary]
-    rows = next(p.shape[0] for name, p in model.named_parameters() if name in vocabulary)
+    rows = next((p.shape[0] for name, p in model.named_parameters() if name in vocabulary), None)
+    if rows is None:  # a pipeline stage between the first and the last holds neither the embedding nor the head
+        return "fix_untrained_tokens: this pipeline stage holds no token rows"
     counts = token_counts((sample.input_ids for sample in samples), rows)
     fix = plan_fix(source, names, counts, setting if isinstance(setting, list) else ())
     if fix is None:
