@@ -122,14 +122,25 @@ class TinyBases:
         kind = hub_type(name)
         if kind is None:
             return None, f"no tiny base: the model type of '{name}' is not in bench/tiny_models.py"
-        key = kind  # (a hub checkpoint is the causal LM: a reward or PRM run puts its own head on it)
+        # (a hub checkpoint is the causal LM: a reward or PRM run puts its own head on it; Mistral's own tokenizer
+        # file, tekken.json, makes a base of its own)
+        mistral = bool(config.get("tokenizer_use_mistral_common"))
+        key = f"{kind}-tekken" if mistral else kind
         if key not in self.made:
             try:
-                self.made[key] = save_tiny_model(kind, self._tokenizer(), self.folder / kind)
+                tokenizer = self._tekken() if mistral else self._tokenizer()
+                self.made[key] = save_tiny_model(kind, tokenizer, self.folder / key)
             except Exception as err:  # a config the shrinker cannot build: said as such
                 self.made[key] = f"no tiny base: {kind} does not build tiny ({type(err).__name__}: {err})"[:300]
         made = self.made[key]
         return (made, kind) if isinstance(made, Path) else (None, made)
+
+    def _tekken(self) -> Any:
+        from meshkit.recipes.mistral_tokenizer import mistral_common_tokenizer
+        from meshkit.recipes.tiny_model import write_tiny_tekken
+
+        write_tiny_tekken(self.folder / "tekken")
+        return mistral_common_tokenizer(self.folder / "tekken")
 
     def _tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -23,6 +23,7 @@ from meshkit.data.chat_templates import chat_template
 from meshkit.data.dataset_entry import CustomPrompt, DatasetEntry
 from meshkit.data.jsonl import DataFormatError, record_field
 from meshkit.data.messages import CharSpans, Conversation, conversation
+from meshkit.data.mistral_chat import conversation_sample, is_mistral_common
 from meshkit.data.turn_regions import closing_text, message_regions
 from meshkit.training.loss import IGNORE_INDEX
 
@@ -200,20 +201,26 @@ class Formatter:
         entry = self.entry or DatasetEntry(path=".", type="chat_template")
         chat = conversation(record, entry, where, sharegpt, self.default_system_message)
         messages = chat.messages
-        if (self.template or self.tokenizer.chat_template) is None:
-            raise DataFormatError(
-                f"{where}: type chat_template needs a chat template; the base model's tokenizer has none: set "
-                "chat_template (e.g. chatml, llama3)"
-            )
         trained_roles = set(entry.roles_to_train or ("assistant",))
         trains = [
             own if own is not None else message["role"] in trained_roles
             for message, own in zip(messages, chat.trains, strict=True)
         ]
+        if is_mistral_common(self.tokenizer):  # (encoded by mistral-common itself: no template text to read)
+            ids, labels = conversation_sample(self.tokenizer, messages, trains, where)
+            return self._ends(TokenizedSample(tuple(ids), tuple(labels)), entry)
+        if (self.template or self.tokenizer.chat_template) is None:
+            raise DataFormatError(
+                f"{where}: type chat_template needs a chat template; the base model's tokenizer has none: set "
+                "chat_template (e.g. chatml, llama3)"
+            )
         pieces = self._turn_by_turn(chat, trains, where)
         if pieces is None:  # (a template that renders an earlier turn differently once later turns exist)
             pieces = self._regions_of_the_whole(chat, trains, entry, where)
-        sample = self._sample([p for p in pieces if p[0]], bos=False, eos=False)
+        return self._ends(self._sample([p for p in pieces if p[0]], bos=False, eos=False), entry)
+
+    def _ends(self, sample: TokenizedSample, entry: DatasetEntry) -> TokenizedSample:
+        """`train_on_eos` / `train_on_eot` over a chat sample."""
         on_eos = entry.train_on_eos
         sample = self._train_on_ends(sample, {self.tokenizer.eos_token_id} - {None}, on_eos)
         on_eot = entry.train_on_eot or on_eos  # (Axolotl: train_on_eos when unset)

@@ -28,6 +28,9 @@ class FinetuneSettings(Section):
     tokenizer_type: str | None = Field(None, description="AutoTokenizer or a tokenizer class name; null = auto")
     tokenizer_config: Path | None = Field(None, description="directory of the tokenizer files; null = base_model")
     tokenizer_use_fast: bool = Field(True, description="the fast (tokenizers) tokenizer where one exists")
+    tokenizer_use_mistral_common: bool = Field(
+        False, description="Mistral's own tokenizer (tekken.json, mistral-common)"
+    )
     fix_untrained_tokens: bool | int | list[int] | None = Field(
         None, description="untrained rows of tokens the data uses start at the mean (a list: those token ids)"
     )

@@ -16,6 +16,7 @@ from torch import nn
 from meshkit.core.errors import MeshkitError
 from meshkit.data.chat_templates import chat_template
 from meshkit.models.structure import describe
+from meshkit.recipes.mistral_tokenizer import mistral_common_tokenizer
 from meshkit.recipes.token_overrides import renamed_added_tokens
 
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
@@ -41,7 +42,14 @@ def weights_file(directory: Path) -> Path:
 
 
 # What a tokenizer is saved as: one of these (or pair) makes a directory loadable by AutoTokenizer
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json + merges.txt", "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json + merges.txt",
+    "vocab.txt",
+    "tekken.json",
+)
 
 
 def tokenizer_directory(settings: Any) -> Path:
@@ -64,6 +72,8 @@ def load_tokenizer(settings: Any) -> Any:
     directory = tokenizer_directory(settings)
     kind = settings.tokenizer_type
     options = {"local_files_only": True, "use_fast": settings.tokenizer_use_fast}
+    if settings.tokenizer_use_mistral_common:
+        return mistral_common_tokenizer(directory)
     try:
         if kind in (None, "AutoTokenizer"):
             tokenizer = AutoTokenizer.from_pretrained(directory, **options)

@@ -1,12 +1,14 @@
 """A tiny Llama-style base model directory, made offline: a byte-level BPE tokenizer trained on given texts
 (`tokenizers`) with a ChatML chat template, and a randomly initialised `LlamaForCausalLM`, both written in
-`save_pretrained` layout. It stands in for a downloaded checkpoint in the fine-tuning example and the tests.
+`save_pretrained` layout. It stands in for a downloaded checkpoint in the fine-tuning example and the tests. A tiny
+Mistral tokenizer file (`tekken.json`) stands in for Mistral's own (`write_tiny_tekken`).
 
     python -m meshkit.recipes.tiny_model OUT_DIR FILE.jsonl [FILE.jsonl ...]
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -108,6 +110,34 @@ def make_tiny_base_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+# tiktoken's pattern of the tekken files Mistral publishes (words, numbers, punctuation, spaces)
+TEKKEN_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+    r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+TEKKEN_SPECIAL_TOKENS = 20
+
+
+def write_tiny_tekken(directory: Path) -> int:
+    """A tiny Mistral tokenizer file, `directory`/tekken.json (for `tokenizer_use_mistral_common`): the 256 bytes as
+    its vocabulary and the first special tokens of mistral-common's default list (`<unk>`, `<s>`, `</s>`, `[INST]`,
+    `[/INST]`, ...); returns its vocabulary size."""
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    vocab = [{"rank": i, "token_bytes": base64.b64encode(bytes([i])).decode(), "token_str": None} for i in range(256)]
+    specials = [
+        dict(token, token_str=str(getattr(token["token_str"], "value", token["token_str"])))
+        for token in Tekkenizer.DEPRECATED_SPECIAL_TOKENS[:TEKKEN_SPECIAL_TOKENS]
+    ]  # fmt: skip (enum members -> text)
+    size = len(vocab) + TEKKEN_SPECIAL_TOKENS
+    config = {"pattern": TEKKEN_PATTERN, "num_vocab_tokens": len(vocab), "default_vocab_size": size,
+              "default_num_special_tokens": TEKKEN_SPECIAL_TOKENS, "version": "v7"}  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tekken.json").write_text(json.dumps({"config": config, "vocab": vocab, "special_tokens": specials}))
+    return size
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -64,8 +64,9 @@ _add(G, "fix_untrained_tokens", honoured("rows never trained (≤ 1e-16 in embed
                                         "uses start at the mean of the trained rows, scaled by frequency; a list: "
                                         "those token ids (supervised runs; not with streamed data)"))
 _add(G, "processor_kwargs", noted("a multimodal processor's arguments: text batches go through the tokenizer alone"))
-_add(G, "tokenizer_use_mistral_common", refused("Mistral's own tokenizer library (mistral-common) is not supported "
-                                                "yet: drop the key to use the checkpoint's transformers tokenizer"))
+_add(G, "tokenizer_use_mistral_common", honoured("Mistral's own tokenizer (tekken.json) through mistral-common, which "
+                                                 "encodes each conversation itself (fine-tuning mode; the answers of "
+                                                 "assistant turns train)"))
 
 G = "further adapter keys"
 _add(G, ("lora_rank_pattern", "lora_alpha_pattern", "peft_layers_pattern"),
