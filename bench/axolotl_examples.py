@@ -13,9 +13,11 @@ and writes bench/results/axolotl_examples.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -193,6 +195,16 @@ def ranks_asked(config: dict[str, Any]) -> int:
     return max(world, int(config.get("expert_parallel_size") or 1))
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                found += [int(child), *_descendants(int(child))]
+    return found
+
+
 def run(example: Path, bases: TinyBases, steps: int, timeout: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="axolotl-example-") as scratch:
         folder = Path(scratch)
@@ -205,13 +217,21 @@ def run(example: Path, bases: TinyBases, steps: int, timeout: int) -> dict[str, 
         world = [f"launch.nproc_per_node={ranks}"] if ranks > 1 else []
         note = f"{note}, {ranks} ranks" if ranks > 1 else note
         start = time.monotonic()
+        # a run past the timeout ends whole: its workers and dataset processes too (killing the command alone left
+        # them running, orphaned, for the rest of the sweep)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "meshkit.cli", "finetune", str(config), *world], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=env, cwd=folder, start_new_session=True,
+        )  # fmt: skip
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "meshkit.cli", "finetune", str(config), *world], capture_output=True,
-                text=True, timeout=timeout, env=env, cwd=folder,
-            )  # fmt: skip
+            stdout, stderr = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            for pid in [child.pid, *_descendants(child.pid)]:  # (a launcher's workers sit in sessions of their own)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            child.communicate()
             return {"status": "failed", "detail": f"no end within {timeout} s", "base": note}
+        proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
         seconds = round(time.monotonic() - start, 1)
         if proc.returncode == 0:
             return {"status": "ok", "detail": note, "seconds": seconds}
