@@ -78,8 +78,10 @@ def render_chat(
 
 
 def end_of_turn_ids(tokenizer: Any, tokens: Sequence[str] | None) -> set[int]:
-    """Token ids of Axolotl's `eot_tokens` (each must be one token of the tokenizer); without them, the EOS."""
-    if not tokens:
+    """Token ids of Axolotl's `eot_tokens` (each must be one token of the tokenizer); without them — or with
+    Mistral's own tokenizer, which ends every turn with its end of sequence (Axolotl reads no eot_tokens there) —
+    the EOS."""
+    if not tokens or is_mistral_common(tokenizer):
         return {tokenizer.eos_token_id} - {None}
     ids = set()
     for token in tokens:

@@ -92,6 +92,9 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
     if s.reinit_weights:
         engine.print("meshkit: reinit_weights: the model starts from its own random initialisation, not the weights")
     tokenizer = load_tokenizer(s)
+    if s.tokenizer_use_mistral_common and s.eot_tokens:
+        engine.print("meshkit: eot_tokens: Mistral's own tokenizer ends each turn with its end of sequence; the names "
+                     "given are not read (as in Axolotl)")  # fmt: skip
     note = template_note(s.chat_template)
     if note:
         engine.print(f"meshkit: {note}")

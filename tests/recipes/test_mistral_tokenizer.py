@@ -56,7 +56,8 @@ def test_a_fine_tune_with_mistrals_tokenizer_runs_and_exports_what_loads(tmp_pat
     from transformers import AutoModelForCausalLM
 
     keys = dict(lora_keys(), base_model=str(mistral_base), tokenizer_use_mistral_common=True,
-                datasets=[{"path": str(material["chat"]), "type": "chat_template"}])  # fmt: skip
+                datasets=[{"path": str(material["chat"]), "type": "chat_template"}],
+                eot_tokens=["<end_of_turn>"])  # fmt: skip (Axolotl's Voxtral example names one: not read there)
     config = write_config(tmp_path / "c.yml", material, **keys)
     summary = run_world(run_finetune, 1, str(config), [f"output_dir={tmp_path / 'out'}"], timeout=240)[0]
     assert len(summary["losses"]) == 4 and all(loss == loss for loss in summary["losses"])
