@@ -55,9 +55,10 @@ def test_the_answers_and_their_ends_train_and_nothing_else(mistral_base) -> None
 def test_a_fine_tune_with_mistrals_tokenizer_runs_and_exports_what_loads(tmp_path, material, mistral_base) -> None:
     from transformers import AutoModelForCausalLM
 
+    # (eot_tokens: Axolotl's Voxtral example names one, which Mistral's tokenizer does not read)
     keys = dict(lora_keys(), base_model=str(mistral_base), tokenizer_use_mistral_common=True,
                 datasets=[{"path": str(material["chat"]), "type": "chat_template"}],
-                eot_tokens=["<end_of_turn>"])  # fmt: skip (Axolotl's Voxtral example names one: not read there)
+                eot_tokens=["<end_of_turn>"])  # fmt: skip
     config = write_config(tmp_path / "c.yml", material, **keys)
     summary = run_world(run_finetune, 1, str(config), [f"output_dir={tmp_path / 'out'}"], timeout=240)[0]
     assert len(summary["losses"]) == 4 and all(loss == loss for loss in summary["losses"])
