@@ -210,7 +210,7 @@ class Formatter:
         ]
         if is_mistral_common(self.tokenizer):  # (encoded by mistral-common itself: no template text to read)
             ids, labels = conversation_sample(self.tokenizer, messages, trains, where)
-            return self._ends(TokenizedSample(tuple(ids), tuple(labels)), entry)
+            return self._ends(TokenizedSample(tuple(ids), tuple(ids if self.train_on_inputs else labels)), entry)
         if (self.template or self.tokenizer.chat_template) is None:
             raise DataFormatError(
                 f"{where}: type chat_template needs a chat template; the base model's tokenizer has none: set "

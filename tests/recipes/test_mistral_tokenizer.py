@@ -50,6 +50,8 @@ def test_the_answers_and_their_ends_train_and_nothing_else(mistral_base) -> None
     encode = tokenizer.encode
     eos = tokenizer.eos_token_id
     assert trained == [*encode("hello", add_special_tokens=False), eos, *encode("4", add_special_tokens=False), eos]
+    every = Formatter(tokenizer, True, DatasetEntry(path="x", type="chat_template")).chat_template(RECORD, "rec 1")
+    assert every.labels == every.input_ids  # train_on_inputs: every token
 
 
 def test_a_fine_tune_with_mistrals_tokenizer_runs_and_exports_what_loads(tmp_path, material, mistral_base) -> None:
