@@ -10,7 +10,7 @@ import yaml
 
 from meshkit.config.importing import ImportingError, import_config, to_yaml
 from meshkit.config.resolve import ENV_LAUNCH_FLAGS, launch_flags_to_env, resolve
-from tests.helpers.cli import meshkit
+from tests.helpers.cli import meshkit_here as meshkit
 
 # seeds/000 §2.2: ZeRO-3, CPU offload of optimizer and parameters, bf16
 SEED_DS = {

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from meshkit.planning.estimate import EstimateError, ModelShape, estimate_memory, layer_activation_bytes
-from tests.helpers.cli import meshkit
+from tests.helpers.cli import meshkit_here as meshkit
 
 PAPER = ModelShape(params=7.5e9)  # ZeRO paper, Figure 1: Ψ = 7.5B, Nd = 64, mixed precision Adam (K = 12)
 

@@ -10,7 +10,7 @@ import yaml
 from meshkit.config.resolve import resolve
 from meshkit.planning.estimate import ModelShape, estimate_memory
 from meshkit.planning.plan import HEADROOM, Cluster, PlanError, plan
-from tests.helpers.cli import meshkit
+from tests.helpers.cli import meshkit, meshkit_here
 
 SMALL = ModelShape.transformer(layers=12, hidden=768, heads=12, vocab=50257)  # GPT-2 small
 WIDE = ModelShape.transformer(layers=2, hidden=65536, heads=64, vocab=32000)  # one block: 103 GB in bf16
@@ -61,7 +61,7 @@ def test_emit_config_writes_a_layout_meshkit_train_runs(tmp_path) -> None:
     model = tmp_path / "model.yaml"
     model.write_text("model:\n  dim: 32\n  n_layers: 2\n  n_heads: 2\n  max_seq_len: 64\n")
     emitted = tmp_path / "plan.yaml"
-    proc = meshkit(
+    proc = meshkit_here(
         "plan", str(model), "--gpus-per-node", "2", "--gpu-mem-gb", "80", "--seq-len", "32",
         "--global-batch", "4", "--emit-config", str(emitted), "--json",
     )  # fmt: skip
@@ -116,7 +116,7 @@ def test_eight_bit_adam_lets_the_planner_keep_more_layouts_and_step_faster() -> 
             on_device = layout.layout.offload == "none"  # offloaded states cost no device memory either way
             assert layout.memory_gb < shared[layout.describe()].memory_gb or not on_device
             assert layout.time.step_s < shared[layout.describe()].time.step_s
-    proc = meshkit(
+    proc = meshkit_here(
         "plan", "--params", "1e9", "--layers", "8", "--hidden", "2048", "--heads", "16", "--optimizer", "lion"
     )
     assert proc.returncode == 2 and "--optimizer 'lion' is not one the planner knows" in proc.stderr

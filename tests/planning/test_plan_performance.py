@@ -13,7 +13,7 @@ from meshkit.planning.estimate import ModelShape
 from meshkit.planning.hardware import PRESETS, Hardware, load_profile, save_profile
 from meshkit.planning.perf_model import Topology, predict
 from meshkit.planning.published_runs import PUBLISHED, compare
-from tests.helpers.cli import meshkit
+from tests.helpers.cli import meshkit_here as meshkit
 
 GPT_1B = ModelShape.transformer(layers=24, hidden=2048, heads=16, vocab=50304)
 
