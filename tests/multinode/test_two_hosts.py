@@ -89,6 +89,7 @@ def test_a_missing_node_fails_within_the_rendezvous_timeout_naming_it(hosts, tmp
     assert steps(tmp_path) == []
 
 
+@pytest.mark.sweep  # (restarts: one host in tests/checkpoint/test_checkpoint_recovery.py, Ray in test_ray_cluster)
 def test_a_killed_worker_restarts_every_node_from_the_last_checkpoint(hosts, tmp_path, reference) -> None:
     config = write_config(tmp_path)
     env = {"JOB_KILL": "1:0:5"}  # node 1's worker dies by SIGKILL at step 5 of the first attempt

@@ -16,7 +16,7 @@ LAYOUTS = {"tp2": {"tp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True}, "fs
     "tp": 2, "sequence_parallel": True, "zero_stage": 3}}  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=[pytest.mark.slow, pytest.mark.sweep])])
 def test_lora_under_tensor_and_sequence_parallel_trains_like_one_process(family: str) -> None:
     results = run_world(train_adapted, 4, family, LAYOUTS, timeout=300)
     losses, state = lora_reference(family)

@@ -76,7 +76,9 @@ def test_pissa_starts_at_the_base_trains_alike_under_zero3_and_exports_for_the_o
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["loftq", "olora", "gaussian"])
+@pytest.mark.parametrize(  # LoftQ in the suite (it rewrites the base too); the others in make test-full
+    "mode", ["loftq", pytest.param("olora", marks=pytest.mark.sweep), pytest.param("gaussian", marks=pytest.mark.sweep)]
+)
 def test_other_starts_run_in_a_tensor_parallel_world_as_in_one_process(tmp_path, material, mode: str) -> None:
     keys = (
         lora_keys(peft={"loftq_config": {"loftq_bits": 4}})

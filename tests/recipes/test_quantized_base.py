@@ -77,8 +77,9 @@ def test_lora_over_a_quantized_base_tracks_lora_on_its_dequantized_weights(tmp_p
     assert quantized["trainable_parameters"] == reference["trainable_parameters"]
 
 
-@pytest.mark.parametrize(
-    ("kind", "layout"), [("4bit", "zero_stage=0"), ("4bit", "zero_stage=3"), ("8bit", "zero_stage=2")]
+@pytest.mark.parametrize(  # (4 bits under DDP: in make test-full; its ZeRO-3 run shards the same packed weights)
+    ("kind", "layout"),
+    [pytest.param("4bit", "zero_stage=0", marks=pytest.mark.sweep), ("4bit", "zero_stage=3"), ("8bit", "zero_stage=2")],
 )
 def test_two_ranks_equal_one_and_the_merged_export_is_the_adapter_on_the_base(tmp_path, material, kind, layout):
     from peft import PeftModel
