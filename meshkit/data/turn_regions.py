@@ -11,6 +11,7 @@ the message's, as the template writes them in the whole conversation — what a 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -49,16 +50,8 @@ def closing_text(render: Render, role: str) -> str:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    size = min(len(a), len(b))
-    index = 0
-    while index < size and a[index] == b[index]:
-        index += 1
-    return index
+    return len(os.path.commonprefix([a, b]))
 
 
 def _common_suffix(a: str, b: str) -> int:
-    size = min(len(a), len(b))
-    index = 0
-    while index < size and a[-1 - index] == b[-1 - index]:
-        index += 1
-    return index
+    return len(os.path.commonprefix([a[::-1], b[::-1]]))
