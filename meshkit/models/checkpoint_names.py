@@ -37,7 +37,8 @@ class CheckpointConversion:
 
     @classmethod
     def of(cls, model: nn.Module) -> CheckpointConversion | None:
-        """transformers' conversion for `model` (its own or a submodule's), or None when it has none."""
+        """transformers' conversion for `model` (its own or a submodule's; MXFP4 parts besides), or None for a model
+        that is not a transformers model."""
         try:
             from transformers import PreTrainedModel
             from transformers.conversion_mapping import get_model_conversion_mapping
