@@ -260,9 +260,7 @@ class FinetuneSettings(Section):
         mode="before",
     )
     @classmethod
-    def _one_name_is_a_list(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.field_name == "tokens" and isinstance(value, dict):  # (Axolotl's early configs: special tokens)
-            raise ValueError("tokens: lists tokens to add; bos_token, eos_token, ... go under special_tokens:")
+    def _one_name_is_a_list(cls, value: Any) -> Any:
         return (value,) if isinstance(value, str) else value
 
     @field_validator("evals_per_epoch", "saves_per_epoch", "eval_steps", mode="before")

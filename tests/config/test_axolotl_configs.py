@@ -160,10 +160,6 @@ def test_axolotls_ray_keys_choose_the_ray_launch_backend(tmp_path, material) -> 
         ({"processor_type": "AutoProcessor"}, "processor_type: 'AutoProcessor' .*multimodal processors"),
         ({"rl": "grpo"}, "rl: grpo is online RL .* train offline preference data with dpo, ipo, kto, orpo or simpo"),
         ({"rl": "ebft"}, "rl: ebft is online RL"),
-        (
-            {"tokens": {"bos_token": "<s>"}},
-            "tokens: lists tokens to add; bos_token, eos_token, ... go under special_tokens",
-        ),
         ({"rl": "xpo"}, "'rl'.*'dpo', 'ipo', 'kto', 'orpo' or 'simpo'"),
         ({"process_reward_model": True}, "a process reward model reads type: stepwise_supervised datasets"),
         ({"reward_model": True, "rl": "dpo"}, "reward_model: true trains a sequence-classification model .* drop rl"),
@@ -364,3 +360,17 @@ def test_older_names_and_more_honoured_keys(tmp_path, material) -> None:
     assert s.model_type == "LlamaForCausalLM" and s.chat_template_kwargs == {"enable_thinking": False}
     assert s.overrides_of_model_config == {"rms_norm_eps": 1e-5} or "rope_scaling" in s.overrides_of_model_config
     assert job.resolved.config.activation_checkpointing.mode == "selective"
+
+
+@pytest.mark.parametrize("special_first", [True, False])
+def test_tokens_as_a_mapping_is_axolotls_early_special_tokens(tmp_path, material, special_first) -> None:
+    config = axolotl_lora(material, tmp_path)
+    mapping = {"bos_token": "<s>", "pad_token": "<unk>"}
+    if special_first:
+        config["tokens"] = mapping  # (after special_tokens: {pad_token: </s>})
+    else:
+        config = {"tokens": mapping, **config}
+    job = resolve_finetune(_write(tmp_path / "t.yml", config), [], env={})
+    assert job.settings.special_tokens == {"bos_token": "<s>", "pad_token": "</s>"}  # special_tokens' own wins
+    assert job.settings.tokens is None or not job.settings.tokens
+    assert [note for note in job.notes if note.startswith("tokens: bos_token, pad_token is Axolotl's early")]

@@ -60,6 +60,19 @@ def _warmup(name: str, value: Any, sink: Any) -> None:
         sink.set("train.warmup_steps", int(value), name)
 
 
+def _tokens(name: str, value: Any, sink: Any) -> None:
+    """`special_tokens`, and `tokens`: tokens to add — or, as Axolotl's early configs wrote it, a mapping of
+    special tokens, read as `special_tokens` (whose own values win, whichever key comes first)."""
+    earlier = sink.recipe.get("special_tokens")
+    if name == "tokens" and isinstance(value, dict):
+        sink.notes.append(f"tokens: {', '.join(value)} is Axolotl's early spelling of special_tokens: read as such")
+        sink.recipe["special_tokens"] = {**value, **(earlier if isinstance(earlier, dict) else {})}
+    elif name == "special_tokens" and isinstance(value, dict) and isinstance(earlier, dict):
+        sink.recipe["special_tokens"] = {**earlier, **value}
+    else:
+        sink.recipe[name] = value
+
+
 def _add(group: str, names: tuple[str, ...] | str, rule: KeyRule) -> None:
     add_rule(_RULES, group, names, rule)
 
@@ -84,7 +97,8 @@ _add(G, ("xformers_attention", "flash_attn_cross_entropy", "flash_attn_rms_norm"
          "unsloth_lora_o", "unsloth_rms_norm", "unsloth_rope", "plugins", "kernels"), noted(_ATTENTION_KERNEL))
 _add(G, ("special_tokens", "tokens"),
      honoured("bos/eos/pad/unk set on the tokenizer, tokens added to it; the embedding (and head) grow, new rows "
-              "at the mean of the others; saved with the outputs"))
+              "at the mean of the others; saved with the outputs. `tokens:` as a mapping of bos_token, ... "
+              "(Axolotl's early configs) is read as special_tokens, noted", reader=_tokens))
 _add(G, ("chat_template", "chat_template_jinja", "default_system_message"),
      honoured("the tokenizer's chat template: tokenizer_default, a built-in one by Axolotl's name, or jinja; "
               "Axolotl's names of templates a family's tokenizers ship (cohere, llama4, deepseek_v3, ...) take the "
