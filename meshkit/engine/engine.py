@@ -314,6 +314,11 @@ class Engine:
         `(max_norm[, norm_type])`, or Accelerate's `(parameters, max_norm[, norm_type])`."""
         return self._gradients.clip_grad_norm_(*clip_arguments(args, norm_type))
 
+    def leave_out_of_steps(self, parameters: list[nn.Parameter]) -> None:
+        """The coming optimizer steps leave these (prepared) parameters as they are, as if frozen — their gradients
+        are dropped before clipping — until the next call (an empty list: every parameter steps again)."""
+        self._gradients.leave_out(parameters)
+
     def loss_parallel(self) -> contextlib.AbstractContextManager[Any]:
         """Where the loss is computed from vocab-sharded logits (tensor parallel): cross-entropy without ever
         gathering the full logits. `train_step` and `backward` enter it themselves; a hand-written loop wraps

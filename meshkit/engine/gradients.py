@@ -62,6 +62,18 @@ class GradientSync:
         self.optimizers = optimizers
         self.model_reducers: list[GradientReducer] = []  # for models no DDP/FSDP wrapper reduces
         self._parameters: tuple[tuple[int, ...], list[nn.Parameter]] = ((), [])  # (ids of models, their params)
+        self.left_out: frozenset[int] = frozenset()  # ids of parameters the optimizer steps leave as they are
+
+    def leave_out(self, parameters: list[nn.Parameter]) -> None:
+        """The coming optimizer steps leave `parameters` as they are, as if frozen: their gradients are dropped
+        once a window's backward completes them, before any clip norm or step (the optimizer skips a parameter
+        without one)."""
+        if parameters and self.zero_optimizers:
+            raise GradientError(
+                "leaving parameters out of a step needs an optimizer state per parameter; ZeRO-1/2 step flat "
+                "chunks: use zero_stage 0 or 3"
+            )
+        self.left_out = frozenset(map(id, parameters))
 
     def parameters(self) -> list[nn.Parameter]:
         """Every prepared model's parameters, listed once per set of models (walking the modules each step
@@ -145,6 +157,7 @@ class GradientSync:
             for optimizer in zero:  # gradients reduced during backward that no parameter's .grad above views
                 if factor != 1.0:
                     optimizer.scale_reduced(factor)
+            self._drop_left_out()
             state.end_window()
 
     def _items_factor(self, local_items: float, global_items: float | None, device: torch.device) -> float:
@@ -173,7 +186,15 @@ class GradientSync:
         """A pipeline schedule ran the backward passes itself: reduce what no wrapper reduced."""
         for reducer in self.reducers:
             reducer.reduce_gradients()
+        self._drop_left_out()
         self.state.end_window()
+
+    def _drop_left_out(self) -> None:
+        """The window's gradients are complete: those of the parameters left out go (`leave_out`)."""
+        if self.left_out:
+            for param in self.parameters():
+                if id(param) in self.left_out:
+                    param.grad = None
 
     def unscale_gradients(self, optimizers: list[PreparedOptimizer] | None = None) -> None:
         """Under fp16, divide the gradients by the loss scale now (once per step; clipping calls it too)."""

@@ -20,6 +20,7 @@ from meshkit.config.schema import RunConfig
 from meshkit.data.formats import end_of_turn_ids
 from meshkit.engine.engine import Engine
 from meshkit.parallel.pipeline.schedule import forward_only_refusal
+from meshkit.recipes import schemes
 from meshkit.recipes.finetune_config import FinetuneJob, resolve_finetune
 from meshkit.recipes.finetune_setup import (
     FinetuneError,
@@ -39,7 +40,6 @@ from meshkit.recipes.instruction_data import prepare_data
 from meshkit.recipes.loop import LoopPlan, LoopRecord, run_steps, write_summary
 from meshkit.recipes.lora import AdapterExport, continued_weights, save_adapter
 from meshkit.recipes.preference_run import train_preference
-from meshkit.recipes.qat import fake_quant_switch
 from meshkit.recipes.report import print_summary
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 from meshkit.recipes.streaming_data import prepare_stream
@@ -98,6 +98,9 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     for note in job.notes:
         engine.print(f"meshkit: {note}")
     check_layout(engine.config, engine.mesh.dims, job)
+    why = schemes.refusal(engine.zero_stage, engine.mesh.dims.tp, s)
+    if why is not None:
+        raise FinetuneError(why)
     base, tokenizer, attention = load_base(engine, job)
     if s.rl is not None or s.reward_model or s.process_reward_model:
         return train_preference(engine, job, base, tokenizer, attention, _write_outputs)
@@ -112,6 +115,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         continued_weights(s.lora_model_dir, built.model) if s.lora_model_dir and built.peft_model is not None else None
     )
     model_class = type(base).__name__  # (before prepare: FSDP2 renames a sharded module's class FSDP<name>)
+    before_step = schemes.before_step_hook(engine, s, built.model)  # (facts of the model before it is prepared)
     model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, data.loader, scheduler)
     start_adapters(engine, job, built)
     if s.fix_untrained_tokens and not s.streams:  # (before a resumed checkpoint, which holds the fixed rows)
@@ -128,11 +132,11 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         evaluate=(lambda: evaluate(engine, model, val)) if val else None, eval_every=steps.eval_every,
         save_every=steps.save_every, watchdog=LossWatchdog(s.loss_watchdog_threshold, s.loss_watchdog_patience),
         early_stopping=EarlyStopping(s.early_stopping_patience),
-        before_step=fake_quant_switch(model, s.qat) if s.qat is not None else None,
+        before_step=before_step,
     )  # fmt: skip
     record = run_steps(engine, loader, scheduler, plan, WindowLoss(engine))
     base.config.use_cache = True  # training turned it off; generation wants it
-    outputs = _write_outputs(engine, tokenizer, rebuild_whole(job, built))
+    outputs = _write_outputs(engine, tokenizer, None if s.relora else rebuild_whole(job, built))
     summary = _summary(engine, job, record, built, data, steps, warmup, outputs)
     if engine.is_main_process:
         if s.generation_samples and data.validation:

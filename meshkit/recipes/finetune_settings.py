@@ -8,18 +8,18 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from meshkit.config.schema import Section
 from meshkit.data.dataset_entry import is_preference_type, is_stepwise_type
 from meshkit.data.formats import DatasetEntry
 from meshkit.recipes.lora_init import LoraInitError, changes_base, lora_init_mode
 from meshkit.recipes.optimizers import OPTIMIZERS
 from meshkit.recipes.qat import QATSettings
 from meshkit.recipes.schedules import SCHEDULERS
+from meshkit.recipes.scheme_settings import SchemeSettings
 from meshkit.recipes.settings_blocks import LrGroup, PeftBlock
 
 
-class FinetuneSettings(Section):
-    """The recipe's own keys (Axolotl names)."""
+class FinetuneSettings(SchemeSettings):
+    """The recipe's own keys (Axolotl names); LISA, ReLoRA and jagged restarts' in `SchemeSettings`."""
 
     # model and tokenizer
     base_model: Path = Field(description="directory in save_pretrained layout: config.json, safetensors, tokenizer")

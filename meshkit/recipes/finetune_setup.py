@@ -37,7 +37,7 @@ from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
 from meshkit.recipes.qat import prepare_for_qat
 from meshkit.recipes.quantized_base import INT8_CAST_NOTE, load_quantized_base
 from meshkit.recipes.quantized_base import check_layout as check_quantized_layout
-from meshkit.recipes.schedules import build_schedule, warmup_steps
+from meshkit.recipes.schedules import build_schedule, jagged_restarts, warmup_steps
 
 
 class FinetuneError(MeshkitError):
@@ -253,6 +253,11 @@ def make_schedule(engine: Engine, job: FinetuneJob, optimizer: Any, total_steps:
         min_lr_ratio=s.cosine_min_lr_ratio, constant_lr_ratio=s.cosine_constant_lr_ratio,
         quadratic_warmup=s.lr_quadratic_warmup, div_factor=s.lr_div_factor,
     )  # fmt: skip
+    if s.jagged_restart_steps:
+        scheduler = jagged_restarts(
+            scheduler, s.jagged_restart_steps, s.jagged_restart_warmup_steps, s.jagged_restart_anneal_steps,
+            s.cosine_min_lr_ratio,
+        )  # fmt: skip
     return scheduler, warmup
 
 

@@ -126,6 +126,19 @@ class LoopRecord:
         }
 
 
+def chained_hooks(*hooks: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """One `before_step` hook calling each given one in order (None when none is given)."""
+    present = [hook for hook in hooks if hook is not None]
+    if len(present) < 2:
+        return present[0] if present else None
+
+    def each(step: int) -> None:
+        for hook in present:
+            hook(step)
+
+    return each
+
+
 def run_steps(engine: Engine, loader: Iterable[Any], scheduler: Any, plan: LoopPlan, loss: StepLoss) -> LoopRecord:
     """Train until `plan.total_steps` optimizer steps (counting a resumed run's) or an early stop; returns the
     record. Resumes from `checkpoint.resume`, checkpoints on preemption and at the cadence asked."""

@@ -2,11 +2,13 @@
 a metric, and Axolotl's `one_cycle` (torch's OneCycleLR, `lr_div_factor` its starting divisor); warm-up from
 `warmup_steps` or `warmup_ratio`. Axolotl's cosine variants: `cosine_min_lr_ratio` (a floor),
 `cosine_constant_lr_ratio` with it (the floor reached at that share of the steps and held), and
-`lr_quadratic_warmup` (the warm-up rises as the square of its progress)."""
+`lr_quadratic_warmup` (the warm-up rises as the square of its progress). Axolotl's jagged restarts (ReLoRA's
+schedule, `jagged_restarts`) on any of them but one_cycle."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,5 +98,41 @@ def _cosine_to_a_held_floor(warmup: int, total: int, constant_ratio: float, floo
             return step / max(1, warmup)
         progress = (min(step, held_from) - warmup) / max(1, held_from - warmup)
         return max(0.0, (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))) + floor
+
+    return factor
+
+
+def jagged_restarts(
+    schedule: Any, every: int, warmup: int | None, anneal: int | None, floor: float | None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """`schedule` times Axolotl's jagged-restart factor: after the first `every - anneal` steps, each window of
+    `every` steps rises linearly from `floor` over its first `warmup` steps (10) and falls back to it over its last
+    `anneal` (1). `floor` is `cosine_min_lr_ratio` when set, else 0.001."""
+    lambdas = getattr(schedule, "lr_lambdas", None)
+    if lambdas is None:
+        raise ValueError(
+            f"jagged_restart_steps scales a schedule given by a factor per step; {type(schedule).__name__} "
+            "(one_cycle) is not one: choose another lr_scheduler"
+        )
+    factor = _jagged_factor(every, warmup or 10, anneal or 1, 0.001 if floor is None else floor)
+    return torch.optim.lr_scheduler.LambdaLR(schedule.optimizer, [_scaled(inner, factor) for inner in lambdas])
+
+
+def _scaled(inner: Callable[[int], float], factor: Callable[[int], float]) -> Callable[[int], float]:
+    return lambda step: inner(step) * factor(step)
+
+
+def _jagged_factor(every: int, warmup: int, anneal: int, floor: float) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < every - anneal:
+            return 1.0
+        into = step % every
+        if into < warmup:
+            rise = into / warmup
+        elif into > every - anneal:
+            rise = min(1.0, (every - into) / anneal)
+        else:
+            rise = 1.0
+        return rise * (1 - floor) + floor
 
     return factor

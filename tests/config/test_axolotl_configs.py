@@ -75,7 +75,7 @@ def test_the_fine_tuning_page_holds_the_key_table_as_rendered() -> None:
 def test_every_recipe_setting_and_meshkit_target_is_in_the_table() -> None:
     reached = {name for name, rule in AXOLOTL_KEYS.items() if rule.to == "recipe"}
     reached |= {r.to.removeprefix("recipe.") for r in AXOLOTL_KEYS.values() if (r.to or "").startswith("recipe.")}
-    reached |= {"wandb_project"}  # set by the wandb reader
+    reached |= {"wandb_project", "special_tokens", "tokens"}  # set by the wandb and the tokens readers
     assert set(FinetuneSettings.model_fields) <= reached, set(FinetuneSettings.model_fields) - reached
     targets = {rule.to for rule in AXOLOTL_KEYS.values() if rule.to and not rule.to.startswith("recipe")}
     assert targets <= set(leaf_keys()), targets - set(leaf_keys())
@@ -161,6 +161,9 @@ def test_axolotls_ray_keys_choose_the_ray_launch_backend(tmp_path, material) -> 
         ({"rl": "grpo"}, "rl: grpo is online RL .* train offline preference data with dpo, ipo, kto, orpo or simpo"),
         ({"rl": "ebft"}, "rl: ebft is online RL"),
         ({"rl": "xpo"}, "'rl'.*'dpo', 'ipo', 'kto', 'orpo' or 'simpo'"),
+        ({"lisa_n_layers": 2}, "LISA needs lisa_n_layers .* and lisa_step_interval"),
+        ({"relora": True}, "relora: true merges and restarts the adapters every jagged_restart_steps: set it"),
+        ({"jagged_restart_steps": 5, "lr_scheduler": "one_cycle"}, "one_cycle is not such a schedule"),
         ({"process_reward_model": True}, "a process reward model reads type: stepwise_supervised datasets"),
         ({"reward_model": True, "rl": "dpo"}, "reward_model: true trains a sequence-classification model .* drop rl"),
         ({"rl": "dpo", "sample_packing": True}, "rl: dpo runs unpacked rows"),

@@ -74,8 +74,7 @@ _add(G, ("lora_rank_pattern", "lora_alpha_pattern", "peft_layers_pattern"),
               "layers_pattern (the block list peft_layers_to_transform counts in)"))
 _add(G, "peft_trainable_token_indices",
      refused("not supported yet: train the embedding rows of new tokens with lora_modules_to_save: [embed_tokens]"))
-_add(G, ("relora_cpu_offload", "relora_prune_method", "relora_prune_ratio"),
-     refused("ReLoRA is not supported: remove the relora keys"))
+_add(G, "relora_cpu_offload", noted("ReLoRA merges where the weights are, one layer at a time"))
 
 G = "further data keys"
 _add(G, ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_prefetch_factor", "dataloader_drop_last",
@@ -112,13 +111,17 @@ _add(G, ("embedding_lr", "embedding_lr_scale", "lr_groups"),
      honoured("Axolotl's param groups: the embedding and head at embedding_lr (or embedding_lr_scale × lr) without "
               "weight decay; lr_groups' matrices (names holding one of a group's modules) at the group's lr"))
 _add(G, ("jagged_restart_steps", "jagged_restart_warmup_steps", "jagged_restart_anneal_steps"),
-     refused("jagged restarts are not supported: use lr_scheduler from transformers' get_scheduler or one_cycle"))
+     honoured("the schedule times Axolotl's jagged-restart factor: every jagged_restart_steps the lr falls to a floor "
+              "(cosine_min_lr_ratio, else 0.001) and warms up again over the warm-up steps (10), annealed over the "
+              "anneal steps (1) before; not with one_cycle"))
 _add(G, ("dion_lr", "dion_momentum", "dion_rank_fraction", "dion_rank_multiple_of", "qgalore_rank",
          "qgalore_update_proj_gap", "qgalore_scale", "qgalore_proj_type", "qgalore_proj_quant", "qgalore_proj_bits",
          "qgalore_proj_group_size", "qgalore_cos_threshold", "qgalore_gamma_proj", "qgalore_queue_size"),
      refused("the Dion and Q-GaLore optimizers are not supported: choose another optimizer"))
 _add(G, ("lisa_n_layers", "lisa_step_interval", "lisa_layers_attribute"),
-     refused("LISA layer sampling is not supported: remove the lisa keys"))
+     honoured("LISA: a full fine-tune training lisa_n_layers random blocks at a time (embeddings, norm and head "
+              "throughout), drawn anew every lisa_step_interval steps, the others' gradients dropped before each "
+              "update (as if frozen), in every layout but ZeRO-1/2"))
 _add(G, ("use_eaft", "eaft_alpha", "eaft_k", "dpo_norm_loss"),
      refused("not supported: remove the key (for preference training use rl:)"))
 _add(G, "ebft", refused("EBFT (rl: ebft) is online RL with generated rollouts, which meshkit does not run: train "

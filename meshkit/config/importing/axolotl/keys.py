@@ -198,8 +198,12 @@ _add(G, ("peft_init_lora_weights", "peft"),
      honoured("peft's init_lora_weights: gaussian, orthogonal, false, pissa (pissa_niter_<n>), olora, loftq (or "
               "peft.loftq_config.loftq_bits), run by peft on each whole layer of the base in every layout; PiSSA/OLoRA "
               "adapters are exported for the original base (rank 2r); eva/corda/lora_ga are refused"))
-_add(G, ("relora", "peft_layer_replication"),
+_add(G, "peft_layer_replication",
      refused("LoRA starts from peft's default initialisation on the listed modules: remove the key"))
+_add(G, ("relora", "relora_prune_ratio", "relora_prune_method"),
+     honoured("ReLoRA: every jagged_restart_steps the adapters merge into the base (a 4/8-bit base through peft), "
+              "start afresh, and their Adam moments are pruned (magnitude 0.9 / random / reset 0.999), in every "
+              "layout but ZeRO-1/2; the output is the merged model"))
 _add(G, "lora_target_parameters", honoured("peft target_parameters: LoRA on parameters, e.g. a mixture-of-experts "
                                            "bank (one low-rank update per expert), in every layout, parallel.ep "
                                            "included"))
