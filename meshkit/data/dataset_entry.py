@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from meshkit.config.section import Section
+from meshkit.data.instruction_types import INSTRUCTION_TYPES
 
 ALPACA_VARIANTS = ("alpaca", "alpaca:chat", "alpaca_chat", "alpaca:phi", "alpaca_phi", "alpaca_w_system")
 DATASET_TYPES: tuple[str, ...] = (
@@ -19,6 +20,7 @@ DATASET_TYPES: tuple[str, ...] = (
     "completion",
     "input_output",
     "pretrain",
+    *INSTRUCTION_TYPES,
 )
 PREFERENCE_TYPES = ("chatml", "llama3", "zephyr", "user_defined", "passthrough", "bradley_terry")  # + chat_template.*
 STEPWISE_TYPE = "stepwise_supervised"  # a process reward model's records: prompt, completions (steps), labels

@@ -21,6 +21,7 @@ from typing import Any
 
 from meshkit.data.chat_templates import chat_template
 from meshkit.data.dataset_entry import CustomPrompt, DatasetEntry
+from meshkit.data.instruction_types import INSTRUCTION_TYPES
 from meshkit.data.jsonl import DataFormatError, record_field
 from meshkit.data.messages import CharSpans, Conversation, conversation
 from meshkit.data.mistral_chat import conversation_sample, is_mistral_common
@@ -306,6 +307,9 @@ class Formatter:
             return self.alpaca(record, where, kind)
         if kind in ("chat_template", "sharegpt"):
             return self.chat_template(record, where, sharegpt=kind == "sharegpt")
+        if kind in INSTRUCTION_TYPES:
+            prompt, response = INSTRUCTION_TYPES[kind].prompt_and_response(record, where)
+            return self._sample([(prompt, False), (response, True)], bos=True, eos=True)
         return getattr(self, kind)(record, where)
 
 

@@ -16,18 +16,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshkit.core.errors import MeshkitError
 from meshkit.engine.engine import Engine
 from meshkit.models.blocks import find_blocks
 from meshkit.models.structure import describe
 from meshkit.parallel.compose import unwrap
 
 
+class LayerSamplingError(MeshkitError):
+    """The model has no block list LISA can sample; the message says what to set."""
+
+
 class LayerSampling:
     """Which blocks train in which window of steps; `before_step` is the loop's hook."""
 
     def __init__(self, engine: Engine, path: str, blocks: int, layers: int, interval: int, seed: int) -> None:
-        if layers > blocks:
-            raise ValueError(f"lisa_n_layers={layers} is more than the model's {blocks} blocks: lower it")
         self.engine, self.path, self.blocks, self.layers, self.interval, self.seed = (
             engine, path, blocks, layers, interval, seed,
         )  # fmt: skip
@@ -40,14 +43,14 @@ class LayerSampling:
         it (a peft model's path under its wrapper is found either way)."""
         path = describe(model).blocks if attribute is None else _under_wrappers(model, attribute)
         if path is None:
-            raise ValueError(f"{type(model).__name__} has no block list for LISA: set lisa_layers_attribute")
+            raise LayerSamplingError(f"{type(model).__name__} has no block list for LISA: set lisa_layers_attribute")
         _, container = find_blocks(model, path)
         return cls(engine, path, len(container), layers, interval, engine.config.seed)
 
     def draw(self, window: int) -> tuple[int, ...]:
         """The blocks that train in `window` (steps window × interval onwards)."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + window)
-        return tuple(sorted(torch.randperm(self.blocks, generator=generator)[: self.layers].tolist()))
+        return tuple(sorted(torch.randperm(self.blocks, generator=generator)[: self.layers].tolist()))  # (all, if more)
 
     def before_step(self, step: int) -> None:
         window = step // self.interval
@@ -70,6 +73,11 @@ class LayerSampling:
         return int(index) if index.isdigit() else None
 
     def describe(self) -> str:
+        if self.layers >= self.blocks:
+            return (
+                f"LISA: lisa_n_layers={self.layers} asks for every one of the model's {self.blocks} blocks "
+                f"({self.path}): every block trains at every step, a full fine-tune"
+            )
         return (
             f"LISA: {self.layers} of {self.blocks} blocks ({self.path}) train at a time, drawn anew every "
             f"{self.interval} steps (the others' gradients are dropped before each update)"
@@ -82,4 +90,4 @@ def _under_wrappers(model: nn.Module, attribute: str) -> str:
     for prefix in ("", "base_model.model."):
         if prefix + attribute in names:
             return prefix + attribute
-    raise ValueError(f"lisa_layers_attribute: the model has no module '{attribute}': give its block list's path")
+    raise LayerSamplingError(f"lisa_layers_attribute: the model has no module '{attribute}': give its block list's path")

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshkit.checkpoint.optimizer_states import from_canonical, to_canonical
+from meshkit.core.errors import MeshkitError
 from meshkit.engine.engine import Engine
 from meshkit.models.quantized import quantized_kind
 from meshkit.parallel.compose import unwrap
@@ -31,7 +32,7 @@ from meshkit.recipes.scheme_settings import PruneMethod
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's, in checkpoint form (bitsandbytes' and torchao's low-bit ones too)
 
 
-class ReLoRAError(ValueError):
+class ReLoRAError(MeshkitError):
     """A model or optimizer ReLoRA cannot restart; the message says what to change."""
 
 

@@ -4,9 +4,9 @@ jagged learning-rate restarts that go with it (`meshkit.recipes.schedules`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from meshkit.config.schema import Section
 
@@ -32,6 +32,12 @@ class SchemeSettings(Section):
     jagged_restart_steps: int | None = Field(None, ge=1, description="every how many steps the lr restarts")
     jagged_restart_warmup_steps: int | None = Field(None, ge=1, description="warm-up steps after a restart (10)")
     jagged_restart_anneal_steps: int | None = Field(None, ge=1, description="steps annealed before a restart (1)")
+
+    @field_validator("jagged_restart_warmup_steps", "jagged_restart_anneal_steps", mode="before")
+    @classmethod
+    def _off_means_the_default(cls, value: Any) -> Any:
+        """Axolotl reads `false` or 0 here as its default (10 warm-up steps, 1 annealing step)."""
+        return None if value in (False, 0) else value
 
     @model_validator(mode="after")
     def _schemes_complete(self) -> SchemeSettings:

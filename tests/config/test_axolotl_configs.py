@@ -232,6 +232,33 @@ def test_alpaca_variants_completion_field_input_output_and_custom_types(tmp_path
         )
 
 
+@pytest.mark.parametrize(
+    ("kind", "record", "prompt", "answer"),
+    [
+        ("jeopardy", {"question": "It flows", "category": "NATURE", "answer": "a river"},
+         "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+         "response that appropriately completes the request.\n\n### Instruction:\nIt flows\n\n### Input:\nNATURE"
+         "\n\n### Response:\n", "what is a river"),
+        ("oasst", {"INSTRUCTION": "Say hi", "RESPONSE": "hi"},
+         "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+         "\n\n### Instruction:\nSay hi\n\n### Response:\n", "hi"),
+        ("summarizetldr", {"article": "Long text.", "summary": "Short."},
+         "USER: Summarize the following article as a TL;DR.\nLong text.\nASSISTANT:", "Short."),
+        ("concisechoice", {"question": "Which?", "choices": ["a", "b"], "solution": "a"},
+         "Choose the answer that best answers the question. Be concise in your response.\n\nUSER: Which?\n- \"a\""
+         "\n- \"b\"\nASSISTANT:", "a"),
+    ],
+)  # fmt: skip
+def test_axolotls_builtin_instruction_types_write_its_prompts(tmp_path, tokenizer, kind, record, prompt, answer):
+    path = write_jsonl(tmp_path / "r.jsonl", [record])
+    (sample,) = load_samples([DatasetEntry(path=path, type=kind)], tokenizer, sequence_len=512, train_on_inputs=False)[
+        0
+    ]
+    expected = tokenizer(prompt)["input_ids"]
+    assert list(sample.input_ids[: len(expected)]) == expected
+    assert _trained(tokenizer, sample).strip().startswith(answer)
+
+
 # ------------------------------------------------------------------ trained as written
 def _train(tmp_path: Path, material, world: int, name: str, **keys) -> dict:
     out = tmp_path / name
