@@ -22,7 +22,7 @@ from typing import Any
 from meshkit.data.chat_templates import chat_template
 from meshkit.data.dataset_entry import CustomPrompt, DatasetEntry
 from meshkit.data.instruction_types import INSTRUCTION_TYPES
-from meshkit.data.jsonl import DataFormatError, record_field
+from meshkit.data.jsonl import DataFormatError, Within, record_field
 from meshkit.data.messages import CharSpans, Conversation, conversation
 from meshkit.data.mistral_chat import conversation_sample, is_mistral_common
 from meshkit.data.turn_regions import closing_text, message_regions
@@ -194,7 +194,7 @@ class Formatter:
         segments = record_field(record, "segments", where, kind=list)
         pieces = []
         for index, segment in enumerate(segments):
-            place = f"{where}: segments[{index}]"
+            place = Within(where, f"segments[{index}]")
             if not isinstance(segment, dict):
                 raise DataFormatError(f"{place} must be an object with 'text' and 'label'")
             pieces.append((record_field(segment, "text", place), bool(segment.get("label", True))))

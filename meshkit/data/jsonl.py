@@ -14,6 +14,20 @@ class DataFormatError(MeshkitError):
     """A dataset file or record that cannot be read; the message names the file, the line and the field."""
 
 
+class Within:
+    """A place inside a record (`<record's place>: messages[3]`), formatted only when an error message names it: a
+    record's own place may cost a read of its file, which every record of a dataset must not pay."""
+
+    def __init__(self, where: object, part: str) -> None:
+        self.where, self.part = where, part
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.part}"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, record) for every non-blank line; each record must be a JSON object."""
     file = Path(path).expanduser()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshkit.data.dataset_entry import DatasetEntry
-from meshkit.data.jsonl import DataFormatError, record_field
+from meshkit.data.jsonl import DataFormatError, Within, record_field
 
 THINKING_MARKS = (
     ("<think>", "</think>"),
@@ -60,7 +60,7 @@ def conversation(
     trains: list[bool | None] = []
     details: list[CharSpans | None] = []
     for index, message in enumerate(record_field(record, key, where, kind=list)):
-        place = f"{where}: {key}[{index}]"
+        place = Within(where, f"{key}[{index}]")
         if not isinstance(message, dict):
             raise DataFormatError(f"{place} must be an object with '{mapping['role']}' and '{mapping['content']}'")
         turn = {prop: message[name] for prop, name in mapping.items() if message.get(name) is not None}
@@ -101,7 +101,7 @@ def _split_thinking(turn: dict[str, Any], thinking_key: str) -> dict[str, Any]:
     return turn
 
 
-def _train_flag(message: dict[str, Any], key: str | None, place: str) -> bool | None:
+def _train_flag(message: dict[str, Any], key: str | None, place: object) -> bool | None:
     if key is None or message.get(key) is None:
         return None
     value = message[key]
@@ -110,7 +110,7 @@ def _train_flag(message: dict[str, Any], key: str | None, place: str) -> bool | 
     return value
 
 
-def _detail(message: dict[str, Any], key: str | None, content: Any, place: str) -> CharSpans | None:
+def _detail(message: dict[str, Any], key: str | None, content: Any, place: object) -> CharSpans | None:
     if key is None or message.get(key) is None:
         return None
     if not isinstance(content, str):

@@ -108,6 +108,8 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
         prepare_stream(engine, s, tokenizer, cfg.train.steps) if s.streams else prepare_data(engine, s, tokenizer)
     )
     built = adapt(job, base, tokenizer, attention)
+    for note in built.notes:
+        engine.print(f"meshkit: {note}")
     steps = step_plan(engine, job, data.row_count)
     optimizer = make_optimizer(built.model, job, engine)
     scheduler, warmup = make_schedule(engine, job, optimizer, steps.total_steps)

@@ -29,7 +29,7 @@ from meshkit.recipes.hf_base import (
     loaded_as_note,
     weights_file,
 )
-from meshkit.recipes.lora import AdapterExport, apply_lora
+from meshkit.recipes.lora import AdapterExport, apply_lora, bank_dropout_note
 from meshkit.recipes.lora_init import InitialAdapters, PlannedLayer, changes_base, initialise, plan
 from meshkit.recipes.muon import split_for_muon
 from meshkit.recipes.optimizers import axolotl_groups, build_optimizer, trainable_groups
@@ -59,6 +59,7 @@ class FinetuneModel:
     # a LoRA initialisation besides peft's default: the layers to start, and (once started) their initial adapters
     init_layers: list[PlannedLayer] = field(default_factory=list)
     initial: InitialAdapters | None = None
+    notes: tuple[str, ...] = ()  # one line each, said when training starts
 
 
 def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
@@ -143,7 +144,11 @@ def adapt(job: FinetuneJob, base: torch.nn.Module, tokenizer: Any, attention: st
     layers = (
         plan(model, peft_model.peft_config["default"]) if peft_model and s.lora_init and not s.lora_model_dir else []
     )
-    return FinetuneModel(base, peft_model, model, tokenizer, attention, parameter_count(model), trainable, layers)
+    note = bank_dropout_note(peft_model, s) if peft_model is not None else None
+    return FinetuneModel(
+        base, peft_model, model, tokenizer, attention, parameter_count(model), trainable, layers,
+        notes=(note,) if note else (),
+    )  # fmt: skip
 
 
 def start_adapters(engine: Engine, job: FinetuneJob, built: FinetuneModel) -> None:

@@ -90,4 +90,6 @@ def _under_wrappers(model: nn.Module, attribute: str) -> str:
     for prefix in ("", "base_model.model."):
         if prefix + attribute in names:
             return prefix + attribute
-    raise LayerSamplingError(f"lisa_layers_attribute: the model has no module '{attribute}': give its block list's path")
+    raise LayerSamplingError(
+        f"lisa_layers_attribute: the model has no module '{attribute}': give its block list's path"
+    )

@@ -8,6 +8,7 @@ gathered adapter weights alone — never the sharded state peft's own `save_pret
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from collections.abc import Callable
@@ -51,19 +52,61 @@ def apply_lora(model: nn.Module, settings: Any) -> Any:
         config = continued_config(settings.lora_model_dir, str(settings.base_model))
     else:
         config = _new_config(settings, LoraConfig, model)
+    dropout = config.lora_dropout if _wraps_expert_banks(config, model) else 0.0
+    if dropout:  # peft's adapters on a fused expert bank take no dropout; the Linear layers' get it below
+        config.lora_dropout = 0.0
     try:
         with warnings.catch_warnings():  # peft reads a property transformers has deprecated: not the user's doing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return get_peft_model(model, config)
+            wrapped = get_peft_model(model, config)
     except ValueError as err:  # e.g. a target module name the model does not have
-        reason = str(err).splitlines()[0]
-        if "ParamWrapper" in reason and "lora_dropout" in reason:
-            reason = (
-                f"peft puts the adapters of {getattr(model.config, 'model_type', 'this model')}'s projection names "
-                "(gate_proj, up_proj, down_proj, w1, ...) on its fused expert banks, which take no dropout: set "
-                "lora_dropout: 0, or list lora_target_modules without the expert projections"
-            )
-        raise LoraSetupError(f"LoRA cannot wrap this model: {reason}") from None
+        raise LoraSetupError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
+    if dropout:
+        for layer in _layers(wrapped, banks=False):
+            for name in layer.lora_dropout:
+                layer.lora_dropout[name] = nn.Dropout(p=dropout)
+    return wrapped
+
+
+def _wraps_expert_banks(config: Any, model: nn.Module) -> bool:
+    """Whether peft will put adapters on fused expert banks (its ParamWrapper): asked by lora_target_parameters,
+    or by a name that transformers 4 gave each expert's own Linear layer (down_proj, w1, ...), which peft moves
+    onto the bank transformers 5 fuses them into — as the config meant them."""
+    if config.target_parameters:
+        return True
+    try:
+        from peft.utils.transformers_weight_conversion import (
+            convert_peft_config_for_transformers,
+            get_model_conversion_mapping,
+        )
+    except ImportError:  # (a peft without transformers 5's conversions)
+        return False
+    if not hasattr(getattr(model, "config", None), "model_type"):  # (not a transformers model: nothing moves)
+        return False
+    probe = copy.deepcopy(config)
+    transformers_model: Any = model
+    conversions = get_model_conversion_mapping(transformers_model)
+    convert_peft_config_for_transformers(probe, model=model, conversions=conversions)
+    return bool(probe.target_parameters)
+
+
+def _layers(wrapped: Any, banks: bool) -> list[Any]:
+    """The LoRA layers of a peft model: those on fused parameters (`banks`) or the others."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return [m for m in wrapped.modules() if isinstance(m, LoraLayer) and isinstance(m, ParamWrapper) == banks]
+
+
+def bank_dropout_note(wrapped: Any, settings: Any) -> str | None:
+    """One notice line where lora_dropout could not reach the adapters of fused expert banks; else None."""
+    if not getattr(settings, "lora_dropout", 0) or not _layers(wrapped, banks=True):
+        return None
+    return (
+        f"lora_dropout {settings.lora_dropout} applies to the Linear layers' adapters; peft's adapters on the fused "
+        "expert banks (transformers 5 fuses each expert's projections into one parameter) take none, and the "
+        "exported adapter_config.json says lora_dropout 0 (peft could not load it otherwise)"
+    )
 
 
 def linear_targets(model: nn.Module) -> list[str]:

@@ -68,6 +68,8 @@ def train_preference(
     paired = not isinstance(loss, (KTO, StepObjective))
     data = prepare_preference_data(engine, s, tokenizer, paired, reward=s.reward_model)
     built = adapt(job, base, tokenizer, attention)
+    for note in built.notes:
+        engine.print(f"meshkit: {note}")
     steps = step_plan(engine, job, len(data.rows))
     optimizer = make_optimizer(built.model, job, engine)
     scheduler, warmup = make_schedule(engine, job, optimizer, steps.total_steps)

@@ -111,3 +111,26 @@ def test_an_entrys_shards_split_its_records_by_the_run_seed(tmp_path) -> None:
     assert parts[1] == shard(1) and parts[1] != shard(1, seed=1) and parts[0] != [f"r{i}" for i in range(10)]
     with pytest.raises(ValueError, match="shards_idx 4 of 4 shards: it counts from 0"):
         DatasetEntry(path=str(path), type="completion", shards=4, shards_idx=4)
+
+
+def test_a_records_place_is_worked_out_only_for_an_error(tmp_path, chat_tokenizer, monkeypatch) -> None:
+    """Naming a json-lines record's line reads its file: done for every record, a dataset's tokenizing grew with
+    the square of its length (100 s for 5k conversations)."""
+    from meshkit.data import sources
+    from meshkit.data.tokenized import load_samples
+
+    looked_up: list[int] = []
+    where = sources.RecordSource.where
+
+    def counted(self, index: int) -> str:
+        looked_up.append(index)
+        return where(self, index)
+
+    monkeypatch.setattr(sources.RecordSource, "where", counted)
+    path = tmp_path / "chat.jsonl"
+    turns = [USER, {"role": "assistant", "content": "Four."}]
+    path.write_text("".join(json.dumps(_turns(*turns)) + "\n" for _ in range(30)) + json.dumps(_turns(USER, 7)) + "\n")
+    entry = DatasetEntry(path=str(path), type="chat_template")
+    with pytest.raises(DataFormatError, match=r"chat.jsonl:31: messages\[1\] must be an object"):
+        load_samples([entry], chat_tokenizer, sequence_len=256, train_on_inputs=False, keep_in_memory=True)
+    assert looked_up == [30]  # the broken record only

@@ -125,24 +125,31 @@ def test_dpo_on_a_mixture_of_experts_under_expert_parallel_equals_one_process(tm
     assert one["losses"][-1] < one["losses"][0]
 
 
-def test_peft_putting_a_models_projection_names_on_its_expert_banks_with_dropout_is_one_line() -> None:
+def test_projection_names_peft_moves_onto_expert_banks_train_with_dropout_on_the_linear_layers() -> None:
     """For the MoE types transformers 5 fused (Qwen3-MoE, DeepSeek, OLMoE, AFMoE, ...) peft maps the projection
     names of transformers 4 (gate_proj, up_proj, down_proj, the router's gate) onto the fused banks — at training as
-    at loading, so meshkit follows it — and those adapters take no dropout: one line saying what to change."""
+    at loading, so meshkit follows it. Those adapters take no dropout (peft cannot apply it inside a bank): the
+    Linear layers' adapters get lora_dropout, the banks' none, said in one line."""
     from types import SimpleNamespace
 
-    from meshkit.recipes.lora import LoraSetupError, apply_lora
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from meshkit.recipes.lora import apply_lora, bank_dropout_note
     from tests.helpers.moe_models import moe_causal_lm
 
-    def settings(dropout: float) -> SimpleNamespace:
-        return SimpleNamespace(
-            lora_model_dir=None, lora_target_parameters=None, lora_target_linear=False,
-            lora_target_modules=["q_proj", "v_proj", "down_proj"], lora_r=4, lora_alpha=8, lora_dropout=dropout,
-            base_model="base",
-        )  # fmt: skip
-
-    with pytest.raises(LoraSetupError, match="peft puts the adapters of qwen3_moe's projection names .* set "
-                                             "lora_dropout: 0, or list lora_target_modules without"):  # fmt: skip
-        apply_lora(moe_causal_lm("qwen3_moe"), settings(0.05))
-    adapted = apply_lora(moe_causal_lm("qwen3_moe"), settings(0.0))
-    assert any("experts" in name and "lora" in name for name, _ in adapted.named_parameters())
+    settings = SimpleNamespace(
+        lora_model_dir=None, lora_target_parameters=None, lora_target_linear=False,
+        lora_target_modules=["q_proj", "v_proj", "down_proj"], lora_r=4, lora_alpha=8, lora_dropout=0.05,
+        base_model="base",
+    )  # fmt: skip
+    adapted = apply_lora(moe_causal_lm("qwen3_moe"), settings)
+    banks = [m for m in adapted.modules() if isinstance(m, ParamWrapper)]
+    linear = [m for name, m in adapted.named_modules() if name.endswith(("q_proj", "v_proj")) and hasattr(m, "lora_A")]
+    assert banks and linear
+    assert all(m.lora_dropout["default"].p == 0.05 for m in linear)
+    assert all(isinstance(m.lora_dropout["default"], torch.nn.Identity) for m in banks)
+    note = bank_dropout_note(adapted, settings)
+    assert note is not None and "take none" in note and "\n" not in note
+    assert adapted.peft_config["default"].lora_dropout == 0.0  # (what peft can load again)
+    plain = SimpleNamespace(**{**vars(settings), "lora_target_modules": ["q_proj"]})
+    assert bank_dropout_note(apply_lora(moe_causal_lm("qwen3_moe"), plain), plain) is None

@@ -173,8 +173,9 @@ _add(G, "trl", refused("the trl: block configures online RL (GRPO, vLLM generati
 G = "adapters"
 _add(G, "adapter", honoured("lora (peft); qlora: LoRA over the 4-bit base; empty for a full fine-tune"))
 _add(G, ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear"),
-     honoured("peft LoraConfig (lora_target_linear: every Linear but the head; expert banks only through "
-              "lora_target_parameters)"))
+     honoured("peft LoraConfig (lora_target_linear: every Linear but the head). A transformers-4 expert name "
+              "(down_proj, w1, ...) peft moves onto the fused expert bank of transformers 5, as it loads; such "
+              "adapters take no lora_dropout (the Linear layers' do), noted"))
 _add(G, "peft_use_rslora", honoured("peft's rank-stabilised scaling alpha / sqrt(r)"))
 _add(G, "peft_layers_to_transform", honoured("peft layers_to_transform: only these blocks are adapted"))
 _add(G, "loraplus_lr_ratio", honoured("LoRA+: the B matrices learn at ratio × learning_rate"))
