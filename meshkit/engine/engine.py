@@ -51,7 +51,15 @@ from meshkit.runtime.mesh import ParallelMesh, ProcessInfo, select_device, start
 from meshkit.runtime.preemption import Preempted, PreemptionWatch
 from meshkit.runtime.tracking import TrackerSet, check_trackers
 from meshkit.training.accumulation import GradientState
-from meshkit.training.loss import LossFn, compute_loss, is_causal_lm_batch, pipeline_pair, split_causal_lm_batch
+from meshkit.training.loss import (
+    CausalLMLoss,
+    LossFn,
+    TokenWeights,
+    compute_loss,
+    is_causal_lm_batch,
+    pipeline_pair,
+    split_causal_lm_batch,
+)
 from meshkit.training.objective import Objective, ObjectiveResult
 from meshkit.training.precision import make_grad_scaler
 
@@ -314,6 +322,15 @@ class Engine:
         `(max_norm[, norm_type])`, or Accelerate's `(parameters, max_norm[, norm_type])`."""
         return self._gradients.clip_grad_norm_(*clip_arguments(args, norm_type))
 
+    def weigh_token_losses(self, weights: TokenWeights | None) -> None:
+        """train_step's causal-LM loss: each counted token's cross-entropy times `weights(logits, targets)` (computed
+        without gradient; under tensor parallel the logits are vocab-sharded DTensors), still divided by the step's
+        token count — on every pipeline stage that computes the loss too. None: the plain mean again."""
+        objects = self.ctx.objects
+        objects.token_weights = weights
+        if objects.pipeline is not None and isinstance(objects.pipeline.loss_fn, CausalLMLoss):
+            objects.pipeline.loss_fn.weights = weights
+
     def leave_out_of_steps(self, parameters: list[nn.Parameter]) -> None:
         """The coming optimizer steps leave these (prepared) parameters as they are, as if frozen — their gradients
         are dropped before clipping — until the next call (an empty list: every parameter steps again)."""
@@ -351,7 +368,9 @@ class Engine:
             elif causal:
                 group, balancing = self.ctx.placement.grad_group, objects.balancing
                 batch = ({**objects.training_inputs, **batch[0]}, batch[1])  # (a pipeline stage adds its own)
-                loss = causal_lm_micro_step(model, batch, self._gradients, group, self.loss_parallel, *balancing, mask)
+                loss = causal_lm_micro_step(
+                    model, batch, self._gradients, group, self.loss_parallel, *balancing, mask, objects.token_weights
+                )
             else:
                 with self.loss_parallel():
                     loss = compute_loss(model, batch, objects.loss_fn)

@@ -16,7 +16,7 @@ from meshkit.parallel.activation import CheckpointedBlock
 from meshkit.parallel.pipeline.schedule import PipelineRunner
 from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
-from meshkit.training.loss import LossFn
+from meshkit.training.loss import LossFn, TokenWeights
 from meshkit.training.router_loss import BalancingLoss
 
 
@@ -43,6 +43,7 @@ class PreparedObjects:
     training_inputs: dict[str, Any] = field(default_factory=dict)  # keywords train_step adds to an HF batch
     # the router's balancing loss train_step adds (mixture of experts), and the ranks it takes statistics over
     balancing: tuple[BalancingLoss | None, Any] = (None, None)
+    token_weights: TokenWeights | None = None  # each token's loss weight in train_step's causal-LM loss (EAFT)
     uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
     # id(prepared model) -> ...
     split_weights: dict[int, SplitWeights] = field(default_factory=dict)  # how tensor parallel stores fused weights

@@ -120,6 +120,7 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     before_step = schemes.before_step_hook(engine, s, built.model)  # (facts of the model before it is prepared)
     model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, data.loader, scheduler)
     start_adapters(engine, job, built)
+    schemes.weigh_tokens(engine, s)
     if s.fix_untrained_tokens and not s.streams:  # (before a resumed checkpoint, which holds the fixed rows)
         line = fix_untrained_tokens(built.model, s.fix_untrained_tokens, weights_file(Path(s.base_model)), data.train)
         engine.print(f"meshkit: {line}")

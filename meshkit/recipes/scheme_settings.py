@@ -1,6 +1,7 @@
 """The fine-tune's training schemes besides plain steps, under their Axolotl names: LISA (layers sampled to train,
-`meshkit.recipes.lisa`), ReLoRA (adapters merged into the base and restarted, `meshkit.recipes.relora`) and the
-jagged learning-rate restarts that go with it (`meshkit.recipes.schedules`)."""
+`meshkit.recipes.lisa`), ReLoRA (adapters merged into the base and restarted, `meshkit.recipes.relora`), the
+jagged learning-rate restarts that go with it (`meshkit.recipes.schedules`) and EAFT's entropy-weighted token loss
+(`meshkit.training.token_weights`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class SchemeSettings(Section):
     relora_prune_method: PruneMethod | None = Field(
         None, description="magnitude (the smallest zeroed; default) | random | reset"
     )
+    use_eaft: bool = Field(False, description="EAFT: each token's loss weighted by its top-k entropy ** alpha")
+    eaft_alpha: float = Field(1.0, ge=0, description="EAFT: the entropy's exponent")
+    eaft_k: int = Field(20, ge=1, description="EAFT: the top logits the entropy is taken over")
     jagged_restart_steps: int | None = Field(None, ge=1, description="every how many steps the lr restarts")
     jagged_restart_warmup_steps: int | None = Field(None, ge=1, description="warm-up steps after a restart (10)")
     jagged_restart_anneal_steps: int | None = Field(None, ge=1, description="steps annealed before a restart (1)")

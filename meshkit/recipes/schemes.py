@@ -1,5 +1,5 @@
-"""The fine-tune's step schemes in one place: what each needs of the layout (`refusal`), and the one
-`before_step` hook the loop calls (QAT's late start, LISA's draws, ReLoRA's restarts)."""
+"""The fine-tune's step schemes in one place: what each needs of the layout (`refusal`), the one `before_step`
+hook the loop calls (QAT's late start, LISA's draws, ReLoRA's restarts) and EAFT's token weights."""
 
 from __future__ import annotations
 
@@ -14,13 +14,17 @@ from meshkit.recipes.lisa import LayerSampling
 from meshkit.recipes.loop import chained_hooks
 from meshkit.recipes.qat import fake_quant_switch
 from meshkit.recipes.scheme_settings import PruneMethod
+from meshkit.training.token_weights import entropy_weights
 
 
 def refusal(zero: int, tp: int, settings: Any) -> str | None:
     """Why LISA or ReLoRA cannot run as asked in this layout (one line), or None."""
     supervised = settings.rl is None and not settings.reward_model and not settings.process_reward_model
-    if (settings.samples_layers or settings.relora) and not supervised:
-        return "LISA and ReLoRA run with supervised fine-tuning here: drop the lisa / relora keys or rl / reward_model"
+    if (settings.samples_layers or settings.relora or settings.use_eaft) and not supervised:
+        return (
+            "LISA, ReLoRA and EAFT run with supervised fine-tuning here: drop the lisa / relora / eaft keys or rl / "
+            "reward_model"
+        )
     if settings.samples_layers:
         if settings.adapter is not None:
             return "LISA samples the blocks of a full fine-tune: drop adapter (or the lisa keys)"
@@ -32,6 +36,16 @@ def refusal(zero: int, tp: int, settings: Any) -> str | None:
     if settings.relora:
         return relora.refusal(settings.adapter, zero, tp, settings.quantization is not None, settings.peft_use_dora)
     return None
+
+
+def weigh_tokens(engine: Engine, settings: Any) -> None:
+    """EAFT (`use_eaft`): the causal-LM loss weighs each token by its top-k entropy (after `engine.prepare`)."""
+    if settings.use_eaft:
+        engine.weigh_token_losses(entropy_weights(settings.eaft_alpha, settings.eaft_k))
+        engine.print(
+            f"meshkit: EAFT: each token's loss weighted by the entropy of its top {settings.eaft_k} next tokens ** "
+            f"{settings.eaft_alpha} (training loss; evaluation reports the plain loss)"
+        )
 
 
 def before_step_hook(engine: Engine, settings: Any, model: nn.Module) -> Callable[[int], None] | None:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshkit.core.errors import MeshkitError
 
@@ -98,9 +99,22 @@ def logits_of(output: Any) -> torch.Tensor:
     return logits
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy (fp32) over the targets that count. logits: [batch, seq, vocab]."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+TokenWeights = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits [n, vocab], targets [n]) -> [n]
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, weights: TokenWeights | None = None) -> torch.Tensor:
+    """Summed next-token cross-entropy (fp32) over the targets that count — each token's times its weight when
+    `weights` gives them (computed without gradient; `meshkit.training.token_weights`). logits: [batch, seq, vocab],
+    vocab-sharded under loss parallel."""
+    flat, flat_targets = logits.flatten(0, 1).float(), targets.flatten()
+    if weights is None:
+        return F.cross_entropy(flat, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    per_token = F.cross_entropy(flat, flat_targets, ignore_index=IGNORE_INDEX, reduction="none")
+    with torch.no_grad():
+        weight = weights(flat.detach(), flat_targets) * (flat_targets != IGNORE_INDEX)
+    if isinstance(per_token, DTensor):  # (loss parallel: every rank holds every token's loss)
+        weight = DTensor.from_local(weight, per_token.device_mesh, per_token.placements)
+    return (per_token * weight).sum()
 
 
 class CausalLMLoss:
@@ -112,9 +126,10 @@ class CausalLMLoss:
 
     def __init__(self) -> None:
         self.scale = 1.0
+        self.weights: TokenWeights | None = None  # (`Engine.weigh_token_losses`)
 
     def __call__(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits_of(output), targets) * self.scale
+        return token_loss_sum(logits_of(output), targets, self.weights) * self.scale
 
 
 STAGE_KEYWORDS = ("position_ids",)  # batch entries every pipeline stage takes besides its input

@@ -226,3 +226,40 @@ def test_what_lisa_and_relora_need_of_the_layout_is_one_line(tmp_path, material)
     ]
     for line, expected in cases:
         assert line is not None and expected in line and "\n" not in line, line
+
+
+def test_eaft_weighs_each_tokens_loss_as_axolotl_defines_it() -> None:
+    from meshkit.training.loss import IGNORE_INDEX, token_loss_sum
+    from meshkit.training.token_weights import entropy_weights
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 5), generator=generator)
+    targets[0, :2] = IGNORE_INDEX
+    mine = token_loss_sum(logits, targets, entropy_weights(alpha=0.5, k=4))
+    # Axolotl's eaft_loss, written out: the counted rows' top-4 logits -> softmax -> entropy ** alpha, no gradient
+    flat, flat_targets = logits.view(-1, 11), targets.view(-1)
+    counted = flat_targets != IGNORE_INDEX
+    with torch.no_grad():
+        top = torch.softmax(torch.topk(flat[counted], k=4, dim=-1).values, dim=-1)
+        weight = (-(top * torch.log(top + 1e-10)).sum(-1)) ** 0.5
+    theirs = (torch.nn.functional.cross_entropy(flat[counted], flat_targets[counted], reduction="none") * weight).sum()
+    torch.testing.assert_close(mine, theirs)
+    (mine_grad,) = torch.autograd.grad(mine, logits)
+    (their_grad,) = torch.autograd.grad(theirs, logits)
+    torch.testing.assert_close(mine_grad, their_grad)
+    plain = token_loss_sum(logits, targets)
+    assert not torch.allclose(mine, plain)
+
+
+def test_eaft_under_tp_and_pp_equals_one_process(tmp_path, material) -> None:
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from tests.helpers.finetune_runs import write_config
+
+    config = write_config(tmp_path / "c.yml", material, use_eaft=True, eaft_alpha=1.0, eaft_k=5)
+    plain = _run(tmp_path, write_config(tmp_path / "p.yml", material), "plain", 1, "micro_batch_size=4")
+    one = _run(tmp_path, config, "one", 1, "micro_batch_size=4")
+    assert one["losses"][0] != pytest.approx(plain["losses"][0], rel=1e-3)  # the weights apply
+    for name, args in (("tp", ("tp=2", "micro_batch_size=4")), ("pp", ("pp=2", "micro_batch_size=4"))):
+        losses = _run(tmp_path, config, name, 2, *args)["losses"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one["losses"]), rtol=1e-5, atol=0, msg=name)

@@ -122,8 +122,10 @@ _add(G, ("lisa_n_layers", "lisa_step_interval", "lisa_layers_attribute"),
      honoured("LISA: a full fine-tune training lisa_n_layers random blocks at a time (embeddings, norm and head "
               "throughout), drawn anew every lisa_step_interval steps, the others' gradients dropped before each "
               "update (as if frozen), in every layout but ZeRO-1/2"))
-_add(G, ("use_eaft", "eaft_alpha", "eaft_k", "dpo_norm_loss"),
-     refused("not supported: remove the key (for preference training use rl:)"))
+_add(G, ("use_eaft", "eaft_alpha", "eaft_k"),
+     honoured("EAFT: each token's training loss times (entropy of its top eaft_k next-token probabilities) ** "
+              "eaft_alpha, in every layout (tp: the top k gathered over the vocabulary's shards); supervised runs"))
+_add(G, "dpo_norm_loss", refused("no longer an Axolotl key (it refuses it too): remove it"))
 _add(G, "ebft", refused("EBFT (rl: ebft) is online RL with generated rollouts, which meshkit does not run: train "
                         "offline preference data with rl: dpo, ipo, kto, orpo or simpo"))
 _add(G, "qat", honoured("quantization-aware training through torchao (Axolotl's combinations: int4 weights alone or "
