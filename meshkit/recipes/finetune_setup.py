@@ -23,6 +23,7 @@ from meshkit.recipes.hf_base import (
     attention_implementation,
     build_meta_model,
     dequantized_note,
+    foreign_class,
     grow_vocabulary,
     load_model,
     load_tokenizer,
@@ -82,6 +83,11 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
         base = load_model(s, attention, engine.device)
     else:
         base = build_meta_model(s, attention)
+    if foreign_class(s.model_type):
+        engine.print(
+            f"meshkit: model_type {s.model_type} is not a transformers class (another package's): the checkpoint's "
+            f"config.json makes it {type(base).__name__}"
+        )
     dequantized = dequantized_note(s)
     if dequantized:
         engine.print(f"meshkit: {dequantized}")

@@ -221,8 +221,17 @@ def loaded_as_note(settings: Any, model: nn.Module) -> str | None:
             "vision tower; the export holds the language model)")  # fmt: skip
 
 
+def foreign_class(kind: str) -> bool:
+    """`model_type` names a class transformers does not have (another package's: mamba_ssm's MambaLMHeadModel,
+    a remote-code class): the checkpoint's config.json then says which transformers class it is."""
+    import transformers
+
+    return not kind.startswith("Auto") and not hasattr(transformers, kind)
+
+
 def text_model_class(kind: str, config: Any) -> str:
-    """The class that trains `config`'s checkpoint on text, for the `model_type` asked: a multimodal checkpoint that
+    """The class that trains `config`'s checkpoint on text, for the `model_type` asked: one transformers does not
+    have is the causal LM of the checkpoint's own model type (`foreign_class`); a multimodal checkpoint that
     transformers maps to no causal LM (Mistral 3) loads as Axolotl loads it, image-text-to-text; one it maps to a
     causal LM loads as that (Llama 4: its language model, Llama4ForCausalLM) when the multimodal class is asked by
     name — text batches never run the vision tower."""
@@ -233,6 +242,8 @@ def text_model_class(kind: str, config: Any) -> str:
 
     model_type = str(getattr(config, "model_type", ""))
     causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if foreign_class(kind) and causal is not None:
+        return causal
     if kind == "AutoModelForCausalLM" and causal is None and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return "AutoModelForImageTextToText"
     if kind == MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type) and causal and causal.endswith("ForCausalLM"):

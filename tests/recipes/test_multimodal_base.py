@@ -82,6 +82,11 @@ def test_the_class_trained_on_text_follows_transformers_mappings() -> None:
     # Gemma 3: transformers' causal-LM mapping is the multimodal class itself; nothing changes
     assert text_model_class("AutoModelForCausalLM", Gemma3Config()) == "AutoModelForCausalLM"
     assert text_model_class("Gemma3ForConditionalGeneration", Gemma3Config()) == "Gemma3ForConditionalGeneration"
+    # another package's class (mamba_ssm's, Axolotl's Mamba example): the checkpoint's own causal LM
+    from transformers import MambaConfig
+
+    assert text_model_class("MambaLMHeadModel", MambaConfig()) == "MambaForCausalLM"
+    assert text_model_class("NoSuchForCausalLM", Mistral3Config()) == "NoSuchForCausalLM"  # (none: refused later)
 
 
 def _save(model: torch.nn.Module, tokenizer, out):

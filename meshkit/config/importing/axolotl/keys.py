@@ -81,7 +81,8 @@ G = "model and tokenizer"
 _add(G, "base_model", honoured("a local save_pretrained directory (config.json, safetensors, tokenizer)"))
 _add(G, ("base_model_config", "tokenizer_config"), honoured("directory of config.json / of the tokenizer files"))
 _add(G, ("model_type", "tokenizer_type"),
-     honoured("AutoModelForCausalLM or a causal-LM class; AutoTokenizer or a class"))
+     honoured("AutoModelForCausalLM or a causal-LM class (another package's class, e.g. mamba_ssm's "
+              "MambaLMHeadModel: the checkpoint's own transformers class, noted); AutoTokenizer or a class"))
 _add(G, "tokenizer_use_fast", honoured("the fast (tokenizers) tokenizer, or the slow one"))
 _add(G, "overrides_of_model_config", honoured("config.json values replaced before the model is built"))
 _add(G, "model_config", honoured("Axolotl's older name of overrides_of_model_config",
