@@ -57,6 +57,7 @@ HUB_TYPES: tuple[tuple[str, str], ...] = (
     ("skywork-reward-v2-qwen3", "qwen3"),
     ("llama-4", "llama4"),
     ("mixtral", "mixtral"),
+    ("voxtral", "voxtral"),
     ("mistral-small-4", "mistral3"),
     ("mistral-medium-3", "mistral3"),
     ("mistral", "mistral"),
@@ -146,6 +147,8 @@ def _shrunk(values: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
     kind = values.get("model_type")
     aliases = getattr(CONFIG_MAPPING[kind], "attribute_map", {}) if kind in CONFIG_MAPPING else {}
     heads, kv_heads = (aliases.get(name, name) for name in ("num_attention_heads", "num_key_value_heads"))
+    if kv_heads in out and out[kv_heads] is None and isinstance(out.get(heads), int):
+        out[kv_heads] = out[heads]  # (None: as many as the query heads — Nemotron's default — said outright)
     if out.get(kv_heads) == out.get(heads):
         sizes = {**sizes, "num_key_value_heads": sizes["num_attention_heads"]}  # multi-head (MLA, e.g.) stays so
     sizes = {aliases.get(name, name): value for name, value in sizes.items()}  # (GPT-J's n_embd for hidden_size)
@@ -196,6 +199,7 @@ def save_tiny_model(model_type: str, tokenizer: Any, out: Path, head: str = "Aut
     """A tiny random `head` model of `model_type` with `tokenizer`, written in save_pretrained layout."""
     import torch
     import transformers
+    from transformers.models.auto import modeling_auto
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = tiny_config(model_type, len(tokenizer))
@@ -205,8 +209,11 @@ def save_tiny_model(model_type: str, tokenizer: Any, out: Path, head: str = "Aut
     if head == "AutoModelForCausalLM" and (model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or
                                            getattr(config, "vision_config", None) is not None):  # fmt: skip
         head = "AutoModelForImageTextToText"  # a multimodal checkpoint, as published (vision tower and all)
+        if model_type not in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:  # (audio-text: Voxtral)
+            head = modeling_auto.__dict__.get("MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", {}).get(model_type, head)
     torch.manual_seed(0)
-    model = getattr(transformers, head).from_config(config, dtype=torch.float32)
+    made = getattr(transformers, head)
+    model = made.from_config(config, dtype=torch.float32) if head.startswith("Auto") else made(config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -231,10 +231,12 @@ def foreign_class(kind: str) -> bool:
 
 def text_model_class(kind: str, config: Any) -> str:
     """The class that trains `config`'s checkpoint on text, for the `model_type` asked: one transformers does not
-    have is the causal LM of the checkpoint's own model type (`foreign_class`); a multimodal checkpoint that
+    have is the causal LM of the checkpoint's own model type (`foreign_class`); an audio-text checkpoint with no
+    causal LM (Voxtral) loads as its own multimodal class; a multimodal checkpoint that
     transformers maps to no causal LM (Mistral 3) loads as Axolotl loads it, image-text-to-text; one it maps to a
     causal LM loads as that (Llama 4: its language model, Llama4ForCausalLM) when the multimodal class is asked by
     name — text batches never run the vision tower."""
+    from transformers.models.auto import modeling_auto
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
@@ -246,6 +248,8 @@ def text_model_class(kind: str, config: Any) -> str:
         return causal
     if kind == "AutoModelForCausalLM" and causal is None and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return "AutoModelForImageTextToText"
+    if kind == "AutoModelForCausalLM" and causal is None:  # an audio-text checkpoint (Voxtral): its own class
+        return str(modeling_auto.__dict__.get("MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", {}).get(model_type, kind))
     if kind == MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type) and causal and causal.endswith("ForCausalLM"):
         return causal
     return kind

@@ -86,6 +86,9 @@ def test_the_class_trained_on_text_follows_transformers_mappings() -> None:
     from transformers import MambaConfig
 
     assert text_model_class("MambaLMHeadModel", MambaConfig()) == "MambaForCausalLM"
+    from transformers import VoxtralConfig  # an audio-text checkpoint: its own class (the audio tower never runs)
+
+    assert text_model_class("AutoModelForCausalLM", VoxtralConfig()) == "VoxtralForConditionalGeneration"
     assert text_model_class("NoSuchForCausalLM", Mistral3Config()) == "NoSuchForCausalLM"  # (none: refused later)
 
 
