@@ -30,7 +30,7 @@ from meshkit.recipes.hf_base import (
     loaded_as_note,
     weights_file,
 )
-from meshkit.recipes.lora import AdapterExport, apply_lora, bank_dropout_note
+from meshkit.recipes.lora import AdapterExport, apply_lora, bank_dropout_note, old_names_note
 from meshkit.recipes.lora_init import InitialAdapters, PlannedLayer, changes_base, initialise, plan
 from meshkit.recipes.muon import split_for_muon
 from meshkit.recipes.optimizers import axolotl_groups, build_optimizer, trainable_groups
@@ -142,6 +142,7 @@ def adapt(job: FinetuneJob, base: torch.nn.Module, tokenizer: Any, attention: st
     s = job.settings
     if s.unfrozen_parameters and s.adapter is None:
         freeze_all_but(base, s.unfrozen_parameters)
+    renamed = old_names_note(base, s)
     peft_model = apply_lora(base, s) if s.adapter else None
     model = peft_model.get_base_model() if peft_model is not None else base
     if s.loads_whole and peft_model is not None:  # built whole: adapters seeded as a meta-built model's are
@@ -153,7 +154,7 @@ def adapt(job: FinetuneJob, base: torch.nn.Module, tokenizer: Any, attention: st
     note = bank_dropout_note(peft_model, s) if peft_model is not None else None
     return FinetuneModel(
         base, peft_model, model, tokenizer, attention, parameter_count(model), trainable, layers,
-        notes=(note,) if note else (),
+        notes=tuple(line for line in (renamed, note) if line),
     )  # fmt: skip
 
 

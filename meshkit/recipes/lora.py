@@ -22,6 +22,7 @@ from meshkit.core.errors import MeshkitError
 from meshkit.core.io import write_atomically
 from meshkit.models.adapters import adapter_parameter_name, is_adapter_state
 from meshkit.models.structure import describe
+from meshkit.recipes.legacy_names import targets_by_old_names
 from meshkit.recipes.lora_init import InitialAdapters, converted_adapter
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -98,6 +99,18 @@ def _layers(wrapped: Any, banks: bool) -> list[Any]:
     return [m for m in wrapped.modules() if isinstance(m, LoraLayer) and isinstance(m, ParamWrapper) == banks]
 
 
+def old_names_note(model: nn.Module, settings: Any) -> str | None:
+    """One notice line where a `lora_target_modules` regex matched modules by their transformers-4 names."""
+    pattern = getattr(settings, "lora_target_modules", None)
+    matched = targets_by_old_names(model, pattern) if isinstance(pattern, str) and settings.adapter else None
+    if not matched:
+        return None
+    return (
+        f"lora_target_modules '{pattern}' names modules as transformers 4 did: {len(matched)} modules matched "
+        f"through transformers' own renames (e.g. {matched[0]})"
+    )
+
+
 def bank_dropout_note(wrapped: Any, settings: Any) -> str | None:
     """One notice line where lora_dropout could not reach the adapters of fused expert banks; else None."""
     if not getattr(settings, "lora_dropout", 0) or not _layers(wrapped, banks=True):
@@ -144,8 +157,8 @@ def _new_config(settings: Any, LoraConfig: Any, model: nn.Module) -> Any:  # noq
     parameters = list(getattr(settings, "lora_target_parameters", None) or []) or None
     if settings.lora_target_linear:
         targets: Any = linear_targets(model)
-    elif isinstance(settings.lora_target_modules, str):
-        targets = settings.lora_target_modules  # (peft: a regular expression over whole module paths)
+    elif isinstance(settings.lora_target_modules, str):  # (peft: a regular expression over whole module paths)
+        targets = targets_by_old_names(model, settings.lora_target_modules) or settings.lora_target_modules
     elif settings.lora_target_modules:
         targets = list(settings.lora_target_modules)
     elif parameters:

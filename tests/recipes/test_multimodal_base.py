@@ -149,3 +149,41 @@ def test_llama4s_multimodal_class_trains_its_language_model_with_lora(tmp_path, 
     trained, loaded = merged.model.layers[0].self_attn, original.model.layers[0].self_attn
     assert not torch.equal(trained.q_proj.weight, loaded.q_proj.weight)  # (LoRA on q_proj and v_proj only)
     assert torch.equal(trained.k_proj.weight, loaded.k_proj.weight)
+
+
+def test_a_target_regex_written_for_transformers_4_names_finds_the_renamed_modules() -> None:
+    """Axolotl's Voxtral example targets 'language_model.model.layers.[\\d]+.(mlp|self_attn)...', the names
+    transformers 4 gave; transformers 5 calls them model.language_model.layers...: matched through its renames."""
+    from types import SimpleNamespace
+
+    from transformers import VoxtralConfig, VoxtralForConditionalGeneration
+
+    from meshkit.recipes.lora import apply_lora, old_names_note
+
+    text = {
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+    }
+    audio = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_mel_bins": 16, "max_source_positions": 8}  # fmt: skip
+    model = VoxtralForConditionalGeneration(VoxtralConfig(text_config=text, audio_config=audio))
+    pattern = r"language_model.model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
+    settings = SimpleNamespace(
+        lora_model_dir=None, lora_target_parameters=None, lora_target_linear=False, lora_target_modules=pattern,
+        lora_r=4, lora_alpha=8, lora_dropout=0.0, base_model="base", adapter="lora",
+    )  # fmt: skip
+    note = old_names_note(model, settings)
+    assert note is not None and "14 modules matched" in note
+    adapted = apply_lora(model, settings)
+    wrapped = sorted({n.split(".lora_A")[0] for n, _ in adapted.named_parameters() if "lora_A" in n})
+    assert len(wrapped) == 14 and all(".model.language_model.layers." in name for name in wrapped)
+    as_written = SimpleNamespace(
+        **{**vars(settings), "lora_target_modules": r"model.language_model.layers.0.mlp.up_proj"}
+    )
+    assert old_names_note(model, as_written) is None  # (a regex that matches today's names is left alone)
