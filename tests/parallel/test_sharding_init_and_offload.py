@@ -134,8 +134,8 @@ def test_unsupported_combinations_name_the_nearest_supported_one() -> None:
 
     with pytest.raises(ShardingError, match="use zero_stage=3 for HSDP"):
         effective_zero_stage(resolve(code={"zero_stage": 2, "dp_replicate": 2}, env={}).config.sharding, mesh(2, 2))
-    with pytest.raises(ShardingError, match="set dp_shard=-1 for FSDP"):
-        effective_zero_stage(resolve(code={"zero_stage": 3}, env={}).config.sharding, mesh(4, 1))
+    with pytest.warns(UnshardedRunWarning, match="shards nothing .* the run goes on replicated, as DDP"):
+        assert effective_zero_stage(resolve(code={"zero_stage": 3}, env={}).config.sharding, mesh(4, 1)) == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert effective_zero_stage(resolve(code={"zero_stage": 2}, env={}).config.sharding, mesh(1, 4)) == 2

@@ -28,7 +28,8 @@ class UnshardedRunWarning(UserWarning):
 
 
 def effective_zero_stage(cfg: ShardingConfig, layout: Layout) -> int:
-    """The stage the run gets on `layout`'s mesh: 0 when a single data-parallel rank holds everything anyway."""
+    """The stage the run gets on `layout`'s mesh: 0 when a single data-parallel rank holds everything anyway, or when
+    a shard group of one rank does (warned either way)."""
     stage = cfg.zero_stage
     if stage == 0:
         return 0
@@ -40,11 +41,14 @@ def effective_zero_stage(cfg: ShardingConfig, layout: Layout) -> int:
         )
         return 0
     replicate, shard = layout.dp_replicate, layout.dp_shard * layout.cp
-    if stage == 3 and shard == 1:
-        raise ShardingError(
-            f"zero_stage=3 with dp_shard=1 shards nothing (dp_replicate={replicate}): "
-            "set dp_shard=-1 for FSDP, or dp_replicate and dp_shard both > 1 for HSDP"
+    if stage == 3 and shard == 1:  # (an expert-parallel config's "dp_shard_size: 1": experts split, the rest not)
+        warnings.warn(
+            f"zero_stage=3 with dp_shard=1 shards nothing (dp_replicate={replicate}): the run goes on replicated, "
+            "as DDP (dp_shard=-1 shards over every data-parallel rank)",
+            UnshardedRunWarning,
+            stacklevel=3,
         )
+        return 0
     if stage in (1, 2) and replicate > 1 and shard > 1:
         raise ShardingError(
             f"zero_stage={stage} shards over all data-parallel ranks and has no hybrid form: use zero_stage=3 "
