@@ -55,6 +55,9 @@ def record(entry: dict[str, Any], index: int) -> dict[str, Any]:
     """One record of the shape `entry`'s type reads (a union of fields: each type takes the ones it names)."""
     word = WORDS[index % len(WORDS)]
     kind = str(entry.get("type") or "")
+    if not kind:  # (no type: the records are tokenized already; ids every tiny tokenizer has)
+        ids = [1 + (index + offset) % 60 for offset in range(12)]
+        return {"input_ids": ids, "labels": ids, "attention_mask": [1] * len(ids)}
     out: dict[str, Any] = {
         "instruction": f"Shout the word {word}.", "input": str(index), "output": word.upper(),
         "text": f"the {word} number {index} is here", "system": "Be brief.", "question": f"Shout {word}",

@@ -70,9 +70,11 @@ class PreferencePrompt(Section):
 
 class DatasetEntry(Section):
     path: str = Field(description="a local file or directory, or a hub dataset name found in this machine's caches")
-    type: str | CustomPrompt | PreferencePrompt = Field(
+    type: str | CustomPrompt | PreferencePrompt | None = Field(
+        None,
         description="alpaca (and variants) | chat_template | completion | input_output; with rl: "
-        "chat_template.default | chatml.* | llama3.* | ... (see meshkit.data.preference_formats)"
+        "chat_template.default | chatml.* | llama3.* | ... (see meshkit.data.preference_formats); empty: the "
+        "records are tokenized already (input_ids, and labels or every token trained)",
     )
     split: str = Field("train", description="the split read (a file alone holds 'train')")
     name: str | None = Field(None, description="the dataset's configuration (subset) name")
@@ -165,16 +167,16 @@ class DatasetEntry(Section):
         return {source: target for target, sources in table.items() for source in sources}
 
 
-def is_stepwise_type(kind: str | CustomPrompt | PreferencePrompt) -> bool:
+def is_stepwise_type(kind: str | CustomPrompt | PreferencePrompt | None) -> bool:
     """A process reward model's step-labelled records (`stepwise_supervised`)."""
     return isinstance(kind, str) and kind.split(".", 1)[0] == STEPWISE_TYPE
 
 
-def is_preference_type(kind: str | CustomPrompt | PreferencePrompt) -> bool:
+def is_preference_type(kind: str | CustomPrompt | PreferencePrompt | None) -> bool:
     """A type of preference data (pairs or KTO's labelled completions), read only with `rl:`."""
     if isinstance(kind, PreferencePrompt):
         return True
-    if isinstance(kind, CustomPrompt):
+    if kind is None or isinstance(kind, CustomPrompt):
         return False
     family, _, variant = kind.partition(".")
     return family in PREFERENCE_TYPES or (family == "chat_template" and bool(variant))

@@ -190,6 +190,23 @@ class Formatter:
         text = record_field(record, (self.entry.text_column if self.entry else None) or "text", where)
         return self._sample([(text, True)], bos=True, eos=True)
 
+    def tokenized(self, record: dict[str, Any], where: object) -> TokenizedSample:
+        """A record tokenized already (an entry without `type`, as Axolotl reads it): `input_ids`, and `labels`
+        (-100 where a token does not count) or every token trained; `attention_mask` is not read."""
+        if "input_ids" not in record:
+            raise DataFormatError(
+                f"{where}: an entry without type reads records tokenized already (input_ids), and this one has "
+                f"{sorted(record)[:6]}: set the entry's type (alpaca, chat_template, completion, ...)"
+            )
+        ids = record_field(record, "input_ids", where, kind=list)
+        labels = record.get("labels")
+        labels = ids if labels is None else labels
+        if not isinstance(labels, list) or len(labels) != len(ids):
+            raise DataFormatError(f"{where}: labels must be a list as long as input_ids ({len(ids)} tokens)")
+        if not all(isinstance(token, int) for token in (*ids, *labels)):
+            raise DataFormatError(f"{where}: input_ids and labels must be lists of token ids (integers)")
+        return TokenizedSample(tuple(ids), tuple(labels))
+
     def input_output(self, record: dict[str, Any], where: object) -> TokenizedSample:
         segments = record_field(record, "segments", where, kind=list)
         pieces = []
@@ -298,6 +315,8 @@ class Formatter:
         )
 
     def convert(self, record: dict[str, Any], where: object, kind: Any) -> TokenizedSample:
+        if kind is None:
+            return self.tokenized(record, where)
         if isinstance(kind, CustomPrompt):
             return self.custom(record, where, kind)
         if not isinstance(kind, str):

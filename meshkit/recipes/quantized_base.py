@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from meshkit.core.errors import MeshkitError
-from meshkit.models.quantized import keep_training_layout
+from meshkit.models.quantized import keep_training_layout, quantized_kind
 from meshkit.recipes.hf_base import load_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
@@ -107,4 +107,26 @@ def load_quantized_base(settings: Any, attention: str | None, device: torch.devi
     for param in model.parameters():
         param.requires_grad_(False)
     keep_training_layout(model)
+    if settings.quantization == "8bit":
+        for module in model.modules():
+            if quantized_kind(module) == "8bit":
+                module.register_forward_pre_hook(_at_most_three_dims)
+                module.register_forward_hook(_leading_dims_back)
     return model
+
+
+def _at_most_three_dims(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """bitsandbytes' int8 matmul takes inputs of 2 or 3 dims; a model that projects a 4-D tensor (Kimi-Linear's
+    [batch, 1, seq, rank] latents) gets its leading dims folded into one here and back after (`_leading_dims_back`)."""
+    inputs = args[0] if args else None
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() <= 3:
+        return None
+    module.__dict__["_meshkit_leading_dims"] = inputs.shape[:-1]  # (read once by the forward hook, then dropped)
+    return (inputs.reshape(-1, inputs.shape[-1]), *args[1:])
+
+
+def _leading_dims_back(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    leading = module.__dict__.pop("_meshkit_leading_dims", None)
+    if leading is None or not isinstance(output, torch.Tensor):
+        return None
+    return output.reshape(*leading, output.shape[-1])
