@@ -195,3 +195,19 @@ def test_dpo_over_a_4bit_base_tracks_dpo_on_its_dequantized_weights(tmp_path, ma
     )
     assert quantized["losses"][0] == pytest.approx(0.6931472, abs=1e-6)  # the policy starts as its reference
     assert quantized["losses"][-1] < quantized["losses"][0]
+
+
+def test_an_int8_layer_takes_inputs_of_more_than_three_dims(material) -> None:
+    """bitsandbytes' int8 matmul folds only a 3-D input; a model projecting a 4-D tensor (Kimi-Linear's latents)
+    gets its leading dims folded and restored around the layer."""
+    from meshkit.recipes.finetune_settings import FinetuneSettings
+    from meshkit.recipes.quantized_base import load_quantized_base
+
+    settings = FinetuneSettings(base_model=material["base"], datasets=[{"path": "x", "type": "alpaca"}],
+                                **lora_keys(**QUANTIZED["8bit"]))  # fmt: skip
+    layer = load_quantized_base(settings, "eager", torch.device("cpu")).model.layers[0].self_attn.q_proj
+    inputs = torch.randn(2, 1, 3, layer.in_features)
+    out = layer(inputs)
+    assert out.shape == (2, 1, 3, layer.out_features)
+    torch.testing.assert_close(out[1, 0], layer(inputs[1, 0]))  # (the same rows as the 2-D call)
+    assert "_meshkit_leading_dims" not in layer.__dict__
