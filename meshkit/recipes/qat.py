@@ -7,7 +7,9 @@ back the same way), ready for post-training quantization to the format trained f
 
 The combinations are Axolotl's (`src/axolotl/utils/quantization.py`): int4 weights alone or with int8 / float8
 activations, float8 weights and activations, mxfp4; `fake_quant_after_n_steps` trains the first steps without the
-rounding. NVFP4's fake quantization runs torchao's NVFP4 matmul, which only a Blackwell GPU has.
+rounding. NVFP4's fake quantization runs torchao's NVFP4 matmul, which only a Blackwell GPU has; elsewhere the
+layer rounds its input and weight with torchao's own NVFP4 quantizer and multiplies the rounded values in the
+layer's dtype (`_nvfp4_emulated`), with torchao's backward.
 """
 
 from __future__ import annotations
@@ -53,7 +55,12 @@ class QATSettings(Section):
         weights = f"{self.weight_dtype} weights" + (f" (groups of {self.group_size})" if self.group_size else "")
         acts = f", {self.activation_dtype} activations" if self.activation_dtype else ""
         later = f", from step {self.fake_quant_after_n_steps}" if self.fake_quant_after_n_steps else ""
-        return f"quantization-aware training: {weights}{acts} fake-quantized (torchao){later}"
+        emulated = (
+            " (no NVFP4 matmul off a Blackwell GPU: torchao's rounding, the product in the layer's dtype)"
+            if "nvfp4" in (self.weight_dtype, self.activation_dtype)
+            else ""
+        )
+        return f"quantization-aware training: {weights}{acts} fake-quantized (torchao){later}{emulated}"
 
 
 def _configs(qat: QATSettings, device: torch.device) -> tuple[Any, Any]:
@@ -82,12 +89,6 @@ def _configs(qat: QATSettings, device: torch.device) -> tuple[Any, Any]:
         mx = MXFakeQuantizeConfig(dtype=torch.float4_e2m1fn_x2, block_size=32)
         return QATConfig(activation_config=mx, weight_config=mx), None
     if weight == "nvfp4" or activation == "nvfp4":
-        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        if capability is None or capability < (10, 0):
-            raise QATError(
-                "qat: nvfp4 fake quantization runs torchao's NVFP4 matmul, which needs a Blackwell GPU (compute "
-                f"capability 10); this run's device ({device}) has none: use mxfp4 or int4 here"
-            )
         if (group or 16) != 16:
             raise QATError("qat: nvfp4 scales blocks of 16 elements: group_size: 16")
         from torchao.prototype.qat import NVFP4FakeQuantizeConfig
@@ -159,12 +160,40 @@ def _low_precision_forward(module: torch.nn.Linear, forward: Any, x: torch.Tenso
     itself would run under a bf16 model."""
     if not module.__dict__.get("fake_quant_enabled", True):
         return torch.nn.functional.linear(x, module.weight, module.bias)
+    if type(module).__name__ == "NVFP4FakeQuantizedLinear" and not has_nvfp4_matmul(x.device):
+        forward = _nvfp4_emulated
     kind = x.device.type
     if not torch.is_autocast_enabled(kind):
         return forward(module, x)
     dtype = torch.get_autocast_dtype(kind)
     with torch.autocast(kind, enabled=False):
         return forward(_InDtype(module, dtype), x.to(dtype))
+
+
+def has_nvfp4_matmul(device: torch.device) -> bool:
+    """A Blackwell GPU (compute capability 10 or later): torchao's NVFP4 matmul runs there."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
+
+
+def _rounded_nvfp4(tensor: torch.Tensor, config: Any) -> torch.Tensor:
+    """`tensor` rounded to NVFP4 as torchao rounds it (blocks of 16 on the last dim, fp8 block scales, a per-tensor
+    scale when the config asks), in its own dtype."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    values = tensor.detach()
+    scale = per_tensor_amax_to_scale(values.abs().max()) if config.use_per_tensor_scale else None
+    quantized = NVFP4Tensor.to_nvfp4(values, per_tensor_scale=scale, is_swizzled_scales=False, use_triton_kernel=False)
+    return quantized.dequantize(tensor.dtype)
+
+
+def _nvfp4_emulated(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """torchao's NVFP4 fake-quantized Linear without its NVFP4 matmul: input and weight rounded by torchao's
+    quantizer, multiplied in the layer's dtype; the gradient is torchao's (each operand's rounded value times the
+    other's gradient, straight through the rounding)."""
+    flat = x.reshape(-1, x.shape[-1])
+    inputs = flat + (_rounded_nvfp4(flat, module.activation_config) - flat).detach()
+    weight = module.weight + (_rounded_nvfp4(module.weight, module.weight_config) - module.weight).detach()
+    return torch.nn.functional.linear(inputs, weight, module.bias).reshape(*x.shape[:-1], -1)
 
 
 def _toggle(module: torch.nn.Module, enabled: bool) -> None:

@@ -59,7 +59,7 @@ def test_two_ranks_equal_one_process(tmp_path, material, references, layout) -> 
     [
         ({"weight_dtype": "int8"}, "int8 weights are not a torchao QAT configuration"),
         ({"weight_dtype": "int4", "activation_dtype": "int4"}, "int4 activations with int4 weights"),
-        ({"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 16}, "needs a Blackwell GPU"),
+        ({"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 32}, "nvfp4 scales blocks of 16"),
         ({"weight_dtype": "mxfp4", "activation_dtype": "mxfp4", "quantize_embedding": True}, "not mxfp4"),
         ({"weight_dtype": "fp8", "activation_dtype": "int8"}, "float8 weights go with float8 activations"),
     ],
@@ -108,3 +108,29 @@ def test_each_combination_runs_under_autocast(weights, activations) -> None:
         out = model(torch.randn(4, 64))
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and bool(model[0].weight.grad.abs().sum() > 0)
+
+
+def test_nvfp4_off_a_blackwell_gpu_rounds_as_torchao_and_passes_its_gradient() -> None:
+    """torchao's NVFP4 QAT layer multiplies in NVFP4 on a Blackwell GPU only; elsewhere its rounding (torchao's own
+    quantizer) is applied to input and weight and the product taken in the layer's dtype, with torchao's backward:
+    grad input = grad out @ rounded weight, grad weight = grad out^T @ rounded input."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        scale = per_tensor_amax_to_scale(t.abs().max())
+        return NVFP4Tensor.to_nvfp4(t, per_tensor_scale=scale, is_swizzled_scales=False).dequantize(t.dtype)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    settings = QATSettings(weight_dtype="nvfp4", activation_dtype="nvfp4", group_size=16)
+    prepare_for_qat(model, settings, torch.device("cpu"))
+    assert type(model[0]).__name__ == "NVFP4FakeQuantizedLinear" and "no NVFP4 matmul" in settings.describe()
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    out = model(x)
+    flat, weight = x.detach().reshape(-1, 64), model[0].weight.detach()
+    expected = torch.nn.functional.linear(rounded(flat), rounded(weight), model[0].bias.detach())
+    torch.testing.assert_close(out.reshape(-1, 32), expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    torch.testing.assert_close(x.grad.reshape(-1, 64), grad.reshape(-1, 32) @ rounded(weight))
+    torch.testing.assert_close(model[0].weight.grad, grad.reshape(-1, 32).T @ rounded(flat))

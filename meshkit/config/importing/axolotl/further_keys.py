@@ -129,7 +129,8 @@ _add(G, "dpo_norm_loss", refused("no longer an Axolotl key (it refuses it too): 
 _add(G, "ebft", refused("EBFT (rl: ebft) is online RL with generated rollouts, which meshkit does not run: train "
                         "offline preference data with rl: dpo, ipo, kto, orpo or simpo"))
 _add(G, "qat", honoured("quantization-aware training through torchao (Axolotl's combinations: int4 weights alone or "
-                        "with int8/float8 activations, float8, mxfp4; nvfp4 on Blackwell GPUs), full fine-tune in "
+                        "with int8/float8 activations, float8, mxfp4, nvfp4 — its matmul on Blackwell GPUs, elsewhere "
+                        "the rounded values multiplied in the layer's dtype), full fine-tune in "
                         "every layout but tp; merged/ holds the full-precision weights"))
 _add(G, "quantization", noted("read by `axolotl quantize` (post-training quantization of the exported model), not by "
                               "training: quantize merged/ with torchao's quantize_"))
