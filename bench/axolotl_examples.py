@@ -94,8 +94,10 @@ def record(entry: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def record_count(config: dict[str, Any]) -> int:
-    """Enough records for two steps' batches, also when samples are packed into rows of sequence_len."""
+    """Enough records for two steps' batches on every rank the config asks for, also when samples are packed into
+    rows of sequence_len."""
     rows = 2 * int(config.get("micro_batch_size") or 1) * int(config.get("gradient_accumulation_steps") or 1)
+    rows *= ranks_asked(config)
     per_row = int(config.get("sequence_len") or 512) // 12 + 1 if config.get("sample_packing") else 1
     return min(20_000, max(RECORDS, 2 * rows * per_row))
 
