@@ -23,6 +23,7 @@ from pydantic import Field, field_validator
 
 from meshkit.config.section import Section
 from meshkit.core.errors import MeshkitError
+from meshkit.models.facts import tied_parameters
 
 QuantDType = Literal["int4", "int8", "float8_e4m3fn", "nvfp4", "mxfp4"]
 DTYPE_NAMES = {"int4": "int4", "int8": "int8", "float8_e4m3fn": "float8_e4m3fn", "fp8": "float8_e4m3fn",
@@ -125,9 +126,15 @@ def prepare_for_qat(model: torch.nn.Module, qat: QATSettings, device: torch.devi
     except ImportError:
         raise QATError("qat: needs torchao: pip install 'meshkit[hf]'") from None
     linear, embedding = _configs(qat, device)
+    tied = tied_parameters(model)  # (a swap on the meta device gives each new layer a weight of its own)
     quantize_(model, linear)
     if qat.quantize_embedding and embedding is not None:
         quantize_(model, embedding, filter_fn=lambda module, _name: isinstance(module, torch.nn.Embedding))
+    for names in tied:  # a head tied to the embedding stays tied, as in a model swapped after it loaded
+        shared = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, shared)
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and _is_low_precision_linear(module):
             module.forward = partial(_low_precision_forward, module, type(module).forward)  # type: ignore[method-assign]

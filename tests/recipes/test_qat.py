@@ -134,3 +134,13 @@ def test_nvfp4_off_a_blackwell_gpu_rounds_as_torchao_and_passes_its_gradient() -
     out.backward(grad)
     torch.testing.assert_close(x.grad.reshape(-1, 64), grad.reshape(-1, 32) @ rounded(weight))
     torch.testing.assert_close(model[0].weight.grad, grad.reshape(-1, 32).T @ rounded(flat))
+
+
+def test_a_head_tied_to_the_embedding_stays_tied_when_swapped_on_the_meta_device() -> None:
+    """meshkit swaps the layers before the weights stream in (on the meta device), where torchao's new layer gets a
+    weight of its own: a tied head (Gemma 3, Llama 3.2) is tied again, so the checkpoint's one tensor fills both."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))
+    model[1].weight = model[0].weight
+    prepare_for_qat(model, QATSettings(weight_dtype="int4", group_size=32), torch.device("cpu"))
+    assert type(model[1]).__name__ == "FakeQuantizedLinear" and model[1].weight is model[0].weight
