@@ -51,7 +51,7 @@ def test_axolotls_older_batch_size_sets_the_accumulation_unless_it_is_given(tmp_
         ({"learnin_rate": 0.1}, "unknown key 'learnin_rate'.*did you mean 'learning_rate'"),
         ({"processor_type": "AutoProcessor"}, "Axolotl key processor_type: 'AutoProcessor' .* is not supported"),
         ({"deepspeed": "ds.json"}, "deepspeed: ds.json: no such file"),
-        ({"relora": True}, "LoRA starts from peft's default initialisation"),
+        ({"peft_layer_replication": [[0, 1]]}, "LoRA starts from peft's default initialisation"),
         ({"adapter": "ia3"}, "'adapter'"),
         ({"learning_rate": 0.1, "meshkit": {"train": {"lr": 0.2}}}, "'train.lr' is set twice"),
     ],
