@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshkit.checkpoint.optimizer_states import from_canonical, restore_settings, to_canonical
 from meshkit.core.io import plain_numbers
+from meshkit.models.quantized import is_packed_quant_state, restore_quant_states
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.parallel.zero.nvme import NVMeOptimizer
@@ -213,13 +214,19 @@ class TrainingState:
         everywhere = set(live)
         if self.mesh.size("pp") > 1:  # each stage holds some layers: the model is the union over stages
             everywhere = set().union(*collectives.gather_object(sorted(live), self.mesh.group("pp")))
-        check_keys(live, stored, everywhere)
+        check_keys(live, stored, everywhere, any_length=is_packed_quant_state)
         split = self.split_weights
-        targets = {k: torch.empty(stored[k][0], dtype=v.dtype) if k in split else v for k, v in live.items()}
+        fresh = {k for k in live if k in split or is_packed_quant_state(k)}
+        targets = {k: torch.empty(stored[k][0], dtype=v.dtype) if k in fresh else v for k, v in live.items()}
         read(targets)  # in place: the state dict's tensors share the parameters' storage
         for key in split.names & set(live):
             with torch.no_grad():
                 _local(live[key]).copy_(_local(self.names.from_canonical(key, targets[key], live[key])))
+        for index, model in enumerate(self.models):  # 4-bit weights quantized again since they loaded
+            head = f"{_prefix('model', index)}."
+            own = {key[len(head) :]: tensor for key, tensor in targets.items() if key.startswith(head)}
+            if any(is_packed_quant_state(key) for key in own):
+                restore_quant_states(unwrap(model), own)
 
     def _param_state_targets(
         self, prefix: str, name: str, param: torch.Tensor, stored: StoredShapes
@@ -377,15 +384,20 @@ def raise_mismatch(what: str, expected: str) -> None:
     raise CheckpointMismatchError(f"checkpoint does not match this model: {what}, {expected}")
 
 
-def check_keys(live: dict[str, torch.Tensor], stored: StoredShapes, everywhere: set[str] | None = None) -> None:
-    """The model's tensors must all be in the checkpoint with the same shapes, and the checkpoint must hold
-    no model tensor this model lacks (`everywhere`: the names held by any pipeline stage); names the first
-    mismatches."""
+def check_keys(
+    live: dict[str, torch.Tensor],
+    stored: StoredShapes,
+    everywhere: set[str] | None = None,
+    any_length: Callable[[str], bool] = lambda _key: False,
+) -> None:
+    """The model's tensors must all be in the checkpoint with the same shapes (but those `any_length` names), and
+    the checkpoint must hold no model tensor this model lacks (`everywhere`: the names held by any pipeline
+    stage); names the first mismatches."""
     problems = []
     for key, tensor in live.items():
         if key not in stored:
             problems.append(f"{key} missing")
-        elif tuple(stored[key][0]) != tuple(tensor.shape):
+        elif tuple(stored[key][0]) != tuple(tensor.shape) and not any_length(key):
             problems.append(f"{key} {tuple(stored[key][0])} in the checkpoint vs {tuple(tensor.shape)} here")
     known = live.keys() if everywhere is None else everywhere
     extra = sorted(k for k in stored if k.startswith("model") and k not in known)

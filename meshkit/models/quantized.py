@@ -144,6 +144,33 @@ def is_bookkeeping(name: str) -> bool:
     return any(marker in f".{name}" for marker in _BOOKKEEPING)
 
 
+def is_packed_quant_state(name: str) -> bool:
+    """A 4-bit weight's serialised quantization state (dtype, shape, nested offset, as bytes): its length varies
+    with the values, so a checkpoint's may differ in size from the live model's (after a weight was requantized)."""
+    return ".weight.quant_state." in f".{name}"
+
+
+@torch.no_grad()
+def restore_quant_states(model: nn.Module, loaded: dict[str, torch.Tensor]) -> None:
+    """Each 4-bit layer takes the quantization state `loaded` (state-dict name -> tensor, as a checkpoint holds it)
+    has for it: a weight quantized again during training (ReLoRA's merges) has other scales and offsets than it
+    loaded with."""
+    from bitsandbytes.functional import QuantState
+
+    for name, kind in quantized_layers(model).items():
+        prefix = f"{name}.weight." if name else "weight."
+        entries = {key[len(prefix) :]: value for key, value in loaded.items() if key.startswith(prefix)}
+        if kind != "4bit" or not any(key.startswith("quant_state.") for key in entries):
+            continue
+        module = model.get_submodule(name)
+        weight = module._parameters["weight"]
+        state = QuantState.from_dict(entries, device=weight.device)
+        if getattr(weight, "quant_state", None) is not None:
+            weight.quant_state = state
+        if getattr(module, "quant_state", None) is not None:
+            module.quant_state = state
+
+
 def full_precision_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` (the unsharded model's state dict) with each quantized weight dequantized and its bookkeeping left
     out (all at once: for a model in one process; the export dequantizes one weight at a time)."""

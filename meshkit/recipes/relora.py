@@ -8,9 +8,8 @@ In every layout the adapters' matrices and moments are taken whole (gathered whe
 merged, drawn and pruned the same on every rank (seeded by the run's seed, the restart and the layer), and each rank
 keeps its own piece — so any world equals one process. A 4- or 8-bit base is merged by peft (dequantized, the
 update added, quantized again), in layouts that keep such a weight whole (zero_stage 0, pp). The base that results
-lives in the checkpoints (a resumed run goes on from it; over a 4/8-bit base only from a checkpoint up to the first
-restart: the requantized weights' quantization state does not load back yet) and in the merged export; an adapter
-alone would mean nothing without it, so none is written.
+lives in the checkpoints (a resumed run goes on from it: a requantized 4-bit weight's quantization state loads back
+with it) and in the merged export; an adapter alone would mean nothing without it, so none is written.
 """
 
 from __future__ import annotations
@@ -55,20 +54,11 @@ def refusal(adapter: str | None, zero_stage: int, tp: int, quantized: bool, dora
 class AdapterRestarts:
     """The restarts; `before_step` is the loop's hook (a restart begins step k × every, also after a resume)."""
 
-    def __init__(self, engine: Engine, every: int, method: PruneMethod, ratio: float, quantized: bool = False) -> None:
-        self.engine, self.every, self.method, self.ratio, self.quantized = engine, every, method, ratio, quantized
+    def __init__(self, engine: Engine, every: int, method: PruneMethod, ratio: float) -> None:
+        self.engine, self.every, self.method, self.ratio = engine, every, method, ratio
         self.restarts = 0
-        self.first_step: int | None = None
 
     def before_step(self, step: int) -> None:
-        if self.first_step is None:
-            self.first_step = step
-            if self.quantized and step > self.every:
-                raise ReLoRAError(
-                    f"this run resumes at step {step}, after a ReLoRA restart requantized its 4/8-bit base, whose "
-                    "quantization state checkpoints do not restore yet: start again from the beginning or from a "
-                    f"checkpoint at step {self.every} or earlier, or use adapter: lora over the plain base"
-                )
         if step == 0 or step % self.every:
             return
         self.restarts = step // self.every

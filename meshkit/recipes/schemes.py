@@ -61,9 +61,7 @@ def before_step_hook(engine: Engine, settings: Any, model: nn.Module) -> Callabl
     restarts = None
     if settings.relora:
         method: PruneMethod = settings.relora_prune_method or "magnitude"
-        restarts = relora.AdapterRestarts(
-            engine, settings.jagged_restart_steps, method, settings.prune_ratio, settings.quantization is not None
-        )
+        restarts = relora.AdapterRestarts(engine, settings.jagged_restart_steps, method, settings.prune_ratio)
         engine.print(
             f"meshkit: ReLoRA: adapters merged into the base and restarted every {settings.jagged_restart_steps} "
             f"steps, their Adam moments pruned ({method}, {settings.prune_ratio:.1%}); the output is merged/"

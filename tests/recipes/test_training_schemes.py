@@ -157,7 +157,8 @@ def test_lisa_trains_only_the_drawn_blocks_and_zero3_equals_one_process(tmp_path
         torch.testing.assert_close(tensor, trained[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_relora_restarts_in_zero3_and_tp_equal_one_process_and_resume(tmp_path, material) -> None:
+@pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.sweep)])  # (tp 2 too: test-full)
+def test_relora_restarts_in_zero3_and_tp_equal_one_process_and_resume(tmp_path, material, full) -> None:
     pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
     from tests.helpers.finetune_runs import lora_keys, write_config
 
@@ -172,7 +173,7 @@ def test_relora_restarts_in_zero3_and_tp_equal_one_process_and_resume(tmp_path, 
         base["model.layers.0.self_attn.q_proj.weight"], merged["model.layers.0.self_attn.q_proj.weight"]
     )
     runs = {}
-    for name, args in (("zero3", ("zero_stage=3",)), ("tp", ("tp=2", "micro_batch_size=4"))):
+    for name, args in (("zero3", ("zero_stage=3",)), ("tp", ("tp=2", "micro_batch_size=4")))[: 2 if full else 1]:
         runs[name] = _run(tmp_path, config, name, 2, *args)
         torch.testing.assert_close(torch.tensor(runs[name]["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
         for key, tensor in _merged(runs[name]).items():
@@ -187,21 +188,28 @@ def test_relora_restarts_in_zero3_and_tp_equal_one_process_and_resume(tmp_path, 
     )
 
 
-def test_relora_over_a_4bit_base_merges_through_peft_and_keeps_the_function(tmp_path, material) -> None:
+def test_relora_over_a_4bit_base_merges_through_peft_keeps_the_function_and_resumes(tmp_path, material) -> None:
     pytest.importorskip("bitsandbytes", reason="the hf extra (bitsandbytes) is not installed")
     from tests.helpers.finetune_runs import lora_keys, write_config
 
     keys = {**lora_keys(adapter="qlora"), "load_in_4bit": True, "lr_scheduler": "constant"}
     plain = _run(tmp_path, write_config(tmp_path / "p.yml", material, **keys), "plain", 1)["losses"]
     config = write_config(
-        tmp_path / "r.yml", material, **keys, relora=True, jagged_restart_steps=2, jagged_restart_warmup_steps=1
-    )
+        tmp_path / "r.yml", material, **keys, relora=True, jagged_restart_steps=2, jagged_restart_warmup_steps=1,
+        save_steps=3,
+    )  # fmt: skip
     restarted = _run(tmp_path, config, "relora", 1)["losses"]
     # the restart at step 2 merges the adapters into the requantized base and zeroes B: the model's function is
     # kept up to 4-bit rounding (step 2's loss), while the steps after it train fresh adapters
     assert restarted[:2] == plain[:2]
     torch.testing.assert_close(torch.tensor(restarted[2]), torch.tensor(plain[2]), rtol=5e-4, atol=0)
     assert restarted[3] != plain[3]
+    # a checkpoint after the restart holds the requantized weights and their quantization state: resumed = straight
+    import shutil
+
+    shutil.rmtree(tmp_path / "relora" / "checkpoints" / "step-000004")
+    resumed = _run(tmp_path, config, "relora", 1, "auto_resume_from_checkpoints=true")
+    assert resumed["resumed_at_step"] == 3 and resumed["losses"] == restarted
 
 
 def test_what_lisa_and_relora_need_of_the_layout_is_one_line(tmp_path, material) -> None:
@@ -252,7 +260,8 @@ def test_eaft_weighs_each_tokens_loss_as_axolotl_defines_it() -> None:
     assert not torch.allclose(mine, plain)
 
 
-def test_eaft_under_tp_and_pp_equals_one_process(tmp_path, material) -> None:
+@pytest.mark.parametrize("layout", ["tp=2", pytest.param("pp=2", marks=pytest.mark.sweep)])  # (pp: test-full)
+def test_eaft_under_tp_and_pp_equals_one_process(tmp_path, material, layout) -> None:
     pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
     from tests.helpers.finetune_runs import write_config
 
@@ -260,6 +269,5 @@ def test_eaft_under_tp_and_pp_equals_one_process(tmp_path, material) -> None:
     plain = _run(tmp_path, write_config(tmp_path / "p.yml", material), "plain", 1, "micro_batch_size=4")
     one = _run(tmp_path, config, "one", 1, "micro_batch_size=4")
     assert one["losses"][0] != pytest.approx(plain["losses"][0], rel=1e-3)  # the weights apply
-    for name, args in (("tp", ("tp=2", "micro_batch_size=4")), ("pp", ("pp=2", "micro_batch_size=4"))):
-        losses = _run(tmp_path, config, name, 2, *args)["losses"]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one["losses"]), rtol=1e-5, atol=0, msg=name)
+    losses = _run(tmp_path, config, "two", 2, layout, "micro_batch_size=4")["losses"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
