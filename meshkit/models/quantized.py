@@ -162,13 +162,12 @@ def restore_quant_states(model: nn.Module, loaded: dict[str, torch.Tensor]) -> N
         entries = {key[len(prefix) :]: value for key, value in loaded.items() if key.startswith(prefix)}
         if kind != "4bit" or not any(key.startswith("quant_state.") for key in entries):
             continue
-        module = model.get_submodule(name)
-        weight = module._parameters["weight"]
+        module: Any = model.get_submodule(name)
+        weight: Any = module._parameters["weight"]
         state = QuantState.from_dict(entries, device=weight.device)
-        if getattr(weight, "quant_state", None) is not None:
-            weight.quant_state = state
-        if getattr(module, "quant_state", None) is not None:
-            module.quant_state = state
+        for owner in (weight, module):  # (on the weight, and on the layer once FSDP re-wrapped the weight)
+            if getattr(owner, "quant_state", None) is not None:
+                owner.quant_state = state
 
 
 def full_precision_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
