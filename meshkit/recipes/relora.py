@@ -15,6 +15,7 @@ with it) and in the merged export; an adapter alone would mean nothing without i
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
 import torch
@@ -63,19 +64,19 @@ class AdapterRestarts:
             return
         self.restarts = step // self.every
         layers = _lora_layers(self.engine)
-        for index, (name, layer) in enumerate(layers):
+        for name, layer in layers:
             adapter = _only_adapter(name, layer)
             with torch.no_grad():
                 _merge(layer, adapter)
-                self._start_afresh(layer, adapter, index)
+                self._start_afresh(layer, adapter, zlib.crc32(name.encode()))  # (by name: a stage holds some)
         self.engine.print(
             f"meshkit: ReLoRA restart {self.restarts} at step {step}: {len(layers)} adapters merged into the base "
             f"and started afresh, their Adam moments pruned ({self.method}, {self.ratio:.1%})"
         )
 
-    def _generator(self, index: int, salt: int) -> torch.Generator:
+    def _generator(self, layer_key: int, salt: int) -> torch.Generator:
         seed = self.engine.config.seed
-        return torch.Generator().manual_seed(((seed * 1_000_003 + self.restarts) * 7_919 + index) * 4 + salt)
+        return torch.Generator().manual_seed(((seed * 1_000_003 + self.restarts) * 7_919 + layer_key) * 4 + salt)
 
     def _start_afresh(self, layer: Any, adapter: str, index: int) -> None:
         a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
@@ -103,34 +104,34 @@ class AdapterRestarts:
             else:  # random, reset: a random share kept, the same on every rank
                 kept = torch.rand(whole.shape, generator=generator) > self.ratio
             canonical[key] = whole * kept
-        if _plain(states):
+        if _full_precision_moments(states):
             for key in moments:
                 _assign(states[key], canonical[key])
         else:  # low-bit moments: quantized again from the pruned values
             states.update(from_canonical(owner, param, canonical))
 
 
-def _plain(states: dict[str, Any]) -> bool:
-    return (
-        all(
-            not isinstance(states.get(key), torch.Tensor)
-            or states[key].dtype.is_floating_point
-            and type(states[key]).__module__.split(".")[0] != "torchao"
-            for key in MOMENTS
-        )
-        and "state1" not in states
-    )
+def _full_precision_moments(states: dict[str, Any]) -> bool:
+    """The optimizer keeps Adam's moments as plain float tensors (not bitsandbytes' or torchao's low-bit ones)."""
+    if "state1" in states:
+        return False
+    moments = [states[key] for key in MOMENTS if isinstance(states.get(key), torch.Tensor)]
+    return all(m.dtype.is_floating_point and type(m).__module__.split(".")[0] != "torchao" for m in moments)
 
 
 def _lora_layers(engine: Engine) -> list[tuple[str, Any]]:
+    """(name, layer) of every LoRA layer this rank holds, named as in the whole model — by their parameters'
+    names, which a pipeline stage keeps (its modules sit under the stage's own wrappers)."""
     from peft.tuners.lora import LoraLayer
 
-    return [
-        (name, module)
-        for model in engine.ctx.objects.models
-        for name, module in unwrap(model).named_modules()
-        if isinstance(module, LoraLayer)
-    ]
+    found = []
+    for model in engine.ctx.objects.models:
+        names = {id(param): name for name, param in unwrap(model).named_parameters()}
+        for module in unwrap(model).modules():
+            if isinstance(module, LoraLayer) and module.lora_A:
+                first = next(iter(module.lora_A.values())).weight
+                found.append((names[id(first)].rsplit(".lora_A.", 1)[0], module))
+    return found
 
 
 def _only_adapter(name: str, layer: Any) -> str:

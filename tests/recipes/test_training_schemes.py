@@ -157,8 +157,8 @@ def test_lisa_trains_only_the_drawn_blocks_and_zero3_equals_one_process(tmp_path
         torch.testing.assert_close(tensor, trained[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.sweep)])  # (tp 2 too: test-full)
-def test_relora_restarts_in_zero3_and_tp_equal_one_process_and_resume(tmp_path, material, full) -> None:
+@pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.sweep)])  # (tp, pp too: test-full)
+def test_relora_restarts_in_zero3_tp_and_pp_equal_one_process_and_resume(tmp_path, material, full) -> None:
     pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
     from tests.helpers.finetune_runs import lora_keys, write_config
 
@@ -173,7 +173,12 @@ def test_relora_restarts_in_zero3_and_tp_equal_one_process_and_resume(tmp_path, 
         base["model.layers.0.self_attn.q_proj.weight"], merged["model.layers.0.self_attn.q_proj.weight"]
     )
     runs = {}
-    for name, args in (("zero3", ("zero_stage=3",)), ("tp", ("tp=2", "micro_batch_size=4")))[: 2 if full else 1]:
+    layouts = (
+        ("zero3", ("zero_stage=3",)),
+        ("tp", ("tp=2", "micro_batch_size=4")),
+        ("pp", ("pp=2", "micro_batch_size=4")),
+    )
+    for name, args in layouts[: 3 if full else 1]:
         runs[name] = _run(tmp_path, config, name, 2, *args)
         torch.testing.assert_close(torch.tensor(runs[name]["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
         for key, tensor in _merged(runs[name]).items():
