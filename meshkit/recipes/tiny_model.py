@@ -121,10 +121,11 @@ TEKKEN_PATTERN = (
 TEKKEN_SPECIAL_TOKENS = 20
 
 
-def write_tiny_tekken(directory: Path) -> int:
+def write_tiny_tekken(directory: Path, thinking: bool = False) -> int:
     """A tiny Mistral tokenizer file, `directory`/tekken.json (for `tokenizer_use_mistral_common`): the 256 bytes as
     its vocabulary and the first special tokens of mistral-common's default list (`<unk>`, `<s>`, `</s>`, `[INST]`,
-    `[/INST]`, ...); returns its vocabulary size."""
+    `[/INST]`, ...); with `thinking`, a v13 tokenizer with `[THINK]`/`[/THINK]` (and v13's `[ARGS]`, `[CALL_ID]`),
+    which encodes Magistral's thinking chunks; returns its vocabulary size."""
     from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
     vocab = [{"rank": i, "token_bytes": base64.b64encode(bytes([i])).decode(), "token_str": None} for i in range(256)]
@@ -132,9 +133,12 @@ def write_tiny_tekken(directory: Path) -> int:
         dict(token, token_str=str(getattr(token["token_str"], "value", token["token_str"])))
         for token in Tekkenizer.DEPRECATED_SPECIAL_TOKENS[:TEKKEN_SPECIAL_TOKENS]
     ]  # fmt: skip (enum members -> text)
-    size = len(vocab) + TEKKEN_SPECIAL_TOKENS
+    if thinking:
+        specials += [{"rank": len(specials) + i, "token_str": text, "is_control": True}
+                     for i, text in enumerate(("[THINK]", "[/THINK]", "[ARGS]", "[CALL_ID]"))]  # fmt: skip
+    size = len(vocab) + len(specials)
     config = {"pattern": TEKKEN_PATTERN, "num_vocab_tokens": len(vocab), "default_vocab_size": size,
-              "default_num_special_tokens": TEKKEN_SPECIAL_TOKENS, "version": "v7"}  # fmt: skip
+              "default_num_special_tokens": len(specials), "version": "v13" if thinking else "v7"}  # fmt: skip
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "tekken.json").write_text(json.dumps({"config": config, "vocab": vocab, "special_tokens": specials}))
     return size

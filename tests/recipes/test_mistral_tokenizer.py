@@ -68,3 +68,19 @@ def test_a_fine_tune_with_mistrals_tokenizer_runs_and_exports_what_loads(tmp_pat
     assert (merged / "tekken.json").is_file()
     assert len(mistral_common_tokenizer(merged)) == 276
     assert AutoModelForCausalLM.from_pretrained(merged).config.vocab_size == 276
+
+
+def test_magistrals_thinking_chunks_train_with_the_answer(tmp_path) -> None:
+    """Axolotl's Magistral/Ministral think examples: an assistant turn's content as chunks, a `thinking` one before
+    the text; mistral-common (a v13 tokenizer) writes it between [THINK] and [/THINK], and it trains with the answer."""
+    write_tiny_tekken(tmp_path, thinking=True)
+    tokenizer = mistral_common_tokenizer(tmp_path)
+    record = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "15% of 240?"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "0.15 x 240"},
+                                          {"type": "text", "text": "36"}]},
+    ]}  # fmt: skip
+    sample = Formatter(tokenizer, False, DatasetEntry(path="x", type="chat_template")).chat_template(record, "rec 1")
+    trained = [label for label in sample.labels if label != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == "[THINK]0.15 x 240[/THINK]36</s>"
+    assert tokenizer.decode(list(sample.input_ids)).startswith("<s>[INST]15% of 240?[/INST]")
