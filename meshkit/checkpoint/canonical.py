@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from meshkit.checkpoint.fit import CheckpointLayoutError, StoredShapes, check_keys, raise_mismatch
 from meshkit.checkpoint.optimizer_states import from_canonical, restore_settings, to_canonical
 from meshkit.core.io import plain_numbers
 from meshkit.models.quantized import is_packed_quant_state, restore_quant_states
@@ -38,7 +39,6 @@ from meshkit.runtime import collectives
 from meshkit.runtime.mesh import ParallelMesh
 from meshkit.training.accumulation import PreparedOptimizer
 
-StoredShapes = dict[str, tuple[torch.Size, torch.dtype]]
 Reader = Callable[[dict[str, torch.Tensor]], None]  # fills the given tensors (in place) from the checkpoint
 
 
@@ -370,38 +370,3 @@ def flat_layout(param_groups: list[dict[str, Any]], names: dict[int, str]) -> li
             offset += param.numel()
         layout.append(entries)
     return layout
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint belongs to another model."""
-
-
-class CheckpointLayoutError(CheckpointMismatchError):
-    """The checkpoint's optimizer states are in a form this run's layout cannot read."""
-
-
-def raise_mismatch(what: str, expected: str) -> None:
-    raise CheckpointMismatchError(f"checkpoint does not match this model: {what}, {expected}")
-
-
-def check_keys(
-    live: dict[str, torch.Tensor],
-    stored: StoredShapes,
-    everywhere: set[str] | None = None,
-    any_length: Callable[[str], bool] = lambda _key: False,
-) -> None:
-    """The model's tensors must all be in the checkpoint with the same shapes (but those `any_length` names), and
-    the checkpoint must hold no model tensor this model lacks (`everywhere`: the names held by any pipeline
-    stage); names the first mismatches."""
-    problems = []
-    for key, tensor in live.items():
-        if key not in stored:
-            problems.append(f"{key} missing")
-        elif tuple(stored[key][0]) != tuple(tensor.shape) and not any_length(key):
-            problems.append(f"{key} {tuple(stored[key][0])} in the checkpoint vs {tuple(tensor.shape)} here")
-    known = live.keys() if everywhere is None else everywhere
-    extra = sorted(k for k in stored if k.startswith("model") and k not in known)
-    problems += [f"{key} not in this model" for key in extra]
-    if problems:
-        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
-        raise CheckpointMismatchError(f"checkpoint does not match this model: {shown}")

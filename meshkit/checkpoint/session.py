@@ -24,8 +24,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from meshkit.checkpoint.canonical import CheckpointMismatchError, TrainingState
+from meshkit.checkpoint.canonical import TrainingState
 from meshkit.checkpoint.extras import rng_state, set_rng_state
+from meshkit.checkpoint.fit import CheckpointMismatchError
 from meshkit.checkpoint.storage import (
     FORMAT_VERSION,
     META,
