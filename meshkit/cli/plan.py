@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshkit.cli.estimate import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
+from meshkit.cli.tp_plan_view import print_tensor_parallel
 from meshkit.planning.estimate import Optimizer, Precision, Reference
 from meshkit.planning.estimate_ps import advice
 from meshkit.planning.hardware import PRESETS, load_profile, preset
@@ -123,6 +124,8 @@ def plan_command(
     if explain:
         chosen = result.fitting[0] if result.fitting else result.smallest
         explain_layout(chosen, result, memory, runtime_gb)
+        if model is not None and model.suffix == ".json":
+            print_tensor_parallel(model)
         if not result.fitting:
             raise PlanError(result.suggestion)
         return

@@ -7,7 +7,9 @@ the attention module in some families). Whatever a family does differently is sa
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 import sys
 from typing import Any
 
@@ -100,6 +102,8 @@ def _attention(config: Any, blocks_path: str, blocks: BlockList) -> tuple[Attent
 
     heads = _config_int(config, "num_attention_heads", "n_head")
     kv_heads = _config_int(config, "num_key_value_heads") or heads
+    if getattr(config, "multi_query", False) is True and not getattr(config, "new_decoder_architecture", False):
+        kv_heads = 1  # (one key/value head for all: GPT-BigCode, Falcon's first architecture)
     hidden = _config_int(config, "hidden_size", "n_embd")
     head_dim = _config_int(config, "head_dim") or (hidden // heads if hidden and heads else None)
     latent_width = (_config_int(config, "kv_lora_rank") or 0) + (rotary := _config_int(config, "qk_rope_head_dim") or 0)
@@ -152,6 +156,29 @@ def _unattended(blocks_path: str, blocks: BlockList, attention: tuple[AttentionF
         if not any(facts.path == path or facts.path.startswith(path + ".") for facts in attention):
             out.append((index, path))
     return out
+
+
+def text_config(config: Any) -> Any:
+    """The config of the text decoder (a multimodal config's text_config; the config itself otherwise)."""
+    try:
+        return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    except (TypeError, ValueError):
+        return config
+
+
+def _forward_order(base: nn.Module, config: Any) -> dict[str, int]:
+    """Where each child of the model's base runs in its forward: the order its declared pipeline plan
+    (`base_model_pp_plan`) gives, else where its forward's code first uses it (`self.<child>`); {} when neither
+    is known (then the order the children are registered in stands)."""
+    plan = getattr(text_config(config), "base_model_pp_plan", None)
+    if plan:
+        return {name: index for index, name in enumerate(plan)}
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return {}
+    found = {name: re.search(rf"self\.{re.escape(name)}\b", source) for name, _ in base.named_children()}
+    return {name: match.start() for name, match in found.items() if match is not None}
 
 
 def _classifier(model: Any, base: nn.Module) -> str | None:
@@ -218,18 +245,19 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
     base_name = path.rpartition(".")[0]
     base = model.get_submodule(base_name) if base_name else model
     first, last, after_blocks = [], [], False
-    for child in base.children():
+    order = _forward_order(base, config)
+    blocks_at = order.get(path.rpartition(".")[2])
+    for local, child in base.named_children():
         name = names[id(child)]
+        at = order.get(local)
         if child is blocks:
             after_blocks = True
-        elif isinstance(child, nn.Embedding) and not after_blocks:
-            first.append(name)
         elif next(child.parameters(), None) is None:
             continue  # (rotary tables)
-        elif after_blocks or "final" in name.rpartition(".")[2]:
-            last.append(name)  # (OPT registers its final_layer_norm before its layers)
+        elif (at > blocks_at) if at is not None and blocks_at is not None else after_blocks:
+            last.append(name)  # run after the blocks (OPT registers its final_layer_norm before its layers)
         else:
-            first.append(name)  # before the blocks with weights of its own: Bloom's embedding norm
+            first.append(name)  # before the blocks: embeddings, Bloom's embedding norm
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and head is not base and id(head) in names:
         last.append(names[id(head)])

@@ -31,15 +31,14 @@ from meshkit.models.gpt import GPT
 
 
 def _generic_attention(path: str, blocks: BlockList) -> tuple[AttentionFacts, ...]:
-    """Attention modules of a user's own model: those with head-count attributes or q/k/v projections."""
+    """Attention modules of a user's own model: those that hold their head count (not their children's names)."""
     found = []
     for index, block in block_units(blocks):
         for name, module in block.named_modules():
             heads = next(
                 (getattr(module, a) for a in HEAD_ATTRIBUTES if isinstance(getattr(module, a, None), int)), None
             )
-            projections = hf_adapter.ATTENTION_CHILDREN & {child for child, _ in module.named_children()}
-            if heads is None and not projections:  # neither head counts nor q/k/v projections: not attention
+            if heads is None:
                 continue
             kv = next(
                 (getattr(module, a) for a in KV_HEAD_ATTRIBUTES if isinstance(getattr(module, a, None), int)), heads

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from meshkit.config.schema import DDPConfig, RunConfig
+from meshkit.models.gpt import GPT
+from meshkit.models.layer_roles import LayerRoles, layer_roles
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.parallel.activation import CheckpointedBlock, apply_activation_checkpointing
 from meshkit.parallel.compile import apply_compile
@@ -71,9 +73,11 @@ def parallelize(
         result.notice = result.notice or notice
         return result
     chunks = chunks_per_rank(config.pipeline)
+    roles = _roles(model, structure, config) if mesh.size("tp") > 1 else None  # (learnt on the whole model)
     stage_list = stage_ids(mesh.coordinate("pp"), pp, chunks, config.pipeline.schedule)
     stage_modules = split_model(model, stage_list, pp * chunks, structure)
-    parts = [_parallelize_one(m, mesh, config, zero_stage, structure, in_pipeline=True) for m in stage_modules]
+    parts = [_parallelize_one(m, mesh, config, zero_stage, structure, in_pipeline=True, roles=roles)
+             for m in stage_modules]  # fmt: skip
     return Parallelized(
         PipelineModel([part.model for part in parts], stage_list, pp * chunks),
         structure=structure,
@@ -83,8 +87,15 @@ def parallelize(
         needs_gradient_reduce=any(part.needs_gradient_reduce for part in parts),
         checkpointed=[block for part in parts for block in part.checkpointed],
         experts=[bank for part in parts for bank in part.experts],
-        notice=notice,
+        notice=notice or next((part.notice for part in parts if part.notice), None),
     )
+
+
+def _roles(model: nn.Module, structure: ModelStructure, config: RunConfig) -> LayerRoles | None:
+    """The layers' roles for tensor parallel (None where the user's plan or the reference GPT's decides)."""
+    if config.tensor_parallel.plan is not None or isinstance(model, GPT):
+        return None
+    return layer_roles(model, structure)
 
 
 def _parallelize_one(
@@ -96,6 +107,7 @@ def _parallelize_one(
     in_pipeline: bool = False,
     autocast: bool = True,
     frozen: bool = False,
+    roles: LayerRoles | None = None,
 ) -> Parallelized:
     sharding = config.sharding
     on_meta = has_meta_tensors(model)
@@ -112,9 +124,9 @@ def _parallelize_one(
     result = Parallelized(model, structure)
     tp = mesh.size("tp")
     if tp > 1:
-        split = apply_tensor_parallel(model, mesh.device_mesh["tp"], config.tensor_parallel, structure)
+        split = apply_tensor_parallel(model, mesh.device_mesh["tp"], config.tensor_parallel, structure, roles)
         result.split_weights, result.logits_sharded = split.split_weights, split.logits_sharded
-        result.partial_over_tp = split.partial_over_tp
+        result.partial_over_tp, result.notice = split.partial_over_tp, split.note
     if mesh.size("cp") > 1:
         apply_context_parallel(model, mesh.group("cp"), structure)
     if mesh.dims.ep > 1:

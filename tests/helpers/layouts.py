@@ -9,6 +9,7 @@ from meshkit import Engine
 from meshkit.models.gpt import GPT, lm_loss
 from tests.helpers.distributed import leave_world
 from tests.helpers.hf_style import TinyDecoder, TinyGPT2
+from tests.helpers.misnamed import MisnamedDecoder
 from tests.helpers.training import (
     TINY,
     assert_close_relative,
@@ -28,7 +29,13 @@ def tiny_gpt_4_blocks() -> nn.Module:
     return GPT(TINY.model_copy(update={"n_layers": 4}))
 
 
-MODELS = {"gpt": tiny_gpt, "gpt4": tiny_gpt_4_blocks, "hf": TinyDecoder, "gpt2": TinyGPT2}
+MODELS = {
+    "gpt": tiny_gpt,
+    "gpt4": tiny_gpt_4_blocks,
+    "hf": TinyDecoder,
+    "gpt2": TinyGPT2,
+    "misnamed": MisnamedDecoder,
+}
 
 
 def build(kind: str) -> nn.Module:

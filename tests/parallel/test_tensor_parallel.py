@@ -6,7 +6,10 @@ import pytest
 from torch import nn
 
 from meshkit.config import TensorParallelConfig
-from meshkit.parallel.tensor.apply import TensorParallelError, check_heads, named_plan
+from meshkit.models.layer_roles import LayerRoles, layer_roles
+from meshkit.models.structure import describe
+from meshkit.parallel.tensor.apply import TensorParallelError, check_heads
+from meshkit.parallel.tensor.auto import tensor_plan
 from tests.helpers.distributed import run_world
 from tests.helpers.hf_style import TinyDecoder
 from tests.helpers.layouts import check, run_layouts
@@ -18,6 +21,9 @@ TP2 = {
     "gpt_tp2_gathered_logits": ("gpt", {"tp": 2, "loss_parallel": False}),
     "hf_auto_tp2": ("hf", {"tp": 2}),
     "gpt2_fused_qkv_tp2": ("gpt2", {"tp": 2}),
+    # every layer name points the wrong way (tests/helpers/misnamed.py): the facts place them
+    "misnamed_tp2": ("misnamed", {"tp": 2}),
+    "misnamed_tp2_sp": ("misnamed", {"tp": 2, "sequence_parallel": True}),
 }
 
 
@@ -38,6 +44,8 @@ HYBRID = {
     "zero1_tp2_sp": ("gpt", {"tp": 2, "zero_stage": 1, "sequence_parallel": True}),
     "zero2_tp2": ("gpt", {"tp": 2, "zero_stage": 2}),
     "zero2_tp2_sp": ("gpt", {"tp": 2, "zero_stage": 2, "sequence_parallel": True}),
+    "misnamed_pp2_tp2_sp": ("misnamed", {"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "1f1b"}),
+    "misnamed_fsdp2_tp2": ("misnamed", {"tp": 2, "zero_stage": 3}),
 }
 # Gradient clipping under ZeRO + TP takes one norm over the dp and tp ranks: it must clip like plain dp × tp.
 CLIPPED = {
@@ -75,10 +83,28 @@ def test_tp_that_does_not_divide_the_heads_names_the_valid_sizes() -> None:
         check_heads(tiny_gpt(), 3)
 
 
-def test_automatic_plan_lists_linear_layers_it_has_no_rule_for() -> None:
+def test_the_plan_comes_from_the_traced_forward_and_a_layer_it_never_runs_stays_whole() -> None:
     model = TinyDecoder()
+    model.layers[0].mlp.extra_proj = nn.Linear(4, 4)  # (never called by the MLP's forward)
+    roles = layer_roles(model, describe(model))
+    plan = tensor_plan(model, TensorParallelConfig(), roles).kinds
+    assert plan["layers.0.mlp.extra_proj"] == "replicate" and plan["lm_head"] == "replicate"
+    assert plan["layers.0.mlp.gate_proj"] == "colwise" and plan["layers.0.mlp.down_proj"] == "rowwise"
+    assert plan["layers.1.self_attn.q_proj"] == "colwise" and plan["layers.1.self_attn.o_proj"] == "rowwise"
+    assert {role.source for role in roles.layers.values()} == {"traced"}
+    plan = tensor_plan(model, TensorParallelConfig(plan={"*.extra_proj": "replicate", "*_proj": "colwise"}), roles)
+    assert plan.kinds["layers.0.mlp.extra_proj"] == "replicate" and plan.kinds["layers.1.self_attn.o_proj"] == "colwise"
+
+
+def test_where_the_forward_cannot_be_traced_names_decide_and_say_so() -> None:
+    model = TinyDecoder()
+    unplaced = tuple(name for name, _ in model.named_modules() if name.endswith("_proj"))
+    roles = LayerRoles(unplaced=unplaced, trace_error="RuntimeError: no")
+    plan = tensor_plan(model, TensorParallelConfig(), roles)
+    assert plan.kinds["layers.0.self_attn.q_proj"] == "colwise" and plan.kinds["layers.0.mlp.down_proj"] == "rowwise"
+    assert plan.note is not None and "by their names" in plan.note and "(RuntimeError: no)" in plan.note
     model.layers[0].mlp.extra_proj = nn.Linear(4, 4)
-    with pytest.raises(TensorParallelError, match=r"no rule for Linear layers \['layers.0.mlp.extra_proj'\]"):
-        named_plan(model, TensorParallelConfig())
-    plan = named_plan(model, TensorParallelConfig(plan={"*.extra_proj": "replicate", "*_proj": "colwise"}))
-    assert plan["layers.0.mlp.extra_proj"] == "replicate" and plan["layers.1.self_attn.q_proj"] == "colwise"
+    roles = LayerRoles(unplaced=(*unplaced, "layers.0.mlp.extra_proj"), trace_error="RuntimeError: no")
+    with pytest.raises(TensorParallelError, match=r"could not trace TinyDecoder's forward \(RuntimeError: no\) and "
+                       r"has no name rule for its layers \['layers.0.mlp.extra_proj'\]"):  # fmt: skip
+        tensor_plan(model, TensorParallelConfig(), roles)

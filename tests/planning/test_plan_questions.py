@@ -5,6 +5,7 @@ layout was dropped (the limit and its largest term), the host memory offload nee
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,22 @@ def test_the_command_explains_and_its_table_fits_80_columns(tmp_path: Path) -> N
     for term in ("params", "grads", "optimizer", "activations", "buffers", "runtime", "total", "limit"):
         assert f"\n  {term}" in explained.stdout, term
     assert "= 80 GB × 90% headroom" in explained.stdout and "does not fit" in explained.stdout
+
+
+def test_explain_shows_each_layers_split_and_what_decided_it(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from meshkit.cli.tp_plan_view import tensor_parallel_lines
+
+    shape = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    transformers.AutoConfig.for_model("llama", **shape).save_pretrained(tmp_path / "llama")
+    transformers.AutoConfig.for_model("falcon", new_decoder_architecture=True, num_kv_heads=2, **shape).save_pretrained(
+        tmp_path / "falcon"
+    )
+    llama = "\n".join(tensor_parallel_lines(tmp_path / "llama" / "config.json"))
+    assert re.search(r"model\.layers\.\*\.self_attn\.q_proj +colwise +declared", llama)
+    assert re.search(r"model\.layers\.\*\.mlp\.down_proj +rowwise +declared", llama)
+    falcon = "\n".join(tensor_parallel_lines(tmp_path / "falcon" / "config.json"))  # (no declared plan: traced)
+    assert re.search(r"transformer\.h\.\*\.self_attention\.query_key_value +colwise +traced", falcon)
+    assert re.search(r"lm_head +replicate", falcon)
+    (tmp_path / "bare.json").write_text(json.dumps(LLAMA_70B))  # (no model_type: no model to build)
+    assert tensor_parallel_lines(tmp_path / "bare.json")[0].startswith("(not shown: transformers builds no causal LM")

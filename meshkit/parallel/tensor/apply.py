@@ -6,7 +6,7 @@ forward and one in backward. Sequence parallel turns that all-reduce into a redu
 shards, runs the norms on the shards, and all-gathers before the next column-parallel region.
 
 The reference GPT has its plan here (vocab-parallel embedding and head, loss parallel); every other model
-gets one from its module names or `tensor_parallel.plan` (`auto.py`) and its sequence parallel from
+gets one from its layers' roles or `tensor_parallel.plan` (`auto.py`) and its sequence parallel from
 `sequence.py`. Head counts come from the model-structure layer, for the check before anything is split.
 """
 
@@ -30,9 +30,12 @@ from torch.distributed.tensor.parallel import (
 from meshkit.config.layout import choices_text
 from meshkit.config.schema import TensorParallelConfig
 from meshkit.models.blocks import block_units, find_blocks
+from meshkit.models.facts import AttentionFacts
 from meshkit.models.gpt import GPT
+from meshkit.models.layer_roles import LayerRoles, layer_roles
 from meshkit.models.structure import ModelStructure, describe
-from meshkit.parallel.tensor.auto import TensorParallelError, divide_attributes, named_plan, style
+from meshkit.parallel.tensor.auto import TensorParallelError, divide_attributes, style, tensor_plan
+from meshkit.parallel.tensor.head_inputs import take_own_heads
 from meshkit.parallel.tensor.latent import sum_shared_rotary_key
 from meshkit.parallel.tensor.lora import split_lora_layers
 from meshkit.parallel.tensor.norms import split_projection_norms
@@ -101,12 +104,18 @@ class TensorParallelResult(NamedTuple):
     split_weights: SplitWeights  # how the fused weights are stored
     logits_sharded: bool  # the model returns vocab-sharded DTensor logits: compute the loss under loss_parallel
     partial_over_tp: list[str] = []  # parameters whose gradients each tp rank holds a part of (summed after backward)
+    note: str | None = None  # one line for the user: how the plan was decided, where names decided it
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, cfg: TensorParallelConfig, structure: ModelStructure
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    cfg: TensorParallelConfig,
+    structure: ModelStructure,
+    roles: LayerRoles | None = None,
 ) -> TensorParallelResult:
-    """Split `model` over `tp_mesh` in place."""
+    """Split `model` over `tp_mesh` in place; `roles`: its layers' roles, learnt on the whole model before a
+    pipeline split (default: learnt from `model` here)."""
     tp = tp_mesh.size()
     check_heads(structure, tp)
     if isinstance(model, GPT) and cfg.plan is None:
@@ -124,7 +133,10 @@ def apply_tensor_parallel(
             "cannot find: name its final norm and head in structure.last_stage"
         )
     whole = tuple(f"{facts.path}.{facts.router}" for facts in structure.moe)  # (routers, a classifier: replicated)
-    plan = named_plan(model, cfg, whole + ((structure.classifier,) if structure.classifier else ()))
+    if roles is None:
+        roles = layer_roles(model, structure) if cfg.plan is None else LayerRoles()
+    planned = tensor_plan(model, cfg, roles, whole + ((structure.classifier,) if structure.classifier else ()))
+    plan = planned.kinds
     if cfg.sequence_parallel:  # an MoE block runs whole on this rank's sequence shard, shared expert included
         moe = tuple(f"{facts.path}." for facts in structure.moe)  # (it may see the tokens flattened: Qwen2-MoE)
         plan = {name: kind for name, kind in plan.items() if not name.startswith(moe)}
@@ -141,23 +153,40 @@ def apply_tensor_parallel(
         shared = f"{experts.path}.{experts.shared}" if experts.shared else None
         if shared and any(name.startswith(f"{shared}.") for name in styles):
             model.get_submodule(shared).register_forward_hook(_own_output)
-    for facts in structure.attention:
+    split = _split_attentions(structure, roles, styles)
+    for facts in split:
         try:
-            divide_attributes(model.get_submodule(facts.path), tp)
+            attention = model.get_submodule(facts.path)
         except AttributeError:  # the block lives on another pipeline stage
             continue
-    split_projection_norms(model, structure.attention, tp_mesh)
+        divide_attributes(attention, tp)
+        if facts.heads is not None:
+            take_own_heads(attention, facts.heads, tp_mesh.get_local_rank(), tp)
+    split_projection_norms(model, split, tp_mesh)
     if cfg.sequence_parallel:
         apply_sequence_parallel(model, structure, tp_mesh, set(styles))
         for name in (name for name, kind in kinds.items() if kind == "rowwise" and name in styles):
             require_sequence_shape(model.get_submodule(name), name)
-    latent = sum_shared_rotary_key(model, structure.attention, tp_mesh.get_group())
+    latent = sum_shared_rotary_key(model, split, tp_mesh.get_group())
     in_regions = [name for name in unsplit_in_split_regions(model, structure, set(styles))
                   if not any(name.startswith(f"{path}.") for path in latent)]  # fmt: skip
     partial = [name for name in in_regions if name not in lora.whole and name not in lora.partial] + lora.partial
     if cfg.sequence_parallel:
         partial += on_sequence_shards(model, structure, set(styles))
-    return TensorParallelResult(split_weights, False, partial)
+    return TensorParallelResult(split_weights, False, partial, planned.note)
+
+
+def _split_attentions(
+    structure: ModelStructure, roles: LayerRoles, styles: dict[str, ParallelStyle]
+) -> tuple[AttentionFacts, ...]:
+    """The attentions whose heads are split over tp: some layer of theirs is split and its output is not gathered
+    again (a gathered or whole attention runs every head on each rank, its head counts untouched)."""
+    gathered = roles.gathered_attentions(structure.attention)
+    return tuple(
+        facts
+        for facts in structure.attention
+        if facts.path not in gathered and any(name.startswith(f"{facts.path}.") for name in styles)
+    )
 
 
 def _own_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,16 @@
-"""Tensor parallel for any model: plans from module names, Linear and transposed (`Conv1D`) layers, fused q/k/v.
+"""Tensor parallel for any model: plans from the layers' roles, Linear and transposed (`Conv1D`) layers, fused q/k/v.
 
-Plans come from the automatic naming rules (`q_proj`/`k_proj`/`v_proj`, `gate_proj`/`up_proj` column,
-`o_proj`/`down_proj` row, GPT-2's `c_attn` (fused q/k/v), `c_fc` column and `c_proj` row, OPT's and GPT-J's
-`fc1`/`fc_in` column, `fc2`/`fc_out`/`out_proj` row) or from
-`tensor_parallel.plan`. GPT-2's `Conv1D` stores its weight [in, out], the transpose of `nn.Linear`: its column
-split is dim 1 of the weight, its row split dim 0.
+Plans come from `tensor_parallel.plan`, else from each layer's role as the structure layer learns it (the
+model's declared plan, or one traced forward: `models/layer_roles.py`); a table of layer names is only the
+fallback where the forward cannot be traced, and says so. GPT-2's `Conv1D` stores its weight [in, out], the
+transpose of `nn.Linear`: its column split is dim 1 of the weight, its row split dim 0.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -21,9 +20,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from meshkit.config.schema import TensorParallelConfig
 from meshkit.core.errors import MeshkitError
-from meshkit.models.adapters import inside_lora_layer, lora_parts
+from meshkit.models.layer_roles import LayerRoles, linear_layers
 
-AUTO_RULES = {
+# the fallback where the model's forward cannot be traced: a layer's role by its name
+NAME_RULES = {
     "q_proj": "colwise",
     "k_proj": "colwise",
     "v_proj": "colwise",
@@ -75,10 +75,6 @@ def is_transposed_linear(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
-def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or is_transposed_linear(module)
-
-
 def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], source: int | None) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         dist_param = distribute_tensor(param, mesh, [placements[name]], src_data_rank=source)
@@ -121,41 +117,75 @@ def style(kind: str, sequence_parallel: bool) -> ParallelStyle | None:
     """The torch style for a plan kind; under sequence parallel row outputs are reduce-scattered on the sequence."""
     if kind in ("colwise", "fused_qkv", "fused_gate_up"):
         return Colwise()
-    if kind == "rowwise":
-        return Rowwise(output_layouts=Shard(1)) if sequence_parallel else Rowwise()
+    if kind == "colwise_gathered":  # the output gathered again: the layers after it see every feature
+        return Colwise(output_layouts=Replicate())
+    if kind in ("rowwise", "rowwise_of_whole"):  # (of a whole input: each rank takes its slice, no communication)
+        inputs = Replicate() if kind == "rowwise_of_whole" else Shard(-1)
+        return Rowwise(input_layouts=inputs, output_layouts=Shard(1) if sequence_parallel else Replicate())
     if kind == "sequence":
         return SequenceParallel(use_local_output=True)
     return None
 
 
-def named_plan(model: nn.Module, cfg: TensorParallelConfig, whole: tuple[str, ...] = ()) -> dict[str, str]:
-    """Module name -> style kind, from the user's patterns or the automatic naming rules; Linear layers at or
-    under a name in `whole` (the routers of MoE blocks, whatever their names) are replicated."""
-    plan: dict[str, str] = {}
+ROLE_KINDS = {
+    "column": "colwise",
+    "row": "rowwise",
+    "column_gathered": "colwise_gathered",
+    "row_of_whole": "rowwise_of_whole",
+    "whole": "replicate",
+}
+FUSED_KINDS = {"qkv": "fused_qkv", "gate_up": "fused_gate_up"}
+
+
+class TensorPlan(NamedTuple):
+    kinds: dict[str, str]  # module name -> style kind
+    by_name: list[str]  # layers placed by the name table, a fallback: the model's forward could not be traced
+    note: str | None = None  # one line for the user when names decided
+
+
+def tensor_plan(
+    model: nn.Module, cfg: TensorParallelConfig, roles: LayerRoles, whole: tuple[str, ...] = ()
+) -> TensorPlan:
+    """Module name -> style kind: the user's patterns, else each layer's role (declared by the model or traced,
+    `models/layer_roles.py`); the name table only for layers of regions the trace could not reach. Linear layers
+    outside every attention and MLP (the head, a tower, a router), or at or under a name in `whole` (MoE routers, a
+    classifier), are replicated."""
     if cfg.plan is not None:  # the first pattern that matches a module name decides its style
+        plan: dict[str, str] = {}
         for name, _ in model.named_modules():
             kind = next((k for pattern, k in cfg.plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
             if name and kind is not None:
                 plan[name] = kind
-        return plan
-    unknown = []
-    lora_layers = {name for name, module in model.named_modules() if lora_parts(module) is not None}
-    for name, module in model.named_modules():
-        if inside_lora_layer(name, lora_layers):
-            continue  # planned with its LoRA layer (`lora.py`)
-        if _is_linear(module) or name in lora_layers:
-            kept = any(name == prefix or name.startswith(f"{prefix}.") for prefix in whole)
-            style = "replicate" if kept else AUTO_RULES.get(name.rsplit(".", 1)[-1])
-            if style is None:
-                unknown.append(name)
-            else:
-                plan[name] = style
+        return TensorPlan(plan, [])
+    kinds: dict[str, str] = {}
+    by_name: list[str] = []
+    unknown: list[str] = []
+    for name in linear_layers(model):
+        role = roles.layers.get(name)
+        if any(name == prefix or name.startswith(f"{prefix}.") for prefix in whole):
+            kinds[name] = "replicate"
+        elif role is not None:
+            kinds[name] = FUSED_KINDS[role.fused] if role.fused else ROLE_KINDS[role.role]
+        elif name in roles.unplaced:
+            found = NAME_RULES.get(name.rsplit(".", 1)[-1])
+            (unknown if found is None else by_name).append(name)
+            if found is not None:
+                kinds[name] = found
+        else:
+            kinds[name] = "replicate"
     if unknown:
         raise TensorParallelError(
-            f"the automatic tensor-parallel plan has no rule for Linear layers {unknown[:6]}: give a plan, e.g. "
+            f"tensor parallel could not trace {type(model).__name__}'s forward ({roles.trace_error}) and has no "
+            f"name rule for its layers {unknown[:4]}: give a plan, e.g. "
             "tensor_parallel.plan: {'*.my_proj': colwise, '*.my_out': rowwise, 'head': replicate}"
         )
-    return plan
+    note = None
+    if by_name:
+        note = (
+            f"meshkit: tensor parallel placed {len(by_name)} layer(s) by their names (e.g. {by_name[0]}), as its "
+            f"trace of the forward failed ({roles.trace_error}); set tensor_parallel.plan to decide"
+        )
+    return TensorPlan(kinds, by_name, note)
 
 
 def divide_attributes(module: nn.Module, tp: int) -> None:

@@ -46,14 +46,14 @@ def split_lora_layers(model: nn.Module, kinds: dict[str, str], sequence_parallel
             )
         a_names, b_names = [f"{name}.{a}" for a in parts.a], [f"{name}.{b}" for b in parts.b]
         out[f"{name}.{parts.base}"] = kind
-        if kind == "colwise":
-            out.update(dict.fromkeys(b_names, "colwise"))
+        if kind in ("colwise", "colwise_gathered"):  # (B's output gathered as the base layer's)
+            out.update(dict.fromkeys(b_names, kind))
             whole |= set(_parameters(model, a_names))
-        elif kind == "rowwise" and sequence_parallel:  # A's output reduce-scattered onto sequence shards, as
-            out.update(dict.fromkeys(a_names, "rowwise"))  # the base layer's: B sees this rank's shard only
+        elif kind in ("rowwise", "rowwise_of_whole") and sequence_parallel:  # A's output reduce-scattered onto
+            out.update(dict.fromkeys(a_names, kind))  # sequence shards, as the base layer's: B sees its shard only
             partial += _parameters(model, b_names)
-        elif kind == "rowwise":
-            out.update(dict.fromkeys(a_names, "rowwise"))
+        elif kind in ("rowwise", "rowwise_of_whole"):
+            out.update(dict.fromkeys(a_names, kind))
             whole |= set(_parameters(model, b_names))
         else:
             whole |= set(_parameters(model, a_names + b_names))

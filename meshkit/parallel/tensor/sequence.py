@@ -23,9 +23,11 @@ from meshkit.models.structure import ModelStructure
 from meshkit.parallel.tensor.auto import TensorParallelError
 
 
-def is_norm(module: nn.Module) -> bool:
-    """A normalisation layer: torch's own, or a family's by its class name (Nemotron's `LayerNorm1P` too)."""
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
+def acts_per_token(module: nn.Module) -> bool:
+    """A block's child with weights that are all one value per feature (a norm of any class: torch's, Nemotron's
+    `LayerNorm1P`, a user's own): it acts on each token alone, so it runs on sequence shards as it is."""
+    params = list(module.parameters())
+    return bool(params) and all(param.dim() == 1 for param in params)
 
 
 def _relayout(tensor: torch.Tensor, mesh: DeviceMesh, source: Placement, target: Placement) -> torch.Tensor:
@@ -54,7 +56,7 @@ def apply_sequence_parallel(
     units = list(block_units(blocks))
     for index, block in units:
         for name, child in block.named_children():
-            if is_norm(child):
+            if acts_per_token(child):
                 parallelize_module(child, mesh, SequenceParallel(use_local_output=True))
                 require_sequence_shape(child, f"{structure.blocks}.{index}.{name}")
     for _, region in split_regions(model, structure, split_modules):

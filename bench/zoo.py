@@ -1,0 +1,292 @@
+"""Every decoder-only causal LM of the installed transformers, in every layout, against one process.
+
+For each model type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` (encoders with a causal head and encoder-decoders left
+out) a tiny random model is built from its default config by the generic shrinker (`bench/tiny_models.py`; a type
+whose tiny config or model cannot be built is listed with why) and trained 4 steps in DDP, ZeRO-3, tp 2, tp 2 + SP,
+cp 2 and pp 2 (and ep 2 for mixture-of-experts types), each in a world of 2 gloo ranks, against the same 4 steps
+of the plain loop in one process (`model(**batch).loss`, backward, SGD step). A cell is ✓ when losses and weights
+agree within 1e-5 (relative), a mismatch otherwise, a refusal when meshkit stops in one line (its reason kept), a
+crash for any other error, and a hang when the world does not finish.
+
+    python bench/zoo.py [--only REGEX] [--layouts tp2,pp2] [--out bench/results/zoo.json] [--timeout 300]
+
+Results merge into the JSON cell by cell (a later run of some types or layouts keeps the others); `--render`
+writes the table into docs/any-model.md from the JSON alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+STEPS, GLOBAL_BATCH, SEQ, VOCAB, TOLERANCE = 4, 4, 16, 64, 1e-5
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "ddp2": {},
+    "zero3_2": {"zero_stage": 3},
+    "tp2": {"tp": 2},
+    "tp2_sp": {"tp": 2, "sequence_parallel": True},
+    "cp2": {"cp": 2},
+    "pp2": {"pp": 2, "schedule": "1f1b"},
+    "ep2": {"ep": 2},  # mixture-of-experts types only
+}
+
+
+def decoder_types() -> list[str]:
+    """Causal-LM model types that are decoders only (no encoder-decoder, no masked-LM encoder with a causal head)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto
+
+    encoders = set(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    out = []
+    for kind in sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            pair = getattr(CONFIG_MAPPING[kind](), "is_encoder_decoder", False)
+        except Exception:  # noqa: BLE001 - a default config that does not build: the sweep says why, later
+            pair = False
+        if kind not in encoders and not pair:
+            out.append(kind)
+    return out
+
+
+def build(model_type: str) -> Any:
+    """The tiny random model of `model_type` (seeded: every process builds the same weights)."""
+    import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type, VOCAB)
+    if getattr(config, "is_encoder_decoder", False):
+        raise TypeError("an encoder-decoder config")
+    for part in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        for name, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+            if hasattr(part, name):
+                setattr(part, name, value)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def batches() -> list[dict[str, Any]]:
+    import torch
+
+    generator = torch.Generator().manual_seed(123)
+    out = []
+    for _ in range(STEPS):
+        start = torch.randint(3, 40, (GLOBAL_BATCH, 1), generator=generator)
+        stride = torch.randint(1, 3, (GLOBAL_BATCH, 1), generator=generator)
+        ids = (start + stride * torch.arange(SEQ)) % (VOCAB - 4) + 3
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def optimizer_of(model: Any) -> Any:
+    import torch
+
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def reference(model_type: str) -> tuple[list[float], dict[str, Any]]:
+    """The plain loop in one process: model(**batch).loss, backward, step."""
+    model = build(model_type)
+    optimizer = optimizer_of(model)
+    losses = []
+    for batch in batches():
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def _last_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"[:300]
+
+
+def run_cell(model_type: str, layout: str, expected: tuple[list[float], dict[str, Any]] | None) -> dict[str, Any]:
+    """One layout on this rank: its result (rank 0 compares with `expected`)."""
+    from meshkit import Engine
+    from meshkit.core.errors import MeshkitError
+    from meshkit.models.structure import describe
+
+    settings = dict(LAYOUTS[layout])
+    model = build(model_type)
+    if describe(model).moe:
+        settings["router_aux_loss"] = "global_batch"  # (the balancing loss over the whole batch, as one process)
+    engine = Engine(seed=0, **settings)
+    try:
+        try:
+            model, _ = engine.prepare(model, optimizer_of(model))
+            local = GLOBAL_BATCH // engine.dp_size
+            losses = []
+            for batch in batches():
+                part = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batch.items()}
+                losses.append(engine.train_step(part).item())
+            state = engine.full_state_dict()
+        except MeshkitError as error:
+            return {"status": "refused", "reason": str(error).strip().splitlines()[0][:300]}
+    finally:
+        engine.end()
+    if expected is None:
+        return {"status": "done"}
+    want_losses, want_state = expected
+    loss_error = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, want_losses, strict=True))
+    missing = sorted(set(want_state) ^ set(state))
+    weight_error = max(
+        ((state[name].float() - value.float()).norm() / value.float().norm().clamp_min(1e-12)).item()
+        for name, value in want_state.items()
+        if name in state and value.is_floating_point()
+    )
+    ok = not missing and loss_error <= TOLERANCE and weight_error <= TOLERANCE
+    result = {"status": "ok" if ok else "mismatch", "loss_error": loss_error, "weight_error": weight_error}
+    if missing:
+        result["reason"] = f"state dict keys differ: {missing[:3]}"
+    return result
+
+
+def worker(model_type: str, layouts: list[str], rank: int, port: int, out: Path) -> int:
+    """One rank of a 2-rank world: each layout in turn, a JSON line per cell (rank 0: compared)."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    expected = reference(model_type) if rank == 0 else None
+    dist.init_process_group("gloo")
+    for layout in layouts:
+        try:
+            result = run_cell(model_type, layout, expected)
+        except Exception as error:  # noqa: BLE001 - a crash is a result; the world may be broken after it
+            result = {"status": "crash", "reason": _last_line(error), "trace": traceback.format_exc()[-2000:]}
+            _append(out, rank, layout, result)
+            return 1
+        _append(out, rank, layout, result)
+    dist.destroy_process_group()
+    return 0
+
+
+def _append(out: Path, rank: int, layout: str, result: dict[str, Any]) -> None:
+    with (out / f"rank{rank}.jsonl").open("a") as handle:
+        handle.write(json.dumps({"layout": layout, **result}) + "\n")
+
+
+def _read(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
+    path = folder / f"rank{rank}.jsonl"
+    if not path.exists():
+        return {}
+    return {(entry := json.loads(line))["layout"]: entry for line in path.read_text().splitlines() if line}
+
+
+def _world(model_type: str, layouts: list[str], timeout: float) -> tuple[list[dict[str, Any]], bool, str]:
+    """One 2-rank world over `layouts`: each rank's cell results, whether it hung, rank 0's last error line."""
+    from meshkit.launching.interfaces import quiet_port
+
+    with tempfile.TemporaryDirectory() as scratch:
+        command = [sys.executable, __file__, "--worker", model_type, "--layouts", ",".join(layouts),
+                   "--port", str(quiet_port()), "--scratch", scratch]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        logs = [Path(scratch) / f"stderr{rank}" for rank in range(2)]
+        procs = [subprocess.Popen([*command, "--rank", str(rank)], stdout=subprocess.DEVNULL,
+                                  stderr=logs[rank].open("w"), env=env) for rank in range(2)]  # fmt: skip
+        deadline, hung = time.monotonic() + timeout * len(layouts), False
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung = True
+                proc.kill()
+        lines = [line for line in logs[0].read_text().splitlines() if line.strip()]
+        return [_read(Path(scratch), rank) for rank in range(2)], hung, lines[-1][:300] if lines else ""
+
+
+def run_type(model_type: str, layouts: list[str], timeout: float) -> dict[str, dict[str, Any]]:
+    """Every layout of one type: one world for all of them; after a crash or hang, a new world for the rest."""
+    results: dict[str, dict[str, Any]] = {}
+    remaining = list(layouts)
+    while remaining:
+        ranks, hung, last_error = _world(model_type, remaining, timeout)
+        for layout in list(remaining):
+            remaining.remove(layout)
+            crash = next((r[layout] for r in ranks if r.get(layout, {}).get("status") == "crash"), None)
+            if crash is None and layout not in ranks[0]:  # the world ended or hung inside this cell
+                results[layout] = {"status": "hang" if hung else "crash", "reason": last_error or "no result"}
+                break
+            results[layout] = crash or ranks[0][layout]
+            if crash is not None:
+                break
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=None, help="regular expression over model types")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "zoo.json")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per cell before a world counts as hung")
+    parser.add_argument("--render", action="store_true", help="write docs/any-model.md's zoo table from --out")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.layouts.split(","), args.rank, args.port, args.scratch)
+    import zoo_table
+
+    data = json.loads(args.out.read_text()) if args.out.exists() else {"types": {}}
+    if args.render:
+        zoo_table.write_docs(data, ROOT / "docs" / "any-model.md")
+        return 0
+    import transformers
+
+    data["transformers"] = transformers.__version__
+    asked = args.layouts.split(",")
+    for model_type in decoder_types():
+        if args.only and not re.search(args.only, model_type):
+            continue
+        entry = data["types"].setdefault(model_type, {"cells": {}})
+        try:
+            moe = _is_moe(model_type)
+        except Exception as error:  # noqa: BLE001 - a type whose tiny model cannot be built is a result
+            data["types"][model_type] = {"builds": False, "reason": _last_line(error), "cells": {}}
+            print(f"{model_type:28} no tiny model: {_last_line(error)}", flush=True)
+            _save(args.out, data)
+            continue
+        entry.update(builds=True, moe=moe)
+        layouts = [name for name in asked if name != "ep2" or moe]
+        started = time.monotonic()
+        entry["cells"].update(run_type(model_type, layouts, args.timeout))
+        shown = " ".join(f"{name}:{entry['cells'][name]['status']}" for name in layouts)
+        print(f"{model_type:28} {shown}  ({time.monotonic() - started:.0f}s)", flush=True)
+        _save(args.out, data)
+    print(zoo_table.summary(data))
+    return 0
+
+
+def _is_moe(model_type: str) -> bool:
+    from meshkit.models.structure import describe
+
+    return bool(describe(build(model_type)).moe)
+
+
+def _save(out: Path, data: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out.with_suffix(".tmp")
+    temporary.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    temporary.replace(out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

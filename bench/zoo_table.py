@@ -1,0 +1,77 @@
+"""The zoo sweep's results (`bench/zoo.py`'s JSON) as counts and as docs/any-model.md's table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+COLUMNS = {"ddp2": "DDP", "zero3_2": "ZeRO-3", "tp2": "tp 2", "tp2_sp": "tp 2 + SP", "cp2": "cp 2", "pp2": "pp 2",
+           "ep2": "ep 2"}  # fmt: skip
+MARKS = {"ok": "✓", "mismatch": "✗ mismatch", "crash": "crash", "hang": "hang"}
+BEGIN, END = "<!-- zoo table: bench/zoo.py --render -->", "<!-- end of zoo table -->"
+
+
+def counts(data: dict[str, Any]) -> dict[str, int]:
+    types = data.get("types", {})
+    built = {name: entry for name, entry in types.items() if entry.get("builds")}
+    cells = [cell for entry in built.values() for cell in entry["cells"].values()]
+    out = {"types": len(types), "built": len(built), "cells": len(cells)}
+    for status in ("ok", "refused", "mismatch", "crash", "hang"):
+        out[status] = sum(cell["status"] == status for cell in cells)
+    out["every_layout"] = sum(
+        bool(entry["cells"]) and all(cell["status"] == "ok" for cell in entry["cells"].values())
+        for entry in built.values()
+    )
+    return out
+
+
+def summary(data: dict[str, Any]) -> str:
+    n = counts(data)
+    share = n["ok"] / n["cells"] if n["cells"] else 0.0
+    return (
+        f"{n['built']} of {n['types']} causal-LM types build a tiny model; {n['every_layout']} train in every "
+        f"layout; cells: {n['ok']} ✓ ({share:.0%}), {n['refused']} refused, {n['mismatch']} mismatch, "
+        f"{n['crash']} crash, {n['hang']} hang (transformers {data.get('transformers', '?')})"
+    )
+
+
+def render(data: dict[str, Any]) -> str:
+    """The table, its numbered refusal reasons and the types that build no tiny model."""
+    reasons: dict[str, int] = {}
+    lines = ["| model type | " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
+    unbuilt = []
+    for name, entry in sorted(data.get("types", {}).items()):
+        if not entry.get("builds"):
+            unbuilt.append(f"`{name}` ({entry.get('reason', 'unknown')})")
+            continue
+        cells = []
+        for layout in COLUMNS:
+            cell = entry["cells"].get(layout)
+            if cell is None:
+                cells.append("—" if layout == "ep2" and not entry.get("moe") else "not run")
+            elif cell["status"] == "refused":
+                number = reasons.setdefault(cell.get("reason", ""), len(reasons) + 1)
+                cells.append(f"refused [{number}]")
+            else:
+                cells.append(MARKS[cell["status"]] + (f" [{_note(cell, reasons)}]" if cell["status"] != "ok" else ""))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    out = [summary(data) + ".", "", *lines, ""]
+    out += [f"{number}. {reason}" for reason, number in reasons.items()]
+    if unbuilt:
+        out += ["", "No tiny model: " + "; ".join(unbuilt) + "."]
+    return "\n".join(out)
+
+
+def _note(cell: dict[str, Any], reasons: dict[str, int]) -> int:
+    text = cell.get("reason") or f"loss {cell.get('loss_error', 0):.1e}, weights {cell.get('weight_error', 0):.1e}"
+    return reasons.setdefault(text, len(reasons) + 1)
+
+
+def write_docs(data: dict[str, Any], page: Path) -> None:
+    """Replace the table between the markers of `page` with the rendered one."""
+    text = page.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{page} has no zoo table markers ({BEGIN} ... {END})")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    page.write_text(f"{head}{BEGIN}\n{render(data)}\n{END}{tail}")

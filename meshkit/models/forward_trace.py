@@ -1,0 +1,155 @@
+"""One traced forward of a model: which of each region's linear layers read the region's input and which write its
+output, learnt from the autograd graph rather than from names.
+
+A region is one attention or MLP of a block (a child of the block holding linear layers), or the block itself for
+linear layers that are its direct children (OPT's fc1/fc2). During one forward (real weights, or the meta device)
+each region's input is replaced by a fresh leaf tensor, and each linear layer's input and output are recorded; then
+- a layer **reads** the region when its input leads back to that leaf without passing another linear layer,
+- a layer **writes** the region when the region's output leads back to it without passing another of its layers,
+- `between` are the operations from the readers' outputs to the writer's input (what the split must survive), and
+- `consumers` the first operations applied to each layer's output (how a fused output is cut into its parts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class RegionTrace:
+    path: str
+    layers: tuple[str, ...]  # the region's own linear layers (for the block itself: its direct children)
+    called: list[str] = field(default_factory=list)  # the layers the forward ran
+    readers: list[str] = field(default_factory=list)
+    writers: list[str] = field(default_factory=list)
+    between: set[str] = field(default_factory=set)  # autograd node names from readers' outputs to writers' inputs
+    consumers: dict[str, set[str]] = field(default_factory=dict)  # layer -> autograd node names reading its output
+    sources: dict[str, set[str]] = field(default_factory=dict)  # layer -> the region's layers its input comes from
+
+
+@dataclass
+class _Record:
+    leaf: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+
+
+def _walk(start: Any, stop: Callable[[Any], bool]) -> Iterator[Any]:
+    """Autograd nodes reachable from `start` (towards the inputs); a node for which `stop` holds is yielded and
+    not walked past."""
+    seen, stack = set(), [start]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        if not stop(node):
+            stack.extend(child for child, _ in node.next_functions)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return getattr(value, "last_hidden_state", None)
+
+
+def trace_regions(
+    model: nn.Module, regions: dict[str, tuple[nn.Module, tuple[str, ...]]], run: Callable[[], Any]
+) -> dict[str, RegionTrace]:
+    """Trace `regions` (path -> (module, its linear layers' names)) through `run()`, one forward of `model`.
+    Raises whatever the forward raises; a region the forward never ran is left out of the answer."""
+    names = {id(module): name for name, module in model.named_modules()}
+    records = {path: _Record() for path in regions}
+    produced: dict[Any, str] = {}  # autograd node of a layer's output -> layer name (the node object is kept alive)
+    inputs: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def leaf_in(path: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                records[path].leaf = args[0].detach().requires_grad_()
+                return (records[path].leaf, *args[1:]), kwargs
+            hidden = kwargs.get("hidden_states")
+            if isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
+                records[path].leaf = hidden.detach().requires_grad_()
+                return args, {**kwargs, "hidden_states": records[path].leaf}
+            return None
+
+        return hook
+
+    def output_of(path: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            records[path].output = _first_tensor(output)
+
+        return hook
+
+    def layer_output(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        tensor = _first_tensor(output)
+        if tensor is not None and tensor.grad_fn is not None:
+            produced[tensor.grad_fn] = names[id(module)]
+
+    def layer_input(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            inputs.setdefault(names[id(module)], args[0])
+
+    layer_names = {name for _, layers in regions.values() for name in layers}
+    try:
+        for path, (module, _) in regions.items():
+            handles.append(module.register_forward_pre_hook(leaf_in(path), with_kwargs=True))
+            handles.append(module.register_forward_hook(output_of(path)))
+        for name, module in model.named_modules():
+            if name in layer_names:
+                handles.append(module.register_forward_pre_hook(layer_input))
+                handles.append(module.register_forward_hook(layer_output))
+        with torch.enable_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        path: _read(path, layers, records[path], produced, inputs)
+        for path, (_, layers) in regions.items()
+        if records[path].leaf is not None and records[path].output is not None
+    }
+
+
+def _read(
+    path: str, layers: tuple[str, ...], record: _Record, produced: dict[Any, str], inputs: dict[str, torch.Tensor]
+) -> RegionTrace:
+    trace = RegionTrace(path, layers)
+    own = set(layers)
+    is_layer = produced.__contains__
+    assert record.output is not None and record.leaf is not None
+
+    def visit(start: Any) -> list[Any]:
+        nodes = list(_walk(start, is_layer))
+        for node in nodes:
+            for child, _ in node.next_functions:
+                if child in produced and produced[child] in own:
+                    trace.consumers.setdefault(produced[child], set()).add(type(node).__name__)
+        return nodes
+
+    if record.output is not record.leaf:
+        writers = {produced[node] for node in visit(record.output.grad_fn) if node in produced}
+        trace.writers = [name for name in layers if name in writers]
+    for name in layers:
+        given = inputs.get(name)
+        if given is None:
+            continue
+        trace.called.append(name)
+        walked = visit(given.grad_fn)
+        trace.sources[name] = {produced[node] for node in walked if node in produced and produced[node] in own}
+        if given is record.leaf or any(
+            type(node).__name__ == "AccumulateGrad" and node.variable is record.leaf for node in walked
+        ):
+            trace.readers.append(name)
+        if name in trace.writers:
+            trace.between |= {type(node).__name__ for node in walked if node not in produced}
+    return trace
