@@ -200,13 +200,17 @@ def _world(model_type: str, layouts: list[str], timeout: float) -> tuple[list[di
         logs = [Path(scratch) / f"stderr{rank}" for rank in range(2)]
         procs = [subprocess.Popen([*command, "--rank", str(rank)], stdout=subprocess.DEVNULL,
                                   stderr=logs[rank].open("w"), env=env) for rank in range(2)]  # fmt: skip
-        deadline, hung = time.monotonic() + timeout * len(layouts), False
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        hung, done, last_progress = False, -1, time.monotonic()
+        while any(proc.poll() is None for proc in procs):  # (a hang: no cell finished within `timeout` seconds)
+            finished = sum(len(_read(Path(scratch), rank)) for rank in range(2))
+            if finished != done:
+                done, last_progress = finished, time.monotonic()
+            if time.monotonic() - last_progress > timeout:
                 hung = True
-                proc.kill()
+                for proc in procs:
+                    proc.kill()
+                break
+            time.sleep(0.5)
         lines = [line for line in logs[0].read_text().splitlines() if line.strip()]
         return [_read(Path(scratch), rank) for rank in range(2)], hung, lines[-1][:300] if lines else ""
 
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="regular expression over model types")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "zoo.json")
-    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per cell before a world counts as hung")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds per cell before a world counts as hung")
     parser.add_argument("--render", action="store_true", help="write docs/any-model.md's zoo table from --out")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

@@ -23,6 +23,7 @@ from meshkit.parallel.pipeline.schedule import PipelineRunner
 from meshkit.parallel.pipeline.stages import PipelineModel
 from meshkit.parallel.pipeline.tied import TiedAcrossStages
 from meshkit.parallel.replicate import GradientAllReduce
+from meshkit.parallel.tensor.consistency import WholeGradientsAgree
 from meshkit.parallel.zero.sharding import rebind_params, renamed_parameters, shard_optimizer
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
 from meshkit.training.loss import CausalLMLoss, LossFn
@@ -119,6 +120,8 @@ class Preparation(EngineComponent):
                 tied = TiedAcrossStages(done.model, done.structure, ctx.mesh)
                 gradients.model_reducers.append(tied)
                 gradients.counted_elsewhere |= tied.counted_elsewhere
+        if ctx.mesh.size("tp") > 1:  # (runs after every reducer above: checks what they left, once)
+            gradients.model_reducers.append(WholeGradientsAgree(list(now.items()), ctx.mesh.group("tp")))
         return done.model
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:

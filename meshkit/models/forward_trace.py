@@ -30,6 +30,7 @@ class RegionTrace:
     between: set[str] = field(default_factory=set)  # autograd node names from readers' outputs to writers' inputs
     consumers: dict[str, set[str]] = field(default_factory=dict)  # layer -> autograd node names reading its output
     sources: dict[str, set[str]] = field(default_factory=dict)  # layer -> the region's layers its input comes from
+    output_reads_input: bool = False  # the region's output depends on its input other than through its layers
 
 
 @dataclass
@@ -137,8 +138,12 @@ def _read(
         return nodes
 
     if record.output is not record.leaf:
-        writers = {produced[node] for node in visit(record.output.grad_fn) if node in produced}
+        walked = visit(record.output.grad_fn)
+        writers = {produced[node] for node in walked if node in produced}
         trace.writers = [name for name in layers if name in writers]
+        trace.output_reads_input = any(
+            type(node).__name__ == "AccumulateGrad" and node.variable is record.leaf for node in walked
+        )
     for name in layers:
         given = inputs.get(name)
         if given is None:

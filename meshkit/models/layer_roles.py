@@ -182,9 +182,11 @@ def layer_roles(model: nn.Module, structure: ModelStructure, run: Callable[[], A
     except Exception as error:  # noqa: BLE001 - any failure of a forward on sample input: fall back, say why
         unplaced = tuple(name for _, layers in undeclared.values() for name in layers)
         return LayerRoles(roles, whole, unplaced, f"{type(error).__name__}: {error}".split("\n")[0][:200])
-    for path, (_, layers) in undeclared.items():
+    blocks = {id(block) for _, block in block_units(find_blocks(model, structure.blocks)[1])}
+    for path, (module, layers) in undeclared.items():
         trace = traces.get(path)
-        reason = "the traced forward never ran it" if trace is None else _unsplittable(trace, structure)
+        own_block = id(module) in blocks
+        reason = "the traced forward never ran it" if trace is None else _unsplittable(trace, structure, own_block)
         if reason:
             whole[path] = reason
             roles.update({name: LayerRole("whole", "traced", path) for name in layers})
@@ -202,8 +204,10 @@ def _attention_of(path: str, structure: ModelStructure) -> AttentionFacts | None
     return next((facts for facts in structure.attention if facts.path == path), None)
 
 
-def _unsplittable(trace: RegionTrace, structure: ModelStructure) -> str:
+def _unsplittable(trace: RegionTrace, structure: ModelStructure, own_block: bool) -> str:
     """Why the traced region cannot be split on its features ('' when it can)."""
+    if trace.output_reads_input and not own_block:  # (a block's own layers: its output adds its input, fine)
+        return "its output mixes its input with its layers' result (a gated norm, not an attention or MLP)"
     if len(trace.writers) != 1 or not trace.readers:
         return f"{len(trace.readers)} layer(s) read its input and {len(trace.writers)} write its output (need ≥1 and 1)"
     middle = [name for name in trace.called if name not in trace.readers and name not in trace.writers]

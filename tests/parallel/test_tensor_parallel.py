@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from meshkit.config import TensorParallelConfig
@@ -108,3 +109,30 @@ def test_where_the_forward_cannot_be_traced_names_decide_and_say_so() -> None:
     with pytest.raises(TensorParallelError, match=r"could not trace TinyDecoder's forward \(RuntimeError: no\) and "
                        r"has no name rule for its layers \['layers.0.mlp.extra_proj'\]"):  # fmt: skip
         tensor_plan(model, TensorParallelConfig(), roles)
+
+
+def _whole_gradients(rank: int, differ: bool) -> str:
+    import torch.distributed as dist
+
+    from meshkit.parallel.tensor.consistency import WholeGradientsAgree
+
+    dist.init_process_group("gloo")
+    same, other = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    same.grad, other.grad = torch.full((3,), 0.5), torch.full((2,), 1.0 + (rank if differ else 0))
+    check = WholeGradientsAgree([("layers.0.norm.weight", same), ("layers.0.bias", other)], dist.group.WORLD)
+    try:
+        check.reduce_gradients()
+        check.reduce_gradients()  # (once: the second window is not compared)
+        return "agree"
+    except TensorParallelError as error:
+        return str(error)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_whole_gradients_that_differ_over_tp_stop_the_first_step() -> None:
+    assert run_world(_whole_gradients, 2, False, timeout=60) == ["agree", "agree"]
+    refused = run_world(_whole_gradients, 2, True, timeout=60)
+    assert refused[0] == refused[1] and refused[0].startswith(
+        "tensor parallel: the gradient of layers.0.bias (whole on every tp rank) differs between the tp ranks"
+    )
