@@ -5,6 +5,7 @@ model type their checkpoints hold. Used by the benches that sweep models (`bench
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,15 @@ def _shrunk(values: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
         sizes = {**sizes, "num_key_value_heads": sizes["num_attention_heads"]}  # multi-head (MLA, e.g.) stays so
     sizes = {aliases.get(name, name): value for name, value in sizes.items()}  # (GPT-J's n_embd for hidden_size)
     out.update({name: value for name, value in sizes.items() if isinstance(out.get(name), int)})
+    for name, value in list(out.items()):  # sizes of a family's own kind (a linear attention's heads, ...)
+        if not isinstance(value, int) or isinstance(value, bool) or name in sizes:
+            continue
+        if re.search(r"(^|_)(num_\w*heads|n_\w*heads|\w*_num_heads)$", name) and value > 4:
+            out[name] = 4
+        elif name.endswith("head_dim") and value > 8:
+            out[name] = 8
+    if all(isinstance(out.get(name), int) for name in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")):
+        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]  # (MLA: the sum of its parts)
     layers = out.get("num_hidden_layers")
     kinds_of = values.get("layer_types")
     for name, value in list(out.items()):  # anything given per layer (Gemma-3n's sparsity), cut to the tiny layers

@@ -39,7 +39,7 @@ class _Record:
     output: torch.Tensor | None = None
 
 
-def _walk(start: Any, stop: Callable[[Any], bool]) -> Iterator[Any]:
+def walk(start: Any, stop: Callable[[Any], bool]) -> Iterator[Any]:
     """Autograd nodes reachable from `start` (towards the inputs); a node for which `stop` holds is yielded and
     not walked past."""
     seen, stack = set(), [start]
@@ -53,7 +53,7 @@ def _walk(start: Any, stop: Callable[[Any], bool]) -> Iterator[Any]:
             stack.extend(child for child, _ in node.next_functions)
 
 
-def _first_tensor(value: Any) -> torch.Tensor | None:
+def first_tensor(value: Any) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
@@ -87,12 +87,12 @@ def trace_regions(
 
     def output_of(path: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            records[path].output = _first_tensor(output)
+            records[path].output = first_tensor(output)
 
         return hook
 
     def layer_output(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        tensor = _first_tensor(output)
+        tensor = first_tensor(output)
         if tensor is not None and tensor.grad_fn is not None:
             produced[tensor.grad_fn] = names[id(module)]
 
@@ -130,7 +130,7 @@ def _read(
     assert record.output is not None and record.leaf is not None
 
     def visit(start: Any) -> list[Any]:
-        nodes = list(_walk(start, is_layer))
+        nodes = list(walk(start, is_layer))
         for node in nodes:
             for child, _ in node.next_functions:
                 if child in produced and produced[child] in own:

@@ -16,6 +16,7 @@ from meshkit.config.schema import DDPConfig, RunConfig
 from meshkit.models.gpt import GPT
 from meshkit.models.layer_roles import LayerRoles, layer_roles
 from meshkit.models.structure import ModelStructure, describe
+from meshkit.models.usage import parameters_without_gradient
 from meshkit.parallel.activation import CheckpointedBlock, apply_activation_checkpointing
 from meshkit.parallel.compile import apply_compile
 from meshkit.parallel.context.apply import apply_context_parallel
@@ -170,9 +171,12 @@ def _parallelize_one(
 
 def _ddp_settings(config: RunConfig, model: nn.Module, structure: ModelStructure) -> DDPConfig:
     """`ddp:` as given, but looking for unused parameters where trainable encoders sit beside the text model (a
-    multimodal model's vision tower gets no gradient from a text batch)."""
+    multimodal model's vision tower gets no gradient from a text batch) or a forward leaves some trainable
+    parameters without a gradient (`models/usage.py`)."""
+    if config.ddp.find_unused_parameters:
+        return config.ddp
     towers = [param for name in structure.towers for param in model.get_submodule(name).parameters()]
-    if config.ddp.find_unused_parameters or not any(param.requires_grad for param in towers):
+    if not any(param.requires_grad for param in towers) and not parameters_without_gradient(model, structure):
         return config.ddp
     return config.ddp.model_copy(update={"find_unused_parameters": True})
 
