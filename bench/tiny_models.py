@@ -180,9 +180,11 @@ def _shrunk(values: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
             out[f"{name}_period"], out[f"{name}_offset"] = 2, 1
     if isinstance(out.get("per_layer_config"), dict) and isinstance(kinds_of, list) and layers:
         out["per_layer_config"] = _per_layer(values, out, sizes)
-    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
-        if isinstance(out.get(name), float):
+    for name, value in list(out.items()):  # no dropout of any name (hidden_dropout_prob, layerdrop, ...)
+        if isinstance(value, float) and re.search(r"drop", name):
             out[name] = 0.0
+    if all(isinstance(out.get(name), int) for name in ("mamba_d_head", "mamba_n_heads", "mamba_expand", "hidden_size")):
+        out["mamba_d_head"] = out["mamba_expand"] * out["hidden_size"] // out["mamba_n_heads"]  # (Bamba: must fit)
     return out
 
 

@@ -75,6 +75,7 @@ ELEMENTWISE = {
 }
 # how a fused output is cut into its parts: one after the other (split/slice: regrouped per rank), or per head
 # (viewed as [.., heads, parts, head_dim] first: a plain column split already gives each rank whole heads)
+ATTENTION_KERNEL = re.compile(r"ScaledDotProduct|Softmax|FlexAttention|FlashAttention|EfficientAttention")
 CUT_IN_PARTS = {"SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0", "ChunkBackward0", "UnbindBackward0"}
 
 
@@ -171,7 +172,11 @@ def layer_roles(model: nn.Module, structure: ModelStructure, run: Callable[[], A
     undeclared = {}
     for path, (module, layers) in found.items():
         styles = {name: _match(plan, name) for name in layers}
-        if any(styles.values()):
+        split_parameters = [name for name, _ in module.named_parameters(prefix=path) if _match(plan, name)]
+        if split_parameters:  # (a parameter split on its own, e.g. a per-head gate bias: meshkit splits layers)
+            whole[path] = f"its declared plan splits the parameter {split_parameters[0]}, which meshkit keeps whole"
+            roles.update({name: LayerRole("whole", "declared", path) for name in layers})
+        elif any(styles.values()):
             roles.update(_declared(path, model, layers, styles, structure))
         else:
             undeclared[path] = (module, layers)
@@ -215,6 +220,8 @@ def _unsplittable(trace: RegionTrace, structure: ModelStructure, own_block: bool
     chained = attention is not None and all(trace.sources[name] <= set(trace.readers) for name in middle)
     if (middle and not chained) or trace.writers[0] in trace.readers:
         return f"layer(s) {middle or trace.writers} lie between its input and output"
+    if attention is not None and not any(ATTENTION_KERNEL.search(name) for name in trace.between):
+        return "no softmax attention between its layers (a linear attention or recurrence keeps its own heads)"
     if attention is None and not trace.between <= ELEMENTWISE:
         mixing = sorted(trace.between - ELEMENTWISE)[:3]
         return f"it mixes features between its layers ({', '.join(mixing)}) and is no attention with known heads"

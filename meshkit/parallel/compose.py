@@ -122,6 +122,10 @@ def _parallelize_one(
                 aliases=structure.aliases(),
                 vocabulary=structure.vocabulary,
             )
+    ddp = zero_stage == 0 and mesh.grad_size > 1 and config.strategy != "parameter_server" and not frozen
+    ddp = ddp and mesh.size("tp") == 1 and not in_pipeline
+    # (learnt from a forward of the model as given, before any layout's hooks see a first call)
+    ddp_settings = _ddp_settings(config, model, structure) if ddp else config.ddp
     result = Parallelized(model, structure)
     tp = mesh.size("tp")
     if tp > 1:
@@ -156,7 +160,7 @@ def _parallelize_one(
         if tp > 1 or in_pipeline:
             result.needs_gradient_reduce = True
         else:
-            model = apply_ddp(model, mesh, _ddp_settings(config, model, structure), ignored=result.experts)
+            model = apply_ddp(model, mesh, ddp_settings, ignored=result.experts)
             if config.ddp.static_graph and config.grad_accum_steps > 1:
                 result.notice = (
                     f"meshkit: ddp.static_graph with grad_accum_steps={config.grad_accum_steps}: gradients are "
