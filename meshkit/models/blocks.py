@@ -31,15 +31,19 @@ def is_placeholder(module: nn.Module) -> bool:
 
 
 def _repeats(container: BlockList) -> int:
-    """How many parameter-bearing children of the most common class the container holds."""
-    classes = Counter(
-        type(child)
+    """How many parameter-bearing children of the most common class the container holds; in a ModuleList whose
+    children all bear parameters, all of them (a hybrid model's blocks of two kinds: Jamba's attention and Mamba
+    layers)."""
+    bearing = [
+        child
         for child in container.children()
         if not is_placeholder(child) and next(child.parameters(), None) is not None
-    )
-    if not classes and any(is_placeholder(child) for child in container.children()):
+    ]
+    if not bearing and any(is_placeholder(child) for child in container.children()):
         return len(container)  # a pipeline stage whose blocks all live elsewhere is still the block list
-    return max(classes.values(), default=0)
+    if isinstance(container, nn.ModuleList) and len(bearing) == len(container) and len(bearing) > 1:
+        return len(bearing)
+    return max(Counter(type(child) for child in bearing).values(), default=0)
 
 
 def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, BlockList]:

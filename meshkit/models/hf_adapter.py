@@ -27,6 +27,11 @@ from meshkit.models.facts import (
     tied_parameters,
 )
 
+# what an attention's code calls: transformers' attention functions, SDPA, flash-attn, or a softmax over scores
+ATTENTION_CODE = re.compile(
+    r"ALL_ATTENTION_FUNCTIONS|attention_interface|scaled_dot_product_attention|flash_attn|softmax\("
+)
+# the fallback where a module's code cannot be read: the children an attention usually has
 ATTENTION_CHILDREN = {
     "q_proj",
     "k_proj",
@@ -98,7 +103,24 @@ def _projection_norms(attention: nn.Module, heads: int | None, kv_heads: int | N
     )
 
 
-def _attention(config: Any, blocks_path: str, blocks: BlockList) -> tuple[AttentionFacts, ...]:
+def computes_attention(module: nn.Module) -> bool:
+    """An attention module: it holds at least two linear layers of its own (q/k/v or a fused one, and the output)
+    and its class's code computes softmax attention (transformers' attention functions, SDPA, a softmax). A
+    module whose code cannot be read is judged by its children's names (`ATTENTION_CHILDREN`), a fallback."""
+    linears = [child for child in module.children() if isinstance(child, nn.Linear) or type(child).__name__ == "Conv1D"]
+    named_like = bool(ATTENTION_CHILDREN & {child for child, _ in module.named_children()})  # (a family's own Linear)
+    if len(linears) < 2 and not named_like:
+        return False
+    try:
+        source = inspect.getsource(type(module))
+    except (OSError, TypeError):
+        return named_like
+    return bool(ATTENTION_CODE.search(source))
+
+
+def _attention(
+    config: Any, blocks_path: str, blocks: BlockList, moe: frozenset[str] = frozenset()
+) -> tuple[AttentionFacts, ...]:
 
     heads = _config_int(config, "num_attention_heads", "n_head")
     kv_heads = _config_int(config, "num_key_value_heads") or heads
@@ -107,15 +129,16 @@ def _attention(config: Any, blocks_path: str, blocks: BlockList) -> tuple[Attent
     hidden = _config_int(config, "hidden_size", "n_embd")
     head_dim = _config_int(config, "head_dim") or (hidden // heads if hidden and heads else None)
     latent_width = (_config_int(config, "kv_lora_rank") or 0) + (rotary := _config_int(config, "qk_rope_head_dim") or 0)
-    found = []
+    found: list[AttentionFacts] = []
     for index, block in block_units(blocks):
         for name, module in block.named_modules():
-            if not ATTENTION_CHILDREN & {child for child, _ in module.named_children()}:
+            path = ".".join(part for part in (blocks_path, str(index), name) if part)
+            inside = any(path.startswith(f"{facts.path}.") for facts in found)  # (an attention's own parts)
+            if path in moe or inside or not computes_attention(module):
                 continue
             own_heads = _config_int(module, "num_heads", "num_attention_heads") or heads
             own_kv = _config_int(module, "num_key_value_heads") or kv_heads
             own_dim = _config_int(module, "head_dim") or head_dim
-            path = ".".join(part for part in (blocks_path, str(index), name) if part)
             latent = next(  # (a projection to kv_lora_rank + qk_rope_head_dim features)
                 (child for child, sub in module.named_children()
                  if rotary and getattr(sub, "out_features", None) == latent_width),
@@ -266,7 +289,7 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
     if classifier is not None:
         last.append(classifier)
     moe = describe_experts(path, block_units(blocks), config)
-    attention = _attention(config, path, blocks)
+    attention = _attention(config, path, blocks, frozenset(facts.path for facts in moe))
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocabulary = tuple(
         f"{names[id(m)]}.{part}"

@@ -39,7 +39,12 @@ from meshkit.parallel.tensor.head_inputs import take_own_heads
 from meshkit.parallel.tensor.latent import sum_shared_rotary_key
 from meshkit.parallel.tensor.lora import split_lora_layers
 from meshkit.parallel.tensor.norms import split_projection_norms
-from meshkit.parallel.tensor.sequence import apply_sequence_parallel, require_sequence_shape, split_regions
+from meshkit.parallel.tensor.sequence import (
+    apply_sequence_parallel,
+    require_sequence_shape,
+    split_regions,
+    whole_sequence_children,
+)
 from meshkit.parallel.tensor.storage import SplitWeights, interleave_in_place
 
 
@@ -221,14 +226,16 @@ def unsplit_in_split_regions(model: nn.Module, structure: ModelStructure, split_
 
 
 def on_sequence_shards(model: nn.Module, structure: ModelStructure, split_modules: set[str]) -> list[str]:
-    """Under sequence parallel, the whole parameters of the blocks outside the split attentions and MLPs (and
-    not sequence-parallel norms): every MoE block, which runs token by token on this rank's sequence shard, and
-    any other layer a block applies to its hidden states; each rank holds part of their gradients."""
+    """Under sequence parallel, the whole parameters of the blocks outside the split attentions and MLPs and the
+    children run on the whole sequence (and not sequence-parallel norms): every MoE block, which runs token by
+    token on this rank's sequence shard, and any other layer a block applies to its hidden states; each rank holds
+    part of their gradients."""
     if structure.blocks is None:
         return []
     _, blocks = find_blocks(model, structure.blocks)
     names = {id(param): name for name, param in model.named_parameters()}
     regions = [f"{name}." for name, _ in split_regions(model, structure, split_modules)]
+    regions += [f"{name}." for name, _ in whole_sequence_children(model, structure, split_modules)]
     out = []
     for _, block in block_units(blocks):
         for param in block.parameters():

@@ -61,6 +61,9 @@ def apply_sequence_parallel(
                 require_sequence_shape(child, f"{structure.blocks}.{index}.{name}")
     for _, region in split_regions(model, structure, split_modules):
         region.register_forward_pre_hook(gather, with_kwargs=True)
+    for _, child in whole_sequence_children(model, structure, split_modules):
+        child.register_forward_pre_hook(gather, with_kwargs=True)
+        child.register_forward_hook(_sharded_output(mesh))
     present = [block for _, block in units if not is_placeholder(block)]
     if present:  # hidden states arrive whole (from the model's own forward, or the previous pipeline stage)
         present[0].register_forward_pre_hook(_relayout_hook(mesh, Replicate(), Shard(1)), with_kwargs=True)
@@ -102,6 +105,45 @@ def _gathered_output(mesh: DeviceMesh) -> Any:
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             return (_relayout(output[0], mesh, Shard(1), Replicate()), *output[1:])
         raise TypeError(f"{type(module).__name__} returned no hidden states to gather for sequence parallel")
+
+    return hook
+
+
+def whole_sequence_children(
+    model: nn.Module, structure: ModelStructure, split_modules: set[str]
+) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each block child with weights that is neither split, nor acting on each token alone (a
+    norm), nor a mixture-of-experts block (token by token): it may mix tokens (a linear attention, a recurrence,
+    a convolution kept whole), so it runs on the whole sequence — gathered before, this rank's shard kept after —
+    and its gradients are whole on every rank."""
+    if structure.blocks is None:
+        return []
+    _, blocks = find_blocks(model, structure.blocks)
+    names = {id(module): name for name, module in model.named_modules()}
+    split = {name for name, _ in split_regions(model, structure, split_modules)}
+    moe = {facts.path for facts in structure.moe}
+    out = []
+    for _, block in block_units(blocks):
+        for child in block.children():
+            name = names[id(child)]
+            if name in split or name in moe or name in split_modules or acts_per_token(child):
+                continue
+            if any(split_name.startswith(f"{name}.") for split_name in split_modules):
+                continue  # (an MoE block's split shared expert, a region holding split layers)
+            if next(child.parameters(), None) is not None:
+                out.append((name, child))
+    return out
+
+
+def _sharded_output(mesh: DeviceMesh) -> Any:
+    """A forward hook that keeps this rank's sequence shard of a block child's whole-sequence output."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return _relayout(output, mesh, Replicate(), Shard(1))
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (_relayout(output[0], mesh, Replicate(), Shard(1)), *output[1:])
+        raise TypeError(f"{type(module).__name__} returned no hidden states to shard for sequence parallel")
 
     return hook
 
