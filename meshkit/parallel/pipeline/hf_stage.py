@@ -15,6 +15,8 @@ hidden states [batch, seq, hidden] on the others.
 
 from __future__ import annotations
 
+import inspect
+import re
 from typing import Any
 
 import torch
@@ -60,11 +62,13 @@ class _BlockOutputs:
     """How the model's blocks return their hidden states — a tensor (most families) or a tuple led by it (Bloom,
     Falcon: the model's loop takes `outputs[0]`) — learnt from this stage's own blocks."""
 
-    def __init__(self) -> None:
+    def __init__(self, unpacked: int = 1) -> None:
         self.as_tuple: bool | None = None
+        self.length = unpacked  # how many values the model's loop unpacks from a block (Bamba: 2)
 
     def learn(self, module: nn.Module, args: Any, output: Any) -> None:
         self.as_tuple = isinstance(output, tuple)
+        self.length = len(output) if isinstance(output, tuple) else 1
 
 
 class _Skipped(nn.Module):
@@ -80,14 +84,30 @@ class _Skipped(nn.Module):
         self.outputs = outputs
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.outputs.as_tuple is None and self.outputs.length > 1:
+            return (hidden, *[None] * (self.outputs.length - 1))
         if self.outputs.as_tuple is None:
             return hidden.unsqueeze(0)
-        return (hidden,) if self.outputs.as_tuple else hidden
+        return (hidden, *[None] * (self.outputs.length - 1)) if self.outputs.as_tuple else hidden
 
 
-def _learn_block_outputs(blocks: BlockList) -> None:
+def unpacked_from_blocks(base: nn.Module, blocks_name: str) -> int:
+    """How many values the base model's forward unpacks from each block (`a, b = layer(...)` in its loop over
+    `self.<blocks_name>`), read from its code; 1 when it unpacks none or the code cannot be read."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return 1
+    loop = re.search(rf"for\s+(?:\w+\s*,\s*)?(\w+)\s+in\s+[^\n]*self\.{re.escape(blocks_name)}\b", source)
+    if loop is None:
+        return 1
+    call = re.search(rf"^\s*([\w\s,]+?)\s*=\s*{re.escape(loop.group(1))}\(", source, re.MULTILINE)
+    return call.group(1).count(",") + 1 if call and "," in call.group(1) else 1
+
+
+def _learn_block_outputs(blocks: BlockList, unpacked: int = 1) -> None:
     """Other stages' blocks return what this stage's blocks return."""
-    outputs = _BlockOutputs()
+    outputs = _BlockOutputs(unpacked)
     for index, block in enumerate(blocks):
         if getattr(block, "is_placeholder", False):
             blocks[index] = _Skipped(outputs)
@@ -100,10 +120,10 @@ def make_transformers_stage(
 ) -> nn.Module:
     """Turn `chunk` (the whole model, other stages' layers already skipped) into this stage, in place."""
     blocks = block_list(chunk, structure.blocks)
-    _learn_block_outputs(blocks)
     # the base model: the blocks' parent (Llama 4's base_model_prefix names no module of its causal LM)
     holder = (structure.blocks or "").rpartition(".")[0]
     base = chunk.get_submodule(holder) if holder else chunk
+    _learn_block_outputs(blocks, unpacked_from_blocks(base, (structure.blocks or "").rpartition(".")[2]))
     received = _Received()
     if not first:
         for name in structure.first_stage:

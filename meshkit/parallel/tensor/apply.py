@@ -169,7 +169,8 @@ def apply_tensor_parallel(
             take_own_heads(attention, facts.heads, tp_mesh.get_local_rank(), tp)
     split_projection_norms(model, split, tp_mesh)
     if cfg.sequence_parallel:
-        apply_sequence_parallel(model, structure, tp_mesh, set(styles))
+        columns = {name for name, kind in kinds.items() if kind in COLUMN_KINDS and name in styles}
+        apply_sequence_parallel(model, structure, tp_mesh, set(styles), columns)
         for name in (name for name, kind in kinds.items() if kind == "rowwise" and name in styles):
             require_sequence_shape(model.get_submodule(name), name)
     latent = sum_shared_rotary_key(model, split, tp_mesh.get_group())
@@ -179,6 +180,9 @@ def apply_tensor_parallel(
     if cfg.sequence_parallel:
         partial += on_sequence_shards(model, structure, set(styles))
     return TensorParallelResult(split_weights, False, partial, planned.note)
+
+
+COLUMN_KINDS = ("colwise", "colwise_gathered", "fused_qkv", "fused_gate_up")
 
 
 def _split_attentions(

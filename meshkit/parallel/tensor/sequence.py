@@ -48,21 +48,26 @@ def _relayout_hook(mesh: DeviceMesh, source: Placement, target: Placement) -> An
 
 
 def apply_sequence_parallel(
-    model: nn.Module, structure: ModelStructure, mesh: DeviceMesh, split_modules: set[str]
+    model: nn.Module, structure: ModelStructure, mesh: DeviceMesh, split_modules: set[str], columns: set[str]
 ) -> None:
-    """Sequence-shard the residual stream of `model`, whose `split_modules` are already column/row split."""
+    """Sequence-shard the residual stream of `model`, whose `split_modules` are already column/row split
+    (`columns`: the column-split ones)."""
     _, blocks = find_blocks(model, structure.blocks)
     gather = _relayout_hook(mesh, Shard(1), Replicate())
     units = list(block_units(blocks))
+    names = {id(module): name for name, module in model.named_modules()}
     for index, block in units:
         for name, child in block.named_children():
-            if acts_per_token(child):
+            if names[id(child)] in columns:  # a block's own column layer (BioGPT's fc1): gathered before it
+                child.register_forward_pre_hook(gather, with_kwargs=True, prepend=True)  # (before its split)
+                require_sequence_shape(child, names[id(child)])  # (first: OPT flattens the tokens before fc1)
+            elif acts_per_token(child):
                 parallelize_module(child, mesh, SequenceParallel(use_local_output=True))
                 require_sequence_shape(child, f"{structure.blocks}.{index}.{name}")
     for _, region in split_regions(model, structure, split_modules):
         region.register_forward_pre_hook(gather, with_kwargs=True)
     for _, child in whole_sequence_children(model, structure, split_modules):
-        child.register_forward_pre_hook(gather, with_kwargs=True)
+        child.register_forward_pre_hook(_gather_all(mesh), with_kwargs=True)
         child.register_forward_hook(_sharded_output(mesh))
     present = [block for _, block in units if not is_placeholder(block)]
     if present:  # hidden states arrive whole (from the model's own forward, or the previous pipeline stage)
@@ -133,6 +138,26 @@ def whole_sequence_children(
             if next(child.parameters(), None) is not None:
                 out.append((name, child))
     return out
+
+
+def _gather_all(mesh: DeviceMesh) -> Any:
+    """A forward pre-hook that gathers every hidden-state argument (the tensors shaped like the first one: BERT's
+    output layer takes its input and the residual) from sequence shards."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() >= 3), None)
+        if first is None:
+            raise TypeError(f"{type(module).__name__} got no hidden states to gather for sequence parallel")
+        shape = first.shape
+
+        def whole(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dim() >= 3 and value.shape[:2] == shape[:2]:
+                return _relayout(value, mesh, Shard(1), Replicate())
+            return value
+
+        return tuple(whole(v) for v in args), {key: whole(v) for key, v in kwargs.items()}
+
+    return hook
 
 
 def _sharded_output(mesh: DeviceMesh) -> Any:
