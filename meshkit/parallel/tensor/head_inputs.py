@@ -19,7 +19,7 @@ class _TakeOwnHeads:
 
     def _own(self, value: torch.Tensor, batch: int) -> torch.Tensor:
         rows = slice(self.start, self.start + self.local)
-        if value.shape[0] == batch * self.heads:  # [batch × heads, ...]
+        if value.dim() == 3 and value.shape[0] == batch * self.heads:  # [batch × heads, 1 or q, k] (ALiBi)
             return value.unflatten(0, (batch, self.heads))[:, rows].flatten(0, 1)
         if value.dim() == 4 and value.shape[0] == batch and value.shape[1] == self.heads:  # [batch, heads, q, k]
             return value[:, rows]
@@ -30,9 +30,13 @@ class _TakeOwnHeads:
         if not isinstance(hidden, torch.Tensor):
             return None
         batch = hidden.shape[0]
-        own = {key: self._own(value, batch) for key, value in kwargs.items()
-               if key != "hidden_states" and isinstance(value, torch.Tensor) and value.dim() >= 2}  # fmt: skip
-        return args, {**kwargs, **own}
+
+        def own(value: Any) -> Any:
+            return self._own(value, batch) if isinstance(value, torch.Tensor) and value.dim() >= 2 else value
+
+        rest = tuple(own(value) for value in args[1:])  # (CTRL hands its mask in after q, k and v)
+        mine = {key: own(value) for key, value in kwargs.items() if key != "hidden_states"}
+        return (*args[:1], *rest), {**kwargs, **mine}
 
 
 def take_own_heads(attention: nn.Module, heads: int, rank: int, ranks: int) -> None:

@@ -65,7 +65,7 @@ def apply_sequence_parallel(
                 parallelize_module(child, mesh, SequenceParallel(use_local_output=True))
                 require_sequence_shape(child, f"{structure.blocks}.{index}.{name}")
     for _, region in split_regions(model, structure, split_modules):
-        region.register_forward_pre_hook(gather, with_kwargs=True)
+        region.register_forward_pre_hook(_gather_input(mesh), with_kwargs=True)
     for _, child in whole_sequence_children(model, structure, split_modules):
         child.register_forward_pre_hook(_gather_all(mesh), with_kwargs=True)
         child.register_forward_hook(_sharded_output(mesh))
@@ -138,6 +138,22 @@ def whole_sequence_children(
             if next(child.parameters(), None) is not None:
                 out.append((name, child))
     return out
+
+
+def _gather_input(mesh: DeviceMesh) -> Any:
+    """A forward pre-hook that gathers a split region's input from sequence shards: its first hidden-state
+    argument, wherever the model passes that same tensor again (CTRL hands it in as q, k and v); another
+    tensor (Bloom's residual, added to the row layer's sharded output) stays on its shard."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        if not isinstance(first, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} got no hidden states to gather for sequence parallel")
+        whole = _relayout(first, mesh, Shard(1), Replicate())
+        return (tuple(whole if value is first else value for value in args),
+                {key: whole if value is first else value for key, value in kwargs.items()})  # fmt: skip
+
+    return hook
 
 
 def _gather_all(mesh: DeviceMesh) -> Any:
