@@ -34,6 +34,7 @@ from bench.report_compare import (
     ring_window,
 )
 from bench.report_table import table as _table
+from bench.zoo_table import bench_section as zoo_section
 
 
 def _machine() -> str:
@@ -270,6 +271,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         plan_vs_measured,
     ),
     ("Peak memory per step, world 4", "peak-memory-w4.json", "python bench/peak_memory.py", peak_memory),
+    ("Every causal LM of transformers in every layout, world 2", "zoo.json", "python bench/zoo.py", zoo_section),
     ("Expert parallelism on a mixture of experts, world 4", "moe-w4.json", "python bench/moe.py", moe),
     ("Ring attention with a sliding window, cp 4", "ring-window-w4.json", "python bench/ring_window.py", ring_window),
     (

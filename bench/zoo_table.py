@@ -7,7 +7,7 @@ from typing import Any
 
 COLUMNS = {"ddp2": "DDP", "zero3_2": "ZeRO-3", "tp2": "tp 2", "tp2_sp": "tp 2 + SP", "cp2": "cp 2", "pp2": "pp 2",
            "ep2": "ep 2"}  # fmt: skip
-MARKS = {"ok": "✓", "mismatch": "✗ mismatch", "crash": "crash", "hang": "hang"}
+MARKS = {"ok": "✓", "mismatch": "✗ mismatch", "crash": "crash", "hang": "timeout"}
 BEGIN, END = "<!-- zoo table: bench/zoo.py --render -->", "<!-- end of zoo table -->"
 
 
@@ -31,7 +31,7 @@ def summary(data: dict[str, Any]) -> str:
     return (
         f"{n['built']} of {n['types']} causal-LM types build a tiny model; {n['every_layout']} train in every "
         f"layout; cells: {n['ok']} ✓ ({share:.0%}), {n['refused']} refused, {n['mismatch']} mismatch, "
-        f"{n['crash']} crash, {n['hang']} hang (transformers {data.get('transformers', '?')})"
+        f"{n['crash']} crash, {n['hang']} timeout (transformers {data.get('transformers', '?')})"
     )
 
 
@@ -63,7 +63,11 @@ def render(data: dict[str, Any]) -> str:
 
 
 def _note(cell: dict[str, Any], reasons: dict[str, int]) -> int:
-    text = cell.get("reason") or f"loss {cell.get('loss_error', 0):.1e}, weights {cell.get('weight_error', 0):.1e}"
+    if cell["status"] == "mismatch" and not cell.get("reason"):
+        worst = f" ({cell['worst']})" if cell.get("worst") else ""
+        text = f"off by {cell.get('loss_error', 0):.1e} in loss, {cell.get('weight_error', 0):.1e} in weights{worst}"
+    else:
+        text = cell.get("reason") or "no result"
     return reasons.setdefault(text, len(reasons) + 1)
 
 
@@ -75,3 +79,18 @@ def write_docs(data: dict[str, Any], page: Path) -> None:
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     page.write_text(f"{head}{BEGIN}\n{render(data)}\n{END}{tail}")
+
+
+def bench_section(data: dict[str, Any]) -> str:
+    """BENCHMARKS.md's section: the summary, each layout's count of ✓ / refused / mismatch / crash / hang."""
+    rows = []
+    built = [entry for entry in data.get("types", {}).values() if entry.get("builds")]
+    for layout, title in COLUMNS.items():
+        cells = [entry["cells"][layout] for entry in built if layout in entry["cells"]]
+        counted = [sum(cell["status"] == status for cell in cells) for status in ("ok", "refused", "mismatch", "crash",
+                                                                                   "hang")]  # fmt: skip
+        rows.append([title, str(len(cells)), *map(str, counted)])
+    header = ["layout", "types run", "✓", "refused", "mismatch", "crash", "timeout"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return summary(data) + ". Every cell: docs/any-model.md's zoo table.\n\n" + "\n".join(lines)
