@@ -7,11 +7,12 @@ the attention module in some families). Whatever a family does differently is sa
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -111,11 +112,26 @@ def computes_attention(module: nn.Module) -> bool:
     named_like = bool(ATTENTION_CHILDREN & {child for child, _ in module.named_children()})  # (a family's own Linear)
     if len(linears) < 2 and not named_like:
         return False
+    found = _code_computes_attention(cast(Any, type(module)))
+    return named_like if found is None else found
+
+
+@functools.cache
+def _forward_source(cls: type) -> str | None:
+    """The code of `cls.forward` (read once per class); None when it cannot be read."""
     try:
-        source = inspect.getsource(type(module))
+        return inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+    except (OSError, TypeError, AttributeError):
+        return None
+
+
+@functools.cache
+def _code_computes_attention(cls: type) -> bool | None:
+    """Whether `cls`'s code computes softmax attention; None when it cannot be read (read once per class)."""
+    try:
+        return bool(ATTENTION_CODE.search(inspect.getsource(cls)))
     except (OSError, TypeError):
-        return named_like
-    return bool(ATTENTION_CODE.search(source))
+        return None
 
 
 def _attention(
@@ -196,9 +212,8 @@ def _forward_order(base: nn.Module, config: Any) -> dict[str, int]:
     plan = getattr(text_config(config), "base_model_pp_plan", None)
     if plan:
         return {name: index for index, name in enumerate(plan)}
-    try:
-        source = inspect.getsource(type(base).forward)
-    except (OSError, TypeError):
+    source = _forward_source(cast(Any, type(base)))
+    if source is None:
         return {}
     found = {name: re.search(rf"self\.{re.escape(name)}\b", source) for name, _ in base.named_children()}
     return {name: match.start() for name, match in found.items() if match is not None}

@@ -203,8 +203,13 @@ def test_lora_layers_are_split_piece_by_piece_also_under_sequence_parallel(mater
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from meshkit.config import TensorParallelConfig
-    from meshkit.parallel.tensor.auto import TensorParallelError, named_plan
+    from meshkit.models.layer_roles import layer_roles
+    from meshkit.models.structure import describe
+    from meshkit.parallel.tensor.auto import TensorParallelError, tensor_plan
     from meshkit.parallel.tensor.lora import split_lora_layers
+
+    def named_plan(model: torch.nn.Module, cfg: TensorParallelConfig) -> dict[str, str]:
+        return tensor_plan(model, cfg, layer_roles(model, describe(model))).kinds
 
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(material["base"]))
