@@ -109,8 +109,11 @@ def report_peer_loss(err: BaseException) -> bool:
     except OSError:
         return False
     sign = next(sign for sign in PEER_LOSS if sign in str(err))
-    print(f"meshkit: rank {rank} stopped: a peer is gone ({type(err).__name__}: {sign}); traceback in {log}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    # one write, newline included: print's two writes let another process's line land between them
+    sys.stderr.write(
+        f"meshkit: rank {rank} stopped: a peer is gone ({type(err).__name__}: {sign}); traceback in {log}\n"
+    )
+    sys.stderr.flush()
     return True
 
 
