@@ -172,7 +172,8 @@ def layer_roles(model: nn.Module, structure: ModelStructure, run: Callable[[], A
     undeclared = {}
     for path, (module, layers) in found.items():
         styles = {name: _match(plan, name) for name in layers}
-        split_parameters = [name for name, _ in module.named_parameters(prefix=path) if _match(plan, name)]
+        split_parameters = [name for name, _ in module.named_parameters(prefix=path)
+                            if _match(plan, name) in DECLARED_ROLES]  # fmt: skip
         if split_parameters:  # (a parameter split on its own, e.g. a per-head gate bias: meshkit splits layers)
             whole[path] = f"its declared plan splits the parameter {split_parameters[0]}, which meshkit keeps whole"
             roles.update({name: LayerRole("whole", "declared", path) for name in layers})
