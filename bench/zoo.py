@@ -285,9 +285,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_moe(model_type: str) -> bool:
+    """Whether the tiny model has mixture-of-experts blocks; raises when it does not build or does not run one
+    forward with a loss in one process (then no layout is tried: it is listed with why)."""
     from meshkit.models.structure import describe
 
-    return bool(describe(build(model_type)).moe)
+    model = build(model_type)
+    try:
+        model(**batches()[0], use_cache=False).loss.backward()
+    except Exception as error:
+        raise RuntimeError(f"the tiny model does not train in one process: {_last_line(error)}") from error
+    return bool(describe(model).moe)
 
 
 def _save(out: Path, data: dict[str, Any]) -> None:
