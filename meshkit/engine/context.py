@@ -126,7 +126,7 @@ class EngineContext:
             return batch
         split = lambda t: shard_sequence(t, cp, self.mesh.coordinate("cp"), dim)  # noqa: E731
         if self.objects.causal_lm and is_causal_lm_batch(batch):
-            shifted = shifted_for_split(batch, cp)
+            shifted = shifted_for_split(batch, cp, self.objects.label_shift)
             items = shifted.pop("num_items_in_batch")
             return {**map_tensors(split, shifted), "num_items_in_batch": items}
         return map_tensors(split, batch)

@@ -355,7 +355,7 @@ class Engine:
         causal = objects.loss_fn is None and objects.causal_lm and is_causal_lm_batch(batch)
         mask = batch.get("attention_mask") if causal and objects.balancing[0] is not None else None
         if causal:  # labels shifted before any sequence split; the loss is the mean over the step's tokens
-            batch = split_causal_lm_batch(batch)
+            batch = split_causal_lm_batch(batch, objects.label_shift)
         if self.mesh.size("cp") > 1:
             batch = self.shard_sequence(batch)
             mask = None if mask is None else self.shard_sequence(mask)

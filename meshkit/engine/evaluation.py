@@ -25,7 +25,7 @@ class Evaluation(EngineComponent):
         every layout, pipelines included; divide the sums of several batches for the mean loss."""
         ctx = self.ctx
         model = ctx.objects.only_model()
-        inputs, targets = split_causal_lm_batch(batch)
+        inputs, targets = split_causal_lm_batch(batch, ctx.objects.label_shift)
         if ctx.mesh.size("cp") > 1:
             inputs, targets = ctx.shard_sequence((inputs, targets))
         with ctx.loss_parallel():

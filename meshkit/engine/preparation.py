@@ -16,7 +16,7 @@ from meshkit.engine.data import prepare_loader
 from meshkit.engine.gradients import GradientSync
 from meshkit.engine.prepared import EngineError
 from meshkit.models.adapters import lora_merges
-from meshkit.parallel.compose import parallelize, unwrap
+from meshkit.parallel.compose import Parallelized, parallelize, unwrap
 from meshkit.parallel.dataparallel import bare_module
 from meshkit.parallel.pipeline.router_balance import PipelineBalancing
 from meshkit.parallel.pipeline.schedule import PipelineRunner
@@ -79,6 +79,8 @@ class Preparation(EngineComponent):
         objects.user_modules[id(done.model)] = model
         objects.tied_aliases[id(done.model)] = done.structure.aliases() if done.structure else {}
         objects.causal_lm = done.structure is not None and done.structure.causal_lm  # HF batches get the LM loss
+        if objects.causal_lm and objects.loss_fn is None and done.own_loss is not None:
+            objects.causal_lm, objects.label_shift = self._own_loss_kept(done)
         objects.classifier = done.structure.classifier if done.structure else None
         objects.training_inputs = dict(done.structure.training_inputs) if done.structure else {}
         if done.structure is not None:
@@ -123,6 +125,31 @@ class Preparation(EngineComponent):
         if ctx.mesh.size("tp") > 1:  # (runs after every reducer above: checks what they left, once)
             gradients.model_reducers.append(WholeGradientsAgree(list(now.items()), ctx.mesh.group("tp")))
         return done.model
+
+    def _own_loss_kept(self, done: Parallelized) -> tuple[bool, int]:
+        """(the engine computes the causal-LM loss from the logits, the labels' shift) for a model whose own loss
+        `models/own_loss.py` measured: a shift of 1 or 0 is followed; a loss that is neither stays the model's
+        own where the model sees whole sequences and whole logits, and is refused where meshkit must compute it."""
+        own, mesh = done.own_loss, self.ctx.mesh
+        assert own is not None and done.structure is not None
+        if own.shift is not None:
+            return True, own.shift
+        splits = [name for name, on in (("pipeline parallel", isinstance(done.model, PipelineModel)),
+                                        ("context parallel", mesh.size("cp") > 1),
+                                        ("vocab-sharded logits", done.logits_sharded)) if on]  # fmt: skip
+        family = done.structure.family or "the model"
+        if splits:
+            raise EngineError(
+                f"{family}'s own loss is not the next-token cross-entropy of its logits ({own.own:.4f} against "
+                f"{own.next_token:.4f} on sample tokens) and {splits[0]} needs meshkit to compute it from the logits: "
+                "pass loss_fn= to engine.prepare()"
+            )
+        print_once_per_node(
+            self.ctx.info,
+            f"meshkit: {family}'s own loss is not the next-token cross-entropy of its logits: each rank trains on "
+            "the model's own loss of its batch",
+        )
+        return False, 1
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         """`model` laid out like the prepared model (split under tp, sharded under ZeRO-3, weights streamed from

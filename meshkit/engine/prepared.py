@@ -39,6 +39,7 @@ class PreparedObjects:
     expert_params: set[int] = field(default_factory=set)  # ids of the expert banks' parameters split over ep
     logits_sharded: bool = False  # a prepared model returns vocab-sharded logits (tensor parallel)
     causal_lm: bool = False  # the prepared model is a causal LM (next-token logits)
+    label_shift: int = 1  # its labels' targets: labels[:, shift:] for logits[:, :-shift] (`models/own_loss.py`)
     classifier: str | None = None  # the prepared model's classification head (a reward model's), by module name
     training_inputs: dict[str, Any] = field(default_factory=dict)  # keywords train_step adds to an HF batch
     # the router's balancing loss train_step adds (mixture of experts), and the ranks it takes statistics over

@@ -52,6 +52,19 @@ def is_transformers_model(model: nn.Module) -> bool:
     )
 
 
+@functools.cache
+def _causal_lm_class(names: tuple[str, ...]) -> bool:
+    """A causal-LM head class or a subclass of one (`names`: its classes, itself first): by a name's ending, or
+    listed as one by transformers' own registry (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: BertGenerationDecoder)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        registered = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    except ImportError:  # (transformers is optional)
+        registered = set()
+    return any(name.endswith(CAUSAL_LM_CLASSES) or name in registered for name in names)
+
+
 def module_initializer(model: nn.Module) -> Any:
     """A transformers model's own per-module initialisation (`_init_weights`, which also recomputes rotary
     tables), as `init(name, module)`; None for any other model."""
@@ -299,7 +312,9 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and head is not base and id(head) in names:
         last.append(names[id(head)])
-    causal = type(model).__name__.endswith(CAUSAL_LM_CLASSES) and not getattr(config, "is_encoder_decoder", False)
+    causal = _causal_lm_class(tuple(base.__name__ for base in type(model).__mro__)) and not getattr(
+        config, "is_encoder_decoder", False
+    )
     classifier = _classifier(model, base)
     if classifier is not None:
         last.append(classifier)

@@ -15,6 +15,7 @@ from torch import nn
 from meshkit.config.schema import DDPConfig, RunConfig
 from meshkit.models.gpt import GPT
 from meshkit.models.layer_roles import LayerRoles, layer_roles
+from meshkit.models.own_loss import OwnLoss, own_loss
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.models.usage import parameters_without_gradient
 from meshkit.parallel.activation import CheckpointedBlock, apply_activation_checkpointing
@@ -46,6 +47,7 @@ class Parallelized:
     checkpointed: list[CheckpointedBlock] = field(default_factory=list)  # blocks with checkpointing/offload
     experts: list[nn.Module] = field(default_factory=list)  # expert banks split over ep (their gradients: edp)
     notice: str | None = None  # one line for the user about how the layout was applied
+    own_loss: OwnLoss | None = None  # how the model's own loss reads its labels (learnt on the whole model)
 
 
 def parallelize(
@@ -61,6 +63,7 @@ def parallelize(
     structure = describe(model, config.blocks, config.structure)
     pp = mesh.size("pp")
     notice = None
+    own = None if frozen else own_loss(model, structure)  # (before any layout changes the forward)
     check_layout_fits(model, structure, mesh.dims, config)
     if mesh.dims.ep > 1 and not structure.moe:
         notice = f"meshkit: parallel.ep={mesh.dims.ep} changes nothing: the model has no mixture-of-experts blocks"
@@ -68,10 +71,11 @@ def parallelize(
         result = _parallelize_one(model, mesh, config, zero_stage, structure, autocast=False)
         result.model, result.notice = apply_dataparallel(result.model, mesh.device)
         autocast_forward(result.model, config.precision, mesh.device.type)  # autocast reaches its replica threads
+        result.own_loss = own
         return result
     if pp == 1:
         result = _parallelize_one(model, mesh, config, zero_stage, structure, frozen=frozen)
-        result.notice = result.notice or notice
+        result.notice, result.own_loss = result.notice or notice, own
         return result
     chunks = chunks_per_rank(config.pipeline)
     roles = _roles(model, structure, config) if mesh.size("tp") > 1 else None  # (learnt on the whole model)
@@ -89,6 +93,7 @@ def parallelize(
         checkpointed=[block for part in parts for block in part.checkpointed],
         experts=[bank for part in parts for bank in part.experts],
         notice=notice or next((part.notice for part in parts if part.notice), None),
+        own_loss=own,
     )
 
 

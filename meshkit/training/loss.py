@@ -56,9 +56,10 @@ def is_causal_lm_batch(batch: Any) -> bool:
     return isinstance(batch, Mapping) and "input_ids" in batch and "labels" in batch
 
 
-def split_causal_lm_batch(batch: Mapping[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+def split_causal_lm_batch(batch: Mapping[str, Any], shift: int = 1) -> tuple[dict[str, Any], torch.Tensor]:
     """(model inputs, next-token targets) of an HF-style batch. The labels are shifted here, once, so that a
     sequence split afterwards (context parallel) keeps each token's target; the last position gets none.
+    `shift` 0: the model takes its labels already shifted (`models/own_loss.py`), they are the targets as given.
 
     An `attention_mask` is checked to pad on the right only (every row ones, then zeros) and dropped: causal
     attention never looks at later (pad) positions, and pads carry label -100.
@@ -74,17 +75,19 @@ def split_causal_lm_batch(batch: Mapping[str, Any]) -> tuple[dict[str, Any], tor
                 "loss_fn= to handle the batch yourself"
             )
         labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
+    if shift == 0:
+        return inputs, labels
     targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[:, :-1] = labels[:, 1:]
+    targets[:, :-shift] = labels[:, shift:]
     return inputs, targets
 
 
-def shifted_for_split(batch: Mapping[str, Any], parts: int) -> dict[str, Any]:
+def shifted_for_split(batch: Mapping[str, Any], parts: int, shift: int = 1) -> dict[str, Any]:
     """An HF-style batch a model's own loss still reads after a sequence split into `parts` (context parallel):
     the labels shifted on the whole sequence (`shift_labels`, which transformers' loss takes as they are), and
     `num_items_in_batch` = the whole sequence's target count / `parts`, so each part's loss is its share of
     the whole's mean times `parts`: averaged over the parts (as their gradients are), the whole's mean."""
-    inputs, targets = split_causal_lm_batch(batch)
+    inputs, targets = split_causal_lm_batch(batch, shift)
     count = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
     return {**inputs, "labels": batch["labels"], "shift_labels": targets, "num_items_in_batch": count / parts}
 
