@@ -42,6 +42,9 @@ class AttentionFacts:
     # norms over a whole projection's output, all heads at once (OLMo-2's q_norm/k_norm; Qwen3's norm each head
     # alone and are not listed): under tp they are split with the heads and take their statistics over tp
     projection_norms: tuple[str, ...] = ()
+    # the attention's own parameters with a row per head (gpt-oss' and Flint's attention sinks, Doge's `A`): under
+    # tp each rank keeps its heads' rows
+    head_parameters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from meshkit.models.facts import (
 ATTENTION_CODE = re.compile(
     r"ALL_ATTENTION_FUNCTIONS|attention_interface|scaled_dot_product_attention|flash_attn|softmax\("
 )
+MASK_READING_CODE = re.compile(r"attention_mask\s*\[")  # (an attention that reads the mask's values itself)
 # the fallback where a module's code cannot be read: the children an attention usually has
 ATTENTION_CHILDREN = {
     "q_proj",
@@ -117,6 +118,16 @@ def _projection_norms(attention: nn.Module, heads: int | None, kv_heads: int | N
     )
 
 
+def _head_parameters(attention: nn.Module, heads: int | None, kv_heads: int | None) -> tuple[str, ...]:
+    """The attention's own parameters (outside its layers) with one row per query or key/value head."""
+    counts = {count for count in (heads, kv_heads) if count is not None and count > 1}
+    return tuple(
+        name
+        for name, param in attention.named_parameters(recurse=False)
+        if param.dim() >= 1 and param.shape[0] in counts
+    )
+
+
 def computes_attention(module: nn.Module) -> bool:
     """An attention module: it holds at least two linear layers of its own (q/k/v or a fused one, and the output)
     and its class's code computes softmax attention (transformers' attention functions, SDPA, a softmax). A
@@ -174,14 +185,21 @@ def _attention(
                 None,
             )  # fmt: skip
             norms = _projection_norms(module, own_heads, own_kv, own_dim)
-            found.append(AttentionFacts(path, own_heads, own_kv, own_dim, latent, rotary if latent else 0, norms))
+            per_head = _head_parameters(module, own_heads, own_kv)
+            found.append(AttentionFacts(path, own_heads, own_kv, own_dim, latent, rotary if latent else 0, norms,
+                                        per_head))  # fmt: skip
     return tuple(found)
 
 
-def _cannot(config: Any, family: str, unattended: list[tuple[int, str]]) -> dict[str, str]:
+def _cannot(config: Any, family: str, unattended: list[tuple[int, str]], mask_readers: list[str]) -> dict[str, str]:
     """Layouts this family cannot run, with the reason meshkit prints. `unattended`: the blocks (index, path)
-    that hold no attention module."""
+    that hold no attention module; `mask_readers`: attention modules whose code reads the attention mask."""
     notes: dict[str, str] = {}
+    if mask_readers:  # (ring attention builds no mask: DeepSeek-V3.2's sparse-attention indexer picks from it)
+        notes["cp"] = (
+            f"{family}'s attention reads the attention mask itself ({mask_readers[0]}, e.g. a sparse-attention "
+            "indexer), and ring attention builds none: use cp=1"
+        )
     chunk = getattr(config, "attention_chunk_size", None)
     longest = _config_int(config, "max_position_embeddings", "n_positions")
     if chunk and (longest is None or chunk < longest):
@@ -198,6 +216,19 @@ def _cannot(config: Any, family: str, unattended: list[tuple[int, str]]) -> dict
             "attention splits only attention over the sequence: use cp=1"
         )
     return notes
+
+
+def _mask_readers(model: nn.Module, attention: tuple[AttentionFacts, ...]) -> list[str]:
+    """The attention modules whose class's code reads the attention mask's values (read once per class)."""
+    return [facts.path for facts in attention if _code_reads_mask(cast(Any, type(model.get_submodule(facts.path))))]
+
+
+@functools.cache
+def _code_reads_mask(cls: type) -> bool:
+    try:
+        return bool(MASK_READING_CODE.search(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return False
 
 
 def _unattended(blocks_path: str, blocks: BlockList, attention: tuple[AttentionFacts, ...]) -> list[tuple[int, str]]:
@@ -341,7 +372,7 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
         classifier=classifier,
         pooled=classifier is not None and type(model).__name__.endswith("ForSequenceClassification"),
         training_inputs=(("use_cache", False),) if takes_argument(model.forward, "use_cache") else (),
-        notes=_cannot(config, family, _unattended(path, blocks, attention)),
+        notes=_cannot(config, family, _unattended(path, blocks, attention), _mask_readers(model, attention)),
         vocabulary=tuple(dict.fromkeys(vocabulary)),
         moe=moe,
         router_loss=router_loss(config, moe),

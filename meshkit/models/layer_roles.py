@@ -169,7 +169,7 @@ def layer_roles(model: nn.Module, structure: ModelStructure, run: Callable[[], A
     plan = declared_plan(model, structure)
     roles: dict[str, LayerRole] = {}
     whole: dict[str, str] = {}
-    undeclared = {}
+    undeclared, declared = {}, {}
     for path, (module, layers) in found.items():
         styles = {name: _match(plan, name) for name in layers}
         split_parameters = [name for name, _ in module.named_parameters(prefix=path)
@@ -179,15 +179,22 @@ def layer_roles(model: nn.Module, structure: ModelStructure, run: Callable[[], A
             roles.update({name: LayerRole("whole", "declared", path) for name in layers})
         elif any(styles.values()):
             roles.update(_declared(path, model, layers, styles, structure))
+            declared[path] = (module, layers)
         else:
             undeclared[path] = (module, layers)
-    if not undeclared:
+    if not undeclared and not declared:
         return LayerRoles(roles, whole)
     try:
-        traces = trace_regions(model, undeclared, run or sample_forward(model, structure))
+        traces = trace_regions(model, {**declared, **undeclared}, run or sample_forward(model, structure))
     except Exception as error:  # noqa: BLE001 - any failure of a forward on sample input: fall back, say why
         unplaced = tuple(name for _, layers in undeclared.values() for name in layers)
         return LayerRoles(roles, whole, unplaced, f"{type(error).__name__}: {error}".split("\n")[0][:200])
+    for path, (_, layers) in declared.items():  # (a declaration the forward contradicts: the region stays whole)
+        trace = traces.get(path)
+        stray = [name for name in layers if roles[name].role.startswith("row") and trace and name not in trace.writers]
+        if stray:
+            whole[path] = f"its declared row split {stray[0]} does not write the region's output"
+            roles.update({name: LayerRole("whole", "declared", path) for name in layers})
     blocks = {id(block) for _, block in block_units(find_blocks(model, structure.blocks)[1])}
     for path, (module, layers) in undeclared.items():
         trace = traces.get(path)

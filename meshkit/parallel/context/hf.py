@@ -48,7 +48,12 @@ def ring_attention_function(
     repeats = query.shape[1] // key.shape[1]
     if repeats > 1:  # grouped-query attention: each key/value head serves `repeats` query heads
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-    group: dist.ProcessGroup = getattr(module, GROUP_ATTRIBUTE)
+    group: dist.ProcessGroup | None = getattr(module, GROUP_ATTRIBUTE, None)
+    if group is None:  # (HRM's second stack of blocks, Inkling's attention over earlier blocks' states)
+        raise RingAttentionError(
+            f"context parallel: {type(module).__name__} calls transformers' attention functions but is none of the "
+            "attention modules of the model's blocks that meshkit splits over the sequence: use cp=1"
+        )
     setattr(module, CALLED_ATTRIBUTE, True)
     out = ring_attention(
         query,

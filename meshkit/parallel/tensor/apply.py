@@ -36,6 +36,7 @@ from meshkit.models.layer_roles import LayerRoles, layer_roles
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.parallel.tensor.auto import TensorParallelError, divide_attributes, style, tensor_plan
 from meshkit.parallel.tensor.head_inputs import take_own_heads
+from meshkit.parallel.tensor.head_parameters import split_head_parameters
 from meshkit.parallel.tensor.latent import sum_shared_rotary_key
 from meshkit.parallel.tensor.lora import split_lora_layers
 from meshkit.parallel.tensor.norms import split_projection_norms
@@ -168,6 +169,7 @@ def apply_tensor_parallel(
         if facts.heads is not None:
             take_own_heads(attention, facts.heads, tp_mesh.get_local_rank(), tp)
     split_projection_norms(model, split, tp_mesh)
+    split_head_parameters(model, split, tp_mesh)
     if cfg.sequence_parallel:
         columns = {name for name, kind in kinds.items() if kind in COLUMN_KINDS and name in styles}
         apply_sequence_parallel(model, structure, tp_mesh, set(styles), columns)
