@@ -131,7 +131,7 @@ def hub_type(name: str) -> str | None:
 def tiny_config(model_type: str, vocab_size: int, **overrides: Any) -> Any:
     """The default config of `model_type` shrunk: every size attribute it has set to TINY_SIZES', the vocabulary to
     `vocab_size`, per-layer lists cut to the layer count (each kind of layer kept, with its per-layer sizes), dropout
-    off; a multimodal config's text, vision and audio configs each shrunk so."""
+    and router jitter off; a multimodal config's text, vision and audio configs each shrunk so."""
     from transformers import AutoConfig
 
     values = AutoConfig.for_model(model_type).to_dict()
@@ -180,8 +180,8 @@ def _shrunk(values: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
             out[f"{name}_period"], out[f"{name}_offset"] = 2, 1
     if isinstance(out.get("per_layer_config"), dict) and isinstance(kinds_of, list) and layers:
         out["per_layer_config"] = _per_layer(values, out, sizes)
-    for name, value in list(out.items()):  # no dropout of any name (hidden_dropout_prob, layerdrop, ...)
-        if isinstance(value, float) and re.search(r"drop", name):
+    for name, value in list(out.items()):  # no randomness: dropout of any name, a router's jitter noise (PhiMoE)
+        if isinstance(value, float) and re.search(r"drop|jitter", name):
             out[name] = 0.0
     if all(isinstance(out.get(name), int) for name in ("mamba_d_head", "mamba_n_heads", "mamba_expand", "hidden_size")):
         out["mamba_d_head"] = out["mamba_expand"] * out["hidden_size"] // out["mamba_n_heads"]  # (Bamba: must fit)

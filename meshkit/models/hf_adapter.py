@@ -332,11 +332,12 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
     for local, child in base.named_children():
         name = names[id(child)]
         at = order.get(local)
+        known_after = at is not None and blocks_at is not None and at > blocks_at
         if child is blocks:
             after_blocks = True
-        elif next(child.parameters(), None) is None:
-            continue  # (rotary tables)
-        elif (at > blocks_at) if at is not None and blocks_at is not None else after_blocks:
+        elif next(child.parameters(), None) is None and not known_after:
+            continue  # (rotary tables; a norm without weights after the blocks runs there: OLMo's)
+        elif known_after if at is not None and blocks_at is not None else after_blocks:
             last.append(name)  # run after the blocks (OPT registers its final_layer_norm before its layers)
         else:
             first.append(name)  # before the blocks: embeddings, Bloom's embedding norm

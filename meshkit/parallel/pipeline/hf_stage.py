@@ -3,7 +3,8 @@
 The model's forward computes, before its first layer, what every layer needs: rotary tables, the causal
 mask, position ids (and, in some families, scaled or position-added embeddings). A stage keeps that forward
 and so recomputes all of it for its own layers:
-- the embeddings of a later stage are parameter-free stand-ins that return zeros of the right shape, and the
+- the embeddings of a later stage are parameter-free stand-ins that return zeros as wide as the hidden states
+  it receives (an input projection after them, OPT's project_in, is an identity stand-in), and the
   hidden states received from the previous stage replace the input of this stage's first layer;
 - an earlier stage runs the base model (not the LM head's forward, which may post-process logits) with the
   final norm as an identity stand-in, and hands its last layer's output on;
@@ -59,16 +60,18 @@ class _Received:
 
 
 class _BlockOutputs:
-    """How the model's blocks return their hidden states — a tensor (most families) or a tuple led by it (Bloom,
-    Falcon: the model's loop takes `outputs[0]`) — learnt from this stage's own blocks."""
+    """How the model's blocks return their hidden states — a tensor (most families) or a tuple or list led by it
+    (Bloom, Falcon, OpenAI GPT: the model's loop takes `outputs[0]`) — learnt from this stage's own blocks."""
 
     def __init__(self, unpacked: int = 1) -> None:
         self.as_tuple: bool | None = None
         self.length = unpacked  # how many values the model's loop unpacks from a block (Bamba: 2)
+        self.sequence: type = tuple
 
     def learn(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.as_tuple = isinstance(output, tuple)
-        self.length = len(output) if isinstance(output, tuple) else 1
+        self.as_tuple = isinstance(output, (tuple, list))
+        self.length = len(output) if isinstance(output, (tuple, list)) else 1
+        self.sequence = type(output) if isinstance(output, list) else tuple
 
 
 class _Skipped(nn.Module):
@@ -88,7 +91,9 @@ class _Skipped(nn.Module):
             return (hidden, *[None] * (self.outputs.length - 1))
         if self.outputs.as_tuple is None:
             return hidden.unsqueeze(0)
-        return (hidden, *[None] * (self.outputs.length - 1)) if self.outputs.as_tuple else hidden
+        if self.outputs.as_tuple:
+            return self.outputs.sequence((hidden, *[None] * (self.outputs.length - 1)))
+        return hidden
 
 
 def unpacked_from_blocks(base: nn.Module, blocks_name: str) -> int:
@@ -125,10 +130,12 @@ def make_transformers_stage(
     base = chunk.get_submodule(holder) if holder else chunk
     _learn_block_outputs(blocks, unpacked_from_blocks(base, (structure.blocks or "").rpartition(".")[2]))
     received = _Received()
+    embeddings: list[StandIn] = []  # (their zeros are as wide as the hidden states received: OPT's project_in)
     if not first:
         for name in structure.first_stage:
             width = getattr(chunk.get_submodule(name), "embedding_dim", None)
-            chunk.set_submodule(name, StandIn(width))
+            chunk.set_submodule(name, stand_in := StandIn(width))
+            embeddings += [stand_in] if width is not None else []
         blocks[first_block].register_forward_pre_hook(received.hook, with_kwargs=True)
     if not last:
         for name in structure.last_stage:
@@ -143,6 +150,8 @@ def make_transformers_stage(
             ids = value
         else:  # hidden states [batch, seq, hidden]: the ids only give the forward its shapes
             received.hidden = value
+            for stand_in in embeddings:
+                stand_in.width = value.shape[-1]
             ids = torch.zeros(value.shape[:2], dtype=torch.long, device=value.device)
         if last and structure.classifier is not None:
             forward(input_ids=ids, use_cache=False, **kwargs)  # (its pooling reads ids this stage lacks: not used)

@@ -72,14 +72,9 @@ def apply_sequence_parallel(
     present = [block for _, block in units if not is_placeholder(block)]
     if present:  # hidden states arrive whole (from the model's own forward, or the previous pipeline stage)
         present[0].register_forward_pre_hook(_relayout_hook(mesh, Replicate(), Shard(1)), with_kwargs=True)
-    holds_last = all(_present(model, name) for name in structure.last_stage)
-    if present and not holds_last:  # a pipeline stage hands the next one whole hidden states
+        # and leave whole: to the next pipeline stage, or to the model's code after its blocks, which may reshape
+        # them to the whole sequence (OpenAI GPT before its head, GPT-2 after its final norm)
         present[-1].register_forward_hook(_gathered_output(mesh))
-    for name in structure.last_stage[:1]:
-        # The model may reshape the final norm's output to the whole sequence (GPT-2 does): gather before it.
-        module = _present(model, name)
-        if module is not None:
-            module.register_forward_pre_hook(gather, with_kwargs=True)
 
 
 class _SequenceShaped:
@@ -102,13 +97,14 @@ def require_sequence_shape(module: nn.Module, name: str) -> None:
 
 
 def _gathered_output(mesh: DeviceMesh) -> Any:
-    """A forward hook that gathers a block's output (a tensor, or a tuple led by one) from sequence shards."""
+    """A forward hook that gathers a block's output (a tensor, or a tuple or list led by one) from sequence shards."""
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             return _relayout(output, mesh, Shard(1), Replicate())
-        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (_relayout(output[0], mesh, Shard(1), Replicate()), *output[1:])
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            gathered = (_relayout(output[0], mesh, Shard(1), Replicate()), *output[1:])
+            return list(gathered) if isinstance(output, list) else gathered
         raise TypeError(f"{type(module).__name__} returned no hidden states to gather for sequence parallel")
 
     return hook
@@ -210,12 +206,3 @@ def split_regions(model: nn.Module, structure: ModelStructure, split_modules: se
             if any(split.startswith(name + ".") for split in split_modules):
                 regions.append((name, child))
     return regions
-
-
-def _present(model: nn.Module, name: str) -> nn.Module | None:
-    """The module at `name`, or None when this pipeline stage holds a stand-in instead."""
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
-        return None
-    return None if is_placeholder(module) else module
