@@ -40,6 +40,8 @@ def _bank_size(name: str, module: nn.Module) -> tuple[int, bool] | None:
     only under an expert's name (`experts`, `local_experts`): a model's own list of blocks beside a head with
     one row per block is not a mixture of experts. A bank under peft's adapters is read through them."""
     module = wrapped_module(module)
+    if isinstance(module, nn.modules.conv._ConvNd):  # (a convolution's 3-D weight is a kernel: Qwen3.5's conv1d)
+        return None
     own = [param for _, param in module.named_parameters(recurse=False)]
     stacked = own and all(param.dim() >= 2 for param in own) and any(param.dim() == 3 for param in own)
     if stacked and len({param.shape[0] for param in own}) == 1:  # (gpt-oss: 2-D biases [E, out] beside them)

@@ -99,6 +99,14 @@ class LayerRoles:
         gathered = {role.region for role in self.layers.values() if role.role == "column_gathered"}
         return {facts.path for facts in attention if facts.path in gathered}
 
+    def whole_between_layers(self) -> set[str]:
+        """Regions whose split layers all hand on whole outputs (gathered columns, rows of a whole input: Qwen3-Next's
+        linear attention as declared): every rank computes the rest of the region whole, its gradients whole."""
+        regions: dict[str, set[str]] = {}
+        for role in self.layers.values():
+            regions.setdefault(role.region, set()).add(role.role)
+        return {region for region, kinds in regions.items() if kinds <= {"column_gathered", "row_of_whole", "whole"}}
+
 
 def linear_layers(module: nn.Module) -> list[str]:
     """Names (relative to `module`) of its linear layers: nn.Linear, GPT-2's Conv1D, a LoRA layer as one."""

@@ -20,7 +20,7 @@ from tests.helpers.hf_models import causal_lm, config  # noqa: E402
 
 def _cpmant() -> Any:
     settings = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=64, num_hidden_layers=2,
-                    dropout_p=0.0)  # fmt: skip
+                    dropout_p=0.0, init_std=0.02)  # fmt: skip
     torch.manual_seed(0)
     return transformers.CpmAntForCausalLM(transformers.CpmAntConfig(**settings))
 

@@ -172,12 +172,13 @@ def apply_tensor_parallel(
     split_head_parameters(model, split, tp_mesh)
     if cfg.sequence_parallel:
         columns = {name for name, kind in kinds.items() if kind in COLUMN_KINDS and name in styles}
-        apply_sequence_parallel(model, structure, tp_mesh, set(styles), columns)
+        apply_sequence_parallel(model, structure, tp_mesh, set(styles), columns, roles.whole_between_layers())
         for name in (name for name, kind in kinds.items() if kind == "rowwise" and name in styles):
             require_sequence_shape(model.get_submodule(name), name)
     latent = sum_shared_rotary_key(model, split, tp_mesh.get_group())
+    whole_inside = (*latent, *roles.whole_between_layers())  # (their other parameters' gradients: whole)
     in_regions = [name for name in unsplit_in_split_regions(model, structure, set(styles))
-                  if not any(name.startswith(f"{path}.") for path in latent)]  # fmt: skip
+                  if not any(name.startswith(f"{path}.") for path in whole_inside)]  # fmt: skip
     partial = [name for name in in_regions if name not in lora.whole and name not in lora.partial] + lora.partial
     if cfg.sequence_parallel:
         partial += on_sequence_shards(model, structure, set(styles))

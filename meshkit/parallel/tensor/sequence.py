@@ -10,6 +10,7 @@ before its first block and gathers after its last, so stages hand each other who
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -48,10 +49,16 @@ def _relayout_hook(mesh: DeviceMesh, source: Placement, target: Placement) -> An
 
 
 def apply_sequence_parallel(
-    model: nn.Module, structure: ModelStructure, mesh: DeviceMesh, split_modules: set[str], columns: set[str]
+    model: nn.Module,
+    structure: ModelStructure,
+    mesh: DeviceMesh,
+    split_modules: set[str],
+    columns: set[str],
+    whole_out: Collection[str] = (),
 ) -> None:
     """Sequence-shard the residual stream of `model`, whose `split_modules` are already column/row split
-    (`columns`: the column-split ones)."""
+    (`columns`: the column-split ones; `whole_out`: regions whose split layers hand on whole outputs, so the
+    region returns the whole sequence and keeps this rank's shard after, like a whole-sequence child)."""
     _, blocks = find_blocks(model, structure.blocks)
     gather = _relayout_hook(mesh, Shard(1), Replicate())
     units = list(block_units(blocks))
@@ -64,8 +71,10 @@ def apply_sequence_parallel(
             elif acts_per_token(child):
                 parallelize_module(child, mesh, SequenceParallel(use_local_output=True))
                 require_sequence_shape(child, f"{structure.blocks}.{index}.{name}")
-    for _, region in split_regions(model, structure, split_modules):
+    for name, region in split_regions(model, structure, split_modules):
         region.register_forward_pre_hook(_gather_input(mesh), with_kwargs=True)
+        if name in whole_out:  # (Qwen3-Next's linear attention as declared: gathered layers only)
+            region.register_forward_hook(_sharded_output(mesh))
     for _, child in whole_sequence_children(model, structure, split_modules):
         child.register_forward_pre_hook(_gather_all(mesh), with_kwargs=True)
         child.register_forward_hook(_sharded_output(mesh))
