@@ -197,6 +197,8 @@ def worker(model_type: str, layouts: list[str], rank: int, port: int, out: Path)
     import torch
     import torch.distributed as dist
 
+    from meshkit.runtime.mesh import stop_process_group
+
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
@@ -210,7 +212,7 @@ def worker(model_type: str, layouts: list[str], rank: int, port: int, out: Path)
             _append(out, rank, layout, result)
             return 1
         _append(out, rank, layout, result)
-    dist.destroy_process_group()
+    stop_process_group(wait_for_peers=True)  # (together: a rank that left early breaks a peer still setting up)
     return 0
 
 

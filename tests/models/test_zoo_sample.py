@@ -26,6 +26,7 @@ SAMPLE = {
 }
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("model_type", sorted(SAMPLE))
 def test_a_sampled_causal_lm_type_trains_as_one_process_or_is_refused_in_one_line(model_type: str) -> None:
     wanted = SAMPLE[model_type]
