@@ -134,3 +134,18 @@ def takes_argument(forward: Callable[..., Any], name: str) -> bool:
         return name in inspect.signature(forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def takes_cache_switch(model: Any) -> bool:
+    """Whether `use_cache=False` can be passed to `model` (a transformers model): its forward names it, or its
+    config has the switch and the forward hands keywords on (GraniteMoeHybrid's `**kwargs` reach its base model,
+    which otherwise builds a cache the training forward cannot use)."""
+    if takes_argument(model.forward, "use_cache"):
+        return True
+    try:
+        keywords = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()
+        )
+    except (TypeError, ValueError):
+        return False
+    return keywords and isinstance(getattr(getattr(model, "config", None), "use_cache", None), bool)

@@ -31,6 +31,9 @@ class RegionTrace:
     consumers: dict[str, set[str]] = field(default_factory=dict)  # layer -> autograd node names reading its output
     sources: dict[str, set[str]] = field(default_factory=dict)  # layer -> the region's layers its input comes from
     output_reads_input: bool = False  # the region's output depends on its input other than through its layers
+    # ids of the region's other parameters the writers' inputs depend on (per-head norms): under tp each rank
+    # computes only its part of their gradient; the others (a bias the model adds after the region) see whole values
+    between_parameters: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -157,4 +160,7 @@ def _read(
             trace.readers.append(name)
         if name in trace.writers:
             trace.between |= {type(node).__name__ for node in walked if node not in produced}
+            trace.between_parameters |= {
+                id(node.variable) for node in walked if type(node).__name__ == "AccumulateGrad"
+            }
     return trace

@@ -25,6 +25,7 @@ from meshkit.models.facts import (
     ModelStructure,
     StructureError,
     takes_argument,
+    takes_cache_switch,
     tied_parameters,
 )
 
@@ -372,7 +373,7 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
         causal_lm=causal,
         classifier=classifier,
         pooled=classifier is not None and type(model).__name__.endswith("ForSequenceClassification"),
-        training_inputs=(("use_cache", False),) if takes_argument(model.forward, "use_cache") else (),
+        training_inputs=(("use_cache", False),) if takes_cache_switch(model) else (),
         notes=_cannot(config, family, _unattended(path, blocks, attention), _mask_readers(model, attention)),
         vocabulary=tuple(dict.fromkeys(vocabulary)),
         moe=moe,

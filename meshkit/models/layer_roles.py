@@ -29,7 +29,7 @@ from torch import nn
 
 from meshkit.models.adapters import inside_lora_layer, lora_parts
 from meshkit.models.blocks import block_units, find_blocks
-from meshkit.models.facts import AttentionFacts, ModelStructure
+from meshkit.models.facts import AttentionFacts, ModelStructure, takes_cache_switch
 from meshkit.models.forward_trace import RegionTrace, trace_regions
 from meshkit.models.hf_adapter import text_config
 
@@ -93,6 +93,15 @@ class LayerRoles:
     whole_regions: dict[str, str] = field(default_factory=dict)  # region -> why it is kept whole
     unplaced: tuple[str, ...] = ()  # layers of regions with no role: the traced forward failed (`trace_error`)
     trace_error: str = ""
+    # traced region -> its parameters outside its layers that the writers' inputs depend on (their gradients are
+    # partial over tp); the region's other such parameters get whole gradients (`RegionTrace.between_parameters`)
+    between_parameters: dict[str, frozenset[str]] = field(default_factory=dict)
+
+    def partial_gradient(self, name: str) -> bool:
+        """Whether parameter `name`, whole inside a split region, gets only part of its gradient on each tp rank
+        (True unless a trace of its region shows the split activations never reach it)."""
+        region = next((path for path in self.between_parameters if name.startswith(f"{path}.")), None)
+        return region is None or name in self.between_parameters[region]
 
     def gathered_attentions(self, attention: tuple[AttentionFacts, ...]) -> set[str]:
         """Attentions whose split projections are gathered again: they run every head on each rank."""
@@ -218,7 +227,10 @@ def layer_roles(model: nn.Module, structure: ModelStructure, run: Callable[[], A
             role: Role = "row" if name in trace.writers else "column" if name in trace.called else "whole"
             role = "whole" if name in latent else role
             roles[name] = LayerRole(role, "traced", path, _fused(model, name, trace, structure, role))
-    return LayerRoles(roles, whole)
+    names = {id(param): name for name, param in model.named_parameters()}
+    between = {path: frozenset(names[i] for i in trace.between_parameters if i in names)
+               for path, trace in traces.items()}  # fmt: skip
+    return LayerRoles(roles, whole, between_parameters=between)
 
 
 def _attention_of(path: str, structure: ModelStructure) -> AttentionFacts | None:
@@ -317,7 +329,7 @@ def sample_forward(model: nn.Module, structure: ModelStructure) -> Callable[[], 
         try:
             if hasattr(model, "get_input_embeddings") and hasattr(model, "config"):
                 ids = torch.zeros(1, 4, dtype=torch.long, device=param.device)
-                kwargs: dict[str, Any] = {"use_cache": False} if "use_cache" in _arguments(model) else {}
+                kwargs: dict[str, Any] = {"use_cache": False} if takes_cache_switch(model) else {}
                 if param.device.type == "meta":
                     kwargs["attention_mask"] = torch.zeros(1, 1, 4, 4, device=param.device, dtype=param.dtype)
                 return model(input_ids=ids, **kwargs)
@@ -340,12 +352,3 @@ def _input_width(block: nn.Module) -> int:
         if isinstance(weight, torch.Tensor) and weight.dim() == 1 and next(module.children(), None) is None:
             return int(weight.numel())
     raise TypeError(f"{type(block).__name__} has no parameter that tells its input width")
-
-
-def _arguments(model: nn.Module) -> set[str]:
-    import inspect
-
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshkit.models.facts import ModelStructure, takes_argument
+from meshkit.models.facts import ModelStructure, takes_argument, takes_cache_switch
 from meshkit.models.hf_adapter import is_transformers_model
 
 TOLERANCE = 1e-4  # relative: the same logits give the same cross-entropy up to summation order
@@ -63,9 +63,10 @@ def own_loss(model: nn.Module, structure: ModelStructure) -> OwnLoss | None:
 def _forward(model: nn.Module, ids: torch.Tensor) -> Any:
     """The model in eval mode (no dropout) on `ids` with `labels=ids`, without cache or router terms."""
     kwargs: dict[str, Any] = {"input_ids": ids, "labels": ids}
-    for name in ("use_cache", "output_router_logits"):  # (a balancing term in the loss is meshkit's to add)
-        if takes_argument(model.forward, name):
-            kwargs[name] = False
+    if takes_cache_switch(model):
+        kwargs["use_cache"] = False
+    if takes_argument(model.forward, "output_router_logits"):  # (a balancing term in the loss is meshkit's to add)
+        kwargs["output_router_logits"] = False
     was_training = model.training
     model.eval()
     try:

@@ -178,7 +178,8 @@ def apply_tensor_parallel(
     latent = sum_shared_rotary_key(model, split, tp_mesh.get_group())
     whole_inside = (*latent, *roles.whole_between_layers())  # (their other parameters' gradients: whole)
     in_regions = [name for name in unsplit_in_split_regions(model, structure, set(styles))
-                  if not any(name.startswith(f"{path}.") for path in whole_inside)]  # fmt: skip
+                  if not any(name.startswith(f"{path}.") for path in whole_inside)
+                  and roles.partial_gradient(name)]  # fmt: skip
     partial = [name for name in in_regions if name not in lora.whole and name not in lora.partial] + lora.partial
     if cfg.sequence_parallel:
         partial += on_sequence_shards(model, structure, set(styles))
