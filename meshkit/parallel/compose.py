@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from meshkit.config.layout import PipelineError
 from meshkit.config.schema import DDPConfig, RunConfig
+from meshkit.models.block_flow import carried_between_blocks
 from meshkit.models.gpt import GPT
-from meshkit.models.layer_roles import LayerRoles, layer_roles
+from meshkit.models.layer_roles import LayerRoles, layer_roles, sample_forward
 from meshkit.models.own_loss import OwnLoss, own_loss
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.models.usage import parameters_without_gradient
@@ -77,6 +79,12 @@ def parallelize(
         result = _parallelize_one(model, mesh, config, zero_stage, structure, frozen=frozen)
         result.notice, result.own_loss = result.notice or notice, own
         return result
+    carried = carried_between_blocks(model, structure, sample_forward(model, structure)) if structure.blocks else None
+    if carried is not None:
+        raise PipelineError(
+            f"pipeline parallel: {carried} is computed from an earlier block's output, and a stage hands the next "
+            "one the hidden states only: use pp=1"
+        )
     chunks = chunks_per_rank(config.pipeline)
     roles = _roles(model, structure, config) if mesh.size("tp") > 1 else None  # (learnt on the whole model)
     stage_list = stage_ids(mesh.coordinate("pp"), pp, chunks, config.pipeline.schedule)

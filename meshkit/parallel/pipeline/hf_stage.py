@@ -59,6 +59,16 @@ class _Received:
         return args, {**kwargs, "hidden_states": hidden}
 
 
+def plain_attributes(module: nn.Module | None) -> dict[str, Any]:
+    """`module`'s own plain attributes and its class's (numbers, strings, flags, None), without private ones."""
+    if module is None:
+        return {}
+    found = {**{k: v for cls in reversed(type(module).__mro__) if issubclass(cls, nn.Module) and cls is not nn.Module
+                for k, v in vars(cls).items()}, **vars(module)}  # fmt: skip
+    return {name: value for name, value in found.items() if not name.startswith("_") and name != "training"
+            and (value is None or isinstance(value, (bool, int, float, str)))}  # fmt: skip
+
+
 class _BlockOutputs:
     """How the model's blocks return their hidden states — a tensor (most families) or a tuple or list led by it
     (Bloom, Falcon, OpenAI GPT: the model's loop takes `outputs[0]`) — learnt from this stage's own blocks."""
@@ -82,9 +92,12 @@ class _Skipped(nn.Module):
 
     is_placeholder = True
 
-    def __init__(self, outputs: _BlockOutputs) -> None:
+    def __init__(self, outputs: _BlockOutputs, placeholder: nn.Module | None = None) -> None:
         super().__init__()
         self.outputs = outputs
+        for name, value in plain_attributes(placeholder).items():
+            if name != "is_placeholder":
+                setattr(self, name, value)
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.outputs.as_tuple is None and self.outputs.length > 1:
@@ -115,7 +128,7 @@ def _learn_block_outputs(blocks: BlockList, unpacked: int = 1) -> None:
     outputs = _BlockOutputs(unpacked)
     for index, block in enumerate(blocks):
         if getattr(block, "is_placeholder", False):
-            blocks[index] = _Skipped(outputs)
+            blocks[index] = _Skipped(outputs, block)
         else:
             block.register_forward_hook(outputs.learn)
 

@@ -21,7 +21,7 @@ from torch import nn
 from meshkit.config.layout import SINGLE_STAGE, PipelineError, chunks_per_rank  # noqa: F401 - re-exported
 from meshkit.models.blocks import block_list, find_blocks
 from meshkit.models.structure import ModelStructure
-from meshkit.parallel.pipeline.hf_stage import make_transformers_stage
+from meshkit.parallel.pipeline.hf_stage import make_transformers_stage, plain_attributes
 
 SCHEDULE_CLASSES = {
     "gpipe": "ScheduleGPipe",
@@ -89,9 +89,16 @@ def balanced_split(costs: list[int], stages: int, first_extra: int, last_extra: 
 
 
 class SkippedBlock(nn.Module):
-    """Stands in for a block that lives on another stage: no parameters, passes the hidden states on."""
+    """Stands in for a block that lives on another stage: no parameters, passes the hidden states on. It keeps
+    the block's plain attributes (numbers, strings, flags): the model's loop may read them (Inkling's
+    `attention_type` picks each layer's mask)."""
 
     is_placeholder = True
+
+    def __init__(self, block: nn.Module | None = None) -> None:
+        super().__init__()
+        for name, value in plain_attributes(block).items():
+            setattr(self, name, value)
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return hidden
@@ -125,7 +132,7 @@ def split_model(model: nn.Module, stage_list: list[int], stages: int, structure:
         chunk_blocks = block_list(chunk, structure.blocks)
         for index in range(len(chunk_blocks)):
             if index not in ranges[stage]:
-                chunk_blocks[index] = SkippedBlock()
+                chunk_blocks[index] = SkippedBlock(chunk_blocks[index])
         first, last = stage == 0, stage == stages - 1
         if structure.stage_style == "hf":
             modules.append(make_transformers_stage(chunk, structure, first, last, ranges[stage].start))
