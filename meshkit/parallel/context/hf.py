@@ -45,6 +45,11 @@ def ring_attention_function(
         raise RingAttentionError(
             f"ring attention has no attention dropout: set the model config's attention dropout to 0 (got {dropout})"
         )
+    if attention_mask is not None:  # (transformers builds none for a registered implementation: the model's own)
+        raise RingAttentionError(
+            f"context parallel: {type(module).__name__} passes an attention mask of its own (built from its "
+            "weights or data, e.g. Doge's dynamic mask), which ring attention does not apply: use cp=1"
+        )
     repeats = query.shape[1] // key.shape[1]
     if repeats > 1:  # grouped-query attention: each key/value head serves `repeats` query heads
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
