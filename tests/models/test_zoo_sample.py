@@ -11,7 +11,7 @@ from bench.zoo import run_type  # noqa: E402
 
 # type -> {layout: what the cell must be}, with the fact each one shows
 SAMPLE = {
-    "cpmant": {"ddp2": "ok"},  # its own loss takes its labels already shifted
+    "trocr": {"ddp2": "ok", "tp2": "refused"},  # its own loss takes labels already shifted; reshapes to full width
     "bert-generation": {"ddp2": "ok"},  # a causal LM by transformers' registry, not by its class name
     "gpt_oss": {"tp2": "ok"},  # per-head attention sinks split with the heads (and an MoE)
     "doge": {"tp2": "ok"},  # a declared row split that feeds a mask, not the output: its attention kept whole

@@ -35,6 +35,7 @@ from meshkit.models.gpt import GPT
 from meshkit.models.layer_roles import LayerRoles, layer_roles
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.parallel.tensor.auto import TensorParallelError, divide_attributes, style, tensor_plan
+from meshkit.parallel.tensor.first_call import check_first_call
 from meshkit.parallel.tensor.head_inputs import take_own_heads
 from meshkit.parallel.tensor.head_parameters import split_head_parameters
 from meshkit.parallel.tensor.latent import sum_shared_rotary_key
@@ -166,6 +167,7 @@ def apply_tensor_parallel(
         except AttributeError:  # the block lives on another pipeline stage
             continue
         divide_attributes(attention, tp)
+        check_first_call(attention, facts.path, tp)
         if facts.heads is not None:
             take_own_heads(attention, facts.heads, tp_mesh.get_local_rank(), tp)
     split_projection_norms(model, split, tp_mesh)
