@@ -1,5 +1,5 @@
 """Per-head inputs that a model computes outside its attention and hands in (Bloom's ALiBi bias, one row per batch
-row and head; a per-head 4-D attention bias): under tensor parallel each rank's attention holds some of the heads,
+row and head; MPT's, one row per head; a per-head 4-D attention bias): under tensor parallel each rank's attention holds some of the heads,
 so it takes their rows only. Recognised by shape against the attention's head count, not by argument name."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ class _TakeOwnHeads:
         rows = slice(self.start, self.start + self.local)
         if value.dim() == 3 and value.shape[0] == batch * self.heads:  # [batch × heads, 1 or q, k] (ALiBi)
             return value.unflatten(0, (batch, self.heads))[:, rows].flatten(0, 1)
+        if value.dim() == 3 and value.shape[0] == self.heads:  # [heads, 1, k], shared by the batch (MPT's ALiBi)
+            return value[rows]
         if value.dim() == 4 and value.shape[0] == batch and value.shape[1] == self.heads:  # [batch, heads, q, k]
             return value[:, rows]
         return value
