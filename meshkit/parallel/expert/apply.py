@@ -16,6 +16,7 @@ every other parameter gets (FSDP's divide factor, or `GradientAllReduce(divisor=
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -63,6 +64,7 @@ def apply_expert_parallel(
     banks = []
     for facts in moe_blocks(model):
         bank, adapters = parameter_adapters(model.get_submodule(facts.path).get_submodule(facts.bank))
+        _check_calling_convention(bank, f"{facts.path}.{facts.bank}")
         for wrapper in adapters.values():  # the adapters join the local pieces below, not by peft's parametrization
             wrapper.forward = _PassThrough(cast(nn.Module, wrapper.base_layer))
         for name, param in list(bank.named_parameters(recurse=False)):
@@ -74,6 +76,20 @@ def apply_expert_parallel(
         bank.forward = forward
         banks.append(bank)
     return banks
+
+
+def _check_calling_convention(bank: nn.Module, path: str) -> None:
+    """A bank expert parallel can drive takes the tokens alone (every expert's rows, Llama 4) or with their
+    routing (`top_k_index`, `top_k_weights`: transformers 5's banks); another convention stops in one line."""
+    try:
+        names = list(inspect.signature(type(bank).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return
+    if len(names) not in (1, 3):
+        raise ExpertParallelError(
+            f"parallel.ep: the expert bank {path} ({type(bank).__name__}) is called as forward({', '.join(names)}), "
+            "not with the tokens and their routing that expert parallel sends between ranks: set parallel.ep=1"
+        )
 
 
 class _PassThrough:

@@ -1,6 +1,7 @@
 """Per-head inputs that a model computes outside its attention and hands in (Bloom's ALiBi bias, one row per batch
-row and head; MPT's, one row per head; a per-head 4-D attention bias): under tensor parallel each rank's attention holds some of the heads,
-so it takes their rows only. Recognised by shape against the attention's head count, not by argument name."""
+row and head; MPT's, one row per head; a per-head 4-D attention bias): under tensor parallel each rank's attention
+holds some of the heads, so it takes their rows only. Recognised by shape against the attention's head count, not
+by argument name."""
 
 from __future__ import annotations
 
