@@ -284,12 +284,31 @@ def _text_blocks(model: Any, names: dict[int, str], blocks_override: str | None)
             decoder = None
         if isinstance(decoder, nn.Module) and decoder is not model and id(decoder) in names:
             try:
-                path, blocks = find_blocks(decoder)
+                path, blocks = _declared_blocks(model, decoder) or find_blocks(decoder)
             except BlockError:
                 pass
             else:
                 return ".".join(part for part in (names[id(decoder)], path) if part), blocks
     return find_blocks(model, blocks_override)
+
+
+def _declared_blocks(model: Any, decoder: nn.Module) -> tuple[str, BlockList] | None:
+    """The block list the model's declared pipeline plan names (the entry taking and returning hidden states:
+    `"layers": (["hidden_states", ...], ["hidden_states"])`), when it is a list of blocks in `decoder` — before any
+    count of repeats (Gemma-3n's three AltUp projections outnumber a two-layer model's layers)."""
+    config = model.config.get_text_config() if callable(getattr(model.config, "get_text_config", None)) else None
+    plan = getattr(config or model.config, "base_model_pp_plan", None)
+    for name, entry in (plan or {}).items():
+        takes = entry[0] if isinstance(entry, (tuple, list)) and entry else ()
+        if "hidden_states" not in takes:
+            continue
+        try:
+            found = decoder.get_submodule(name)
+        except AttributeError:
+            continue
+        if isinstance(found, (nn.ModuleList, nn.Sequential)) and len(found) > 0:
+            return name, found
+    return None
 
 
 def _composite(config: Any) -> bool:

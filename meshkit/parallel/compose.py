@@ -82,8 +82,8 @@ def parallelize(
     carried = carried_between_blocks(model, structure, sample_forward(model, structure)) if structure.blocks else None
     if carried is not None:
         raise PipelineError(
-            f"pipeline parallel: {carried} is computed from an earlier block's output, and a stage hands the next "
-            "one the hidden states only: use pp=1"
+            f"pipeline parallel: {carried}, and a stage hands the next one its last block's hidden states only: "
+            "use pp=1"
         )
     chunks = chunks_per_rank(config.pipeline)
     roles = _roles(model, structure, config) if mesh.size("tp") > 1 else None  # (learnt on the whole model)
