@@ -317,15 +317,17 @@ def _declared(
             for name, role in roles.items()}  # fmt: skip
 
 
-def sample_forward(model: nn.Module, structure: ModelStructure) -> Callable[[], Any]:
-    """One forward of a few tokens in eval mode (no dropout), on the model's device (the meta device included:
-    a transformers model gets a 4-D mask there, so that it builds none from the data). A model without an input
-    embedding (a user's own stack) runs each block alone on [1, 4, width] hidden states instead."""
+def sample_forward(model: nn.Module, structure: ModelStructure, keep_mode: bool = False) -> Callable[[], Any]:
+    """One forward of a few tokens in eval mode (no dropout; `keep_mode`: in the model's own mode, where only the
+    graph's structure is read and a switch of mode would have side effects — RWKV rescales its weights on one), on
+    the model's device (the meta device included: a transformers model gets a 4-D mask there, so that it builds
+    none from the data). A model without an input embedding (a user's own stack) runs each block alone on
+    [1, 4, width] hidden states instead."""
     param = next(model.parameters())
 
     def run() -> Any:
         was_training = model.training
-        model.eval()
+        model.train(was_training and keep_mode)
         try:
             if hasattr(model, "get_input_embeddings") and hasattr(model, "config"):
                 ids = torch.zeros(1, 4, dtype=torch.long, device=param.device)

@@ -61,19 +61,15 @@ def own_loss(model: nn.Module, structure: ModelStructure) -> OwnLoss | None:
 
 
 def _forward(model: nn.Module, ids: torch.Tensor) -> Any:
-    """The model in eval mode (no dropout) on `ids` with `labels=ids`, without cache or router terms."""
+    """The model on `ids` with `labels=ids`, without cache or router terms, in its own mode (the loss and the
+    logits come from the same forward, dropout or not; a switch of mode may have side effects: RWKV rescales)."""
     kwargs: dict[str, Any] = {"input_ids": ids, "labels": ids}
     if takes_cache_switch(model):
         kwargs["use_cache"] = False
     if takes_argument(model.forward, "output_router_logits"):  # (a balancing term in the loss is meshkit's to add)
         kwargs["output_router_logits"] = False
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            return model(**kwargs)
-    finally:
-        model.train(was_training)
+    with torch.no_grad():
+        return model(**kwargs)
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> float:

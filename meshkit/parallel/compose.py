@@ -79,7 +79,11 @@ def parallelize(
         result = _parallelize_one(model, mesh, config, zero_stage, structure, frozen=frozen)
         result.notice, result.own_loss = result.notice or notice, own
         return result
-    carried = carried_between_blocks(model, structure, sample_forward(model, structure)) if structure.blocks else None
+    carried = (
+        carried_between_blocks(model, structure, sample_forward(model, structure, keep_mode=True))
+        if structure.blocks
+        else None
+    )
     if carried is not None:
         raise PipelineError(
             f"pipeline parallel: {carried}, and a stage hands the next one its last block's hidden states only: "
