@@ -100,7 +100,8 @@ class LayerRoles:
     def partial_gradient(self, name: str) -> bool:
         """Whether parameter `name`, whole inside a split region, gets only part of its gradient on each tp rank
         (True unless a trace of its region shows the split activations never reach it)."""
-        region = next((path for path in self.between_parameters if name.startswith(f"{path}.")), None)
+        regions = [path for path in self.between_parameters if name.startswith(f"{path}.")]
+        region = max(regions, key=len, default=None)  # (the innermost: an attention inside a block that is one too)
         return region is None or name in self.between_parameters[region]
 
     def gathered_attentions(self, attention: tuple[AttentionFacts, ...]) -> set[str]:
@@ -114,7 +115,12 @@ class LayerRoles:
         regions: dict[str, set[str]] = {}
         for role in self.layers.values():
             regions.setdefault(role.region, set()).add(role.role)
-        return {region for region, kinds in regions.items() if kinds <= {"column_gathered", "row_of_whole", "whole"}}
+        handing_on_whole = {"column_gathered", "row_of_whole"}
+        return {
+            region
+            for region, kinds in regions.items()
+            if kinds & handing_on_whole and kinds <= {*handing_on_whole, "whole"}
+        }
 
 
 def linear_layers(module: nn.Module) -> list[str]:

@@ -22,7 +22,7 @@ class _TakeOwnHeads:
         rows = slice(self.start, self.start + self.local)
         if value.dim() == 3 and value.shape[0] == batch * self.heads:  # [batch × heads, 1 or q, k] (ALiBi)
             return value.unflatten(0, (batch, self.heads))[:, rows].flatten(0, 1)
-        if value.dim() == 3 and value.shape[0] == self.heads:  # [heads, 1, k], shared by the batch (MPT's ALiBi)
+        if value.dim() == 3 and value.shape[0] == self.heads and value.shape[1] == 1:  # [heads, 1, k] (MPT's ALiBi)
             return value[rows]
         if value.dim() == 4 and value.shape[0] == batch and value.shape[1] == self.heads:  # [batch, heads, q, k]
             return value[:, rows]
@@ -34,8 +34,9 @@ class _TakeOwnHeads:
             return None
         batch = hidden.shape[0]
 
-        def own(value: Any) -> Any:
-            return self._own(value, batch) if isinstance(value, torch.Tensor) and value.dim() >= 2 else value
+        def own(value: Any) -> Any:  # (a tensor shaped like the hidden states is one: Bloom's residual)
+            per_head = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape != hidden.shape
+            return self._own(value, batch) if per_head else value
 
         rest = tuple(own(value) for value in args[1:])  # (CTRL hands its mask in after q, k and v)
         mine = {key: own(value) for key, value in kwargs.items() if key != "hidden_states"}
