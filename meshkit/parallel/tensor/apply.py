@@ -179,9 +179,13 @@ def apply_tensor_parallel(
             require_sequence_shape(model.get_submodule(name), name)
     latent = sum_shared_rotary_key(model, split, tp_mesh.get_group())
     whole_inside = (*latent, *roles.whole_between_layers())  # (their other parameters' gradients: whole)
-    in_regions = [name for name in unsplit_in_split_regions(model, structure, set(styles))
-                  if not any(name.startswith(f"{path}.") for path in whole_inside)
-                  and roles.partial_gradient(name)]  # fmt: skip
+    in_regions = [
+        name
+        for name in unsplit_in_split_regions(model, structure, set(styles))
+        if not any(name.startswith(f"{path}.") for path in whole_inside)
+        # (under SP one used after the region sees this rank's sequence shard: partial too)
+        and (cfg.sequence_parallel or roles.partial_gradient(name))
+    ]
     partial = [name for name in in_regions if name not in lora.whole and name not in lora.partial] + lora.partial
     if cfg.sequence_parallel:
         partial += on_sequence_shards(model, structure, set(styles))
