@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 # pytest workers (pytest-xdist): two keep a 2-core machine busy; each test file runs whole on one of them
 TEST_WORKERS ?= 2
 
-.PHONY: install demo finetune-demo dpo-demo test test-full test-quick test-fast lint docs bench clean
+.PHONY: install demo finetune-demo dpo-demo test test-full test-quick test-fast lint docs bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,10 @@ bench: $(STAMP)
 	$(BIN)/python bench/ring_window.py
 	$(BIN)/meshkit bench comm --nproc-per-node 2 --out bench/results/comm-w2.json
 	$(BIN)/python bench/report.py
+
+# one accelerator, ~8 minutes, no network: tokens/s and MFU, FSDP2, fp8, the fused loss, the estimator (docs/benchmarks.md)
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache site

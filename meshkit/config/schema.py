@@ -321,6 +321,12 @@ class RunConfig(Section):
     precision: Literal["no", "bf16", "fp16"] = Field("no", description="mixed precision: no (fp32), bf16, fp16")
     grad_accum_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm in train_step")
+    fused_loss: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="train_step's causal-LM loss from the head's input and weight, a chunk of tokens at a time: the "
+        "whole logits never exist (cut cross-entropy); auto = where exact (the model returns its head's output as "
+        "its logits), on = refuse where not, off = from the logits",
+    )
     seed: int = Field(0, ge=0, description="seed for model init, data order and dropout")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")
     collective_timeout_s: float = seconds(600.0, "timeout of every collective, in seconds")

@@ -13,6 +13,7 @@ from torch import nn
 
 from meshkit.engine.gradients import GradientSync
 from meshkit.runtime import collectives
+from meshkit.training.fused_head import FusedHead
 from meshkit.training.loss import IGNORE_INDEX, TokenWeights, logits_of, token_loss_sum
 from meshkit.training.router_loss import BalancingLoss, RouterLossError, router_logits_of
 
@@ -27,15 +28,20 @@ def causal_lm_micro_step(
     balancing_over: dist.ProcessGroup | None = None,
     mask: torch.Tensor | None = None,
     weights: TokenWeights | None = None,
+    fused: FusedHead | None = None,
 ) -> torch.Tensor:
     """One micro-step on (inputs, shifted targets); returns the step's mean loss over every rank's tokens.
     `balancing_over`: the ranks the balancing loss takes its statistics over (None: this rank alone); `mask`: the
     batch's attention mask (the balancing loss leaves padding out), as split as the inputs; `weights`: each token's
-    loss weight (`Engine.weigh_token_losses`)."""
+    loss weight (`Engine.weigh_token_losses`); `fused`: the head that computes the loss in its forward, without
+    the logits (`meshkit.training.fused_head`)."""
     inputs, targets = batch
     with loss_parallel():
-        output = model(**inputs)
-        total = token_loss_sum(logits_of(output), targets, weights)
+        with fused.loss_of(targets, weights) if fused is not None else contextlib.nullcontext():
+            output = model(**inputs)
+        total = fused.take_loss(logits_of(output)) if fused is not None else None
+        if total is None:
+            total = token_loss_sum(logits_of(output), targets, weights)
     count = (targets != IGNORE_INDEX).sum()
     if balancing is not None:
         router_logits = router_logits_of(output)

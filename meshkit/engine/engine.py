@@ -369,7 +369,15 @@ class Engine:
                 group, balancing = self.ctx.placement.grad_group, objects.balancing
                 batch = ({**objects.training_inputs, **batch[0]}, batch[1])  # (a pipeline stage adds its own)
                 loss = causal_lm_micro_step(
-                    model, batch, self._gradients, group, self.loss_parallel, *balancing, mask, objects.token_weights
+                    model,
+                    batch,
+                    self._gradients,
+                    group,
+                    self.loss_parallel,
+                    *balancing,
+                    mask,
+                    objects.token_weights,
+                    objects.fused_head,
                 )
             else:
                 with self.loss_parallel():

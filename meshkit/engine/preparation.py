@@ -26,6 +26,7 @@ from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.tensor.consistency import WholeGradientsAgree
 from meshkit.parallel.zero.sharding import rebind_params, renamed_parameters, shard_optimizer
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
+from meshkit.training.fused_head import FusedHead
 from meshkit.training.loss import CausalLMLoss, LossFn
 from meshkit.training.router_loss import balancing_group, balancing_loss
 
@@ -81,6 +82,7 @@ class Preparation(EngineComponent):
         objects.causal_lm = done.structure is not None and done.structure.causal_lm  # HF batches get the LM loss
         if objects.causal_lm and objects.loss_fn is None and done.own_loss is not None:
             objects.causal_lm, objects.label_shift = self._own_loss_kept(done)
+        objects.fused_head = self._fused_head(done)
         objects.classifier = done.structure.classifier if done.structure else None
         objects.training_inputs = dict(done.structure.training_inputs) if done.structure else {}
         if done.structure is not None:
@@ -112,6 +114,8 @@ class Preparation(EngineComponent):
                 loss_fn = CausalLMLoss()  # HF batches with labels: the token-mean next-token loss
             elif loss_fn is None and done.structure is not None and done.structure.classifier is not None:
                 loss_fn = _objective_only  # (a reward model's objective brings its own loss to the last stage)
+            if isinstance(loss_fn, CausalLMLoss):
+                loss_fn.fused, objects.fused_head = objects.fused_head, None  # (the schedule runs the forward)
             objects.pipeline = PipelineRunner(done.model, ctx.mesh, ctx.config.pipeline, loss_fn)
             balancing, group = objects.balancing
             if balancing is not None and done.structure is not None:  # (each stage adds its MoE layers' terms)
@@ -150,6 +154,30 @@ class Preparation(EngineComponent):
             "the model's own loss of its batch",
         )
         return False, 1
+
+    def _fused_head(self, done: Parallelized) -> FusedHead | None:
+        """The head that computes train_step's causal-LM loss from its input and weight (`fused_loss`): where
+        meshkit computes the loss and the model's logits are its head's output as it is."""
+        objects, setting = self.ctx.objects, self.ctx.config.fused_loss
+        if setting == "off" or not objects.causal_lm or objects.loss_fn is not None:
+            return None
+        head = done.own_loss.logits_head if done.own_loss is not None else None
+        reasons = {
+            "the model's logits are not its head's output as it is (scaled or capped after the head), or a sample "
+            "forward could not tell": head is None,
+            f"strategy={self.ctx.config.strategy} runs the model its own way": self.ctx.config.strategy != "auto",
+        }
+        reason = next((text for text, applies in reasons.items() if applies), None)
+        if reason is not None:
+            if setting == "on":
+                raise EngineError(f"fused_loss=on, but {reason}: set fused_loss=auto (or off)")
+            return None
+        assert head is not None
+        if not isinstance(done.model, PipelineModel):
+            return FusedHead(unwrap(done.model).get_submodule(head))
+        last = done.model.stages - 1  # (the last stage holds the head; the pipeline's loss takes it)
+        chunks = [chunk for chunk, stage in zip(done.model.chunks, done.model.stage_list, strict=True) if stage == last]
+        return FusedHead(unwrap(chunks[0]).get_submodule(head)) if chunks else None
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         """`model` laid out like the prepared model (split under tp, sharded under ZeRO-3, weights streamed from

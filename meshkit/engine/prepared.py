@@ -16,6 +16,7 @@ from meshkit.parallel.activation import CheckpointedBlock
 from meshkit.parallel.pipeline.schedule import PipelineRunner
 from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
+from meshkit.training.fused_head import FusedHead
 from meshkit.training.loss import LossFn, TokenWeights
 from meshkit.training.router_loss import BalancingLoss
 
@@ -45,6 +46,7 @@ class PreparedObjects:
     # the router's balancing loss train_step adds (mixture of experts), and the ranks it takes statistics over
     balancing: tuple[BalancingLoss | None, Any] = (None, None)
     token_weights: TokenWeights | None = None  # each token's loss weight in train_step's causal-LM loss (EAFT)
+    fused_head: FusedHead | None = None  # the head computing train_step's causal-LM loss without the logits
     uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
     # id(prepared model) -> ...
     split_weights: dict[int, SplitWeights] = field(default_factory=dict)  # how tensor parallel stores fused weights

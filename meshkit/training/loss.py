@@ -130,9 +130,13 @@ class CausalLMLoss:
     def __init__(self) -> None:
         self.scale = 1.0
         self.weights: TokenWeights | None = None  # (`Engine.weigh_token_losses`)
+        self.fused: Any = None  # the last stage's FusedHead (`meshkit.training.fused_head`): losses without logits
 
     def __call__(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits_of(output), targets, self.weights) * self.scale
+        total = self.fused.take_loss(logits_of(output)) if self.fused is not None else None
+        if total is None:
+            total = token_loss_sum(logits_of(output), targets, self.weights)
+        return total * self.scale
 
 
 STAGE_KEYWORDS = ("position_ids",)  # batch entries every pipeline stage takes besides its input

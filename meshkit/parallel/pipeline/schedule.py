@@ -33,6 +33,17 @@ def forward_only_refusal(schedule: str, what: str) -> str | None:
     )
 
 
+class _Stage(PipelineStage):
+    """A stage whose forward of micro-batch `i` runs inside `around_forward(i)` when set (the fused loss's targets)."""
+
+    around_forward: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        around = self.around_forward
+        with around(fwd_chunk_id) if around is not None else contextlib.nullcontext():
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+
 class PipelineRunner:
     """Drives this rank's stages through the configured schedule; `step` returns the mean micro-batch loss."""
 
@@ -46,7 +57,7 @@ class PipelineRunner:
         self.group = mesh.group("pp")
         self.microbatches = check_pipeline(cfg, pp)
         self.stages = [
-            PipelineStage(chunk, index, model.stages, mesh.device, group=self.group)
+            _Stage(chunk, index, model.stages, mesh.device, group=self.group)
             for chunk, index in zip(model.chunks, model.stage_list, strict=True)
         ]
         stage_arg = self.stages[0] if cfg.schedule in SINGLE_STAGE else self.stages
@@ -133,7 +144,9 @@ class PipelineRunner:
         term = None
         if self.balancing is not None and token_mean:
             term = self._balancing_term(args, {**kwargs, **(keywords or {})}, targets)
-        self.schedule.step(*args, **kwargs, **(keywords or {}))
+        fused = self.loss_fn.fused if token_mean and self.model.has_last_stage else None
+        with self._fused_losses(fused, targets) if fused is not None else contextlib.nullcontext():
+            self.schedule.step(*args, **kwargs, **(keywords or {}))
         local = [(x.full_tensor() if isinstance(x, DTensor) else x).detach().float() for x in losses]
         loss = torch.stack(local).mean() if local else torch.zeros((), device=inputs.device)
         dist.broadcast(loss, src=self.last_stage_rank, group=self.group)  # the step's loss on every rank
@@ -142,6 +155,22 @@ class PipelineRunner:
         if token_mean:
             loss = collectives.reduce(loss, grad_group, op="mean")
         return loss
+
+    @contextlib.contextmanager
+    def _fused_losses(self, fused: Any, targets: torch.Tensor) -> Iterator[None]:
+        """Each micro-batch's forward on the last stage computes its loss in the head (`fused_head`), against its
+        part of the targets (split as the schedule splits them); other forwards (the stage's shape inference)
+        run the head as itself."""
+        parts, weights = torch.tensor_split(targets, self.microbatches), self.loss_fn.weights
+        last = [stage for stage in self.stages if stage.is_last]
+        for stage in last:
+            stage.around_forward = lambda index: fused.loss_of(parts[index], weights)
+        try:
+            yield
+        finally:
+            fused.forget()
+            for stage in last:
+                stage.around_forward = None
 
     def evaluate(
         self, inputs: torch.Tensor, targets: torch.Tensor, keywords: dict[str, torch.Tensor] | None = None
