@@ -321,6 +321,23 @@ class RunConfig(Section):
     precision: Literal["no", "bf16", "fp16"] = Field("no", description="mixed precision: no (fp32), bf16, fp16")
     grad_accum_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm in train_step")
+    neftune_noise_alpha: float | None = Field(
+        None,
+        gt=0,
+        description="NEFTune: uniform noise of ±alpha/sqrt(seq·hidden) on the input embeddings while "
+        "training (as transformers' Trainer adds it); null = none",
+    )
+    tiled_mlp: bool = Field(
+        False,
+        description="run each block's MLP over slices of the sequence under checkpointing: its intermediate "
+        "activations exist for one slice at a time (long sequences)",
+    )
+    tiled_mlp_shards: int | None = Field(
+        None,
+        ge=1,
+        description="tiled_mlp: slices of the sequence; null = ceil(seq / hidden), as Arctic Long "
+        "Sequence Training sizes them",
+    )
     fused_loss: Literal["auto", "on", "off"] = Field(
         "auto",
         description="train_step's causal-LM loss from the head's input and weight, a chunk of tokens at a time: the "

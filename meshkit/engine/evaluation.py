@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -32,10 +33,18 @@ class Evaluation(EngineComponent):
             if ctx.objects.pipeline is not None:
                 total = ctx.objects.pipeline.evaluate(*pipeline_pair((inputs, targets), True))
             else:
-                total = token_loss_sum(logits_of(model(**{**ctx.objects.training_inputs, **inputs})), targets)
+                total = self._token_loss(model, inputs, targets)
         if ctx.placement.zero_stage == 3:
             reshard(model)
         total = total.full_tensor() if isinstance(total, DTensor) else total
         count = (targets != IGNORE_INDEX).sum()
         summed = collectives.reduce(torch.stack((total.float(), count.float())), ctx.placement.metric_group, op="sum")
         return float(summed[0]), int(summed[1])
+
+    def _token_loss(self, model: Any, inputs: dict[str, Any], targets: torch.Tensor) -> torch.Tensor:
+        """The summed token loss of one forward: in the head where it computes it (`fused_loss`), else from logits."""
+        fused = self.ctx.objects.fused_head
+        with fused.loss_of(targets) if fused is not None else contextlib.nullcontext():
+            logits = logits_of(model(**{**self.ctx.objects.training_inputs, **inputs}))
+        total = fused.take_loss(logits) if fused is not None else None
+        return total if total is not None else token_loss_sum(logits, targets)

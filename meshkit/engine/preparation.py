@@ -16,6 +16,7 @@ from meshkit.engine.data import prepare_loader
 from meshkit.engine.gradients import GradientSync
 from meshkit.engine.prepared import EngineError
 from meshkit.models.adapters import lora_merges
+from meshkit.models.embeddings import input_embedding
 from meshkit.parallel.compose import Parallelized, parallelize, unwrap
 from meshkit.parallel.dataparallel import bare_module
 from meshkit.parallel.pipeline.router_balance import PipelineBalancing
@@ -28,6 +29,7 @@ from meshkit.parallel.zero.sharding import rebind_params, renamed_parameters, sh
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
 from meshkit.training.fused_head import FusedHead
 from meshkit.training.loss import CausalLMLoss, LossFn
+from meshkit.training.neftune import add_embedding_noise
 from meshkit.training.router_loss import balancing_group, balancing_loss
 
 
@@ -83,6 +85,7 @@ class Preparation(EngineComponent):
         if objects.causal_lm and objects.loss_fn is None and done.own_loss is not None:
             objects.causal_lm, objects.label_shift = self._own_loss_kept(done)
         objects.fused_head = self._fused_head(done)
+        self._embedding_noise(done)
         objects.classifier = done.structure.classifier if done.structure else None
         objects.training_inputs = dict(done.structure.training_inputs) if done.structure else {}
         if done.structure is not None:
@@ -154,6 +157,19 @@ class Preparation(EngineComponent):
             "the model's own loss of its batch",
         )
         return False, 1
+
+    def _embedding_noise(self, done: Parallelized) -> None:
+        """NEFTune's noise on the input embeddings (`neftune_noise_alpha`), scaled by the whole sequence's length."""
+        alpha, mesh = self.ctx.config.neftune_noise_alpha, self.ctx.mesh
+        if alpha is None:
+            return
+        parts = mesh.size("cp")
+        chunks = done.model.chunks if isinstance(done.model, PipelineModel) else [done.model]
+        embeddings = [found for chunk in chunks if (found := input_embedding(unwrap(chunk))) is not None]
+        if not embeddings and (not isinstance(done.model, PipelineModel) or done.model.has_first_stage):
+            raise EngineError("neftune_noise_alpha: the model has no input embedding to add noise to: remove the key")
+        for embedding in embeddings:
+            add_embedding_noise(embedding, alpha, parts)
 
     def _fused_head(self, done: Parallelized) -> FusedHead | None:
         """The head that computes train_step's causal-LM loss from its input and weight (`fused_loss`): where

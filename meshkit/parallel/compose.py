@@ -19,6 +19,7 @@ from meshkit.models.gpt import GPT
 from meshkit.models.layer_roles import LayerRoles, layer_roles, sample_forward
 from meshkit.models.own_loss import OwnLoss, own_loss
 from meshkit.models.structure import ModelStructure, describe
+from meshkit.models.token_wise import token_wise_mlps
 from meshkit.models.usage import parameters_without_gradient
 from meshkit.parallel.activation import CheckpointedBlock, apply_activation_checkpointing
 from meshkit.parallel.compile import apply_compile
@@ -32,6 +33,7 @@ from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, mat
 from meshkit.parallel.pipeline.stages import PipelineModel, chunks_per_rank, split_model, stage_ids
 from meshkit.parallel.tensor.apply import apply_tensor_parallel
 from meshkit.parallel.tensor.storage import SplitWeights
+from meshkit.parallel.tiled_mlp import apply_tiled_mlp
 from meshkit.runtime.mesh import ParallelMesh
 from meshkit.training.precision import autocast_forward
 
@@ -66,6 +68,9 @@ def parallelize(
     pp = mesh.size("pp")
     notice = None
     own = None if frozen else own_loss(model, structure)  # (before any layout changes the forward)
+    tiled = token_wise_mlps(model, structure) if config.tiled_mlp and not frozen else ()
+    if config.tiled_mlp and not frozen and not tiled:
+        notice = "meshkit: tiled_mlp: no block MLP computes each token on its own here: the MLPs run whole"
     check_layout_fits(model, structure, mesh.dims, config)
     if mesh.dims.ep > 1 and not structure.moe:
         notice = f"meshkit: parallel.ep={mesh.dims.ep} changes nothing: the model has no mixture-of-experts blocks"
@@ -76,7 +81,7 @@ def parallelize(
         result.own_loss = own
         return result
     if pp == 1:
-        result = _parallelize_one(model, mesh, config, zero_stage, structure, frozen=frozen)
+        result = _parallelize_one(model, mesh, config, zero_stage, structure, frozen=frozen, tiled=tiled)
         result.notice, result.own_loss = result.notice or notice, own
         return result
     carried = (
@@ -93,7 +98,7 @@ def parallelize(
     roles = _roles(model, structure, config) if mesh.size("tp") > 1 else None  # (learnt on the whole model)
     stage_list = stage_ids(mesh.coordinate("pp"), pp, chunks, config.pipeline.schedule)
     stage_modules = split_model(model, stage_list, pp * chunks, structure)
-    parts = [_parallelize_one(m, mesh, config, zero_stage, structure, in_pipeline=True, roles=roles)
+    parts = [_parallelize_one(m, mesh, config, zero_stage, structure, in_pipeline=True, roles=roles, tiled=tiled)
              for m in stage_modules]  # fmt: skip
     return Parallelized(
         PipelineModel([part.model for part in parts], stage_list, pp * chunks),
@@ -126,6 +131,7 @@ def _parallelize_one(
     autocast: bool = True,
     frozen: bool = False,
     roles: LayerRoles | None = None,
+    tiled: tuple[str, ...] = (),
 ) -> Parallelized:
     sharding = config.sharding
     on_meta = has_meta_tensors(model)
@@ -154,6 +160,7 @@ def _parallelize_one(
     if mesh.dims.ep > 1:
         ep_mesh, edp_mesh = mesh.expert_dim("ep"), mesh.expert_dim("edp")
         result.experts = apply_expert_parallel(model, ep_mesh, edp_mesh, config.moe.capacity_factor)
+    apply_tiled_mlp(model, tiled, config.tiled_mlp_shards)  # (inside the blocks: checkpointing wraps it)
     if not frozen:  # (recomputation only pays where a backward runs)
         result.checkpointed = apply_activation_checkpointing(
             model, config.activation_checkpointing, config.activation_offload, mesh.device, structure.blocks

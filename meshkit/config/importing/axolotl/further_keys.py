@@ -44,9 +44,15 @@ _add(G, ("flash_attn_d512", "flash_optimum", "fused_attn_kernel", "sage_attentio
          "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "use_kernels", "experts_implementation",
          "large_head_attention", "gemma4_hybrid_attn_impl", "flex_attn_compile_kwargs", "scaling_softmax",
          "scaling_softmax_factor", "scaling_softmax_bias", "llama4_linearized_experts", "use_onebitllms",
-         "chunked_cross_entropy", "chunked_cross_entropy_num_chunks", "tiled_mlp", "tiled_mlp_num_shards",
-         "tiled_mlp_use_original_mlp", "deepcompile", "torch_compile_options", "fp8_enable_fsdp_float8_all_gather",
+         "deepcompile", "torch_compile_options", "fp8_enable_fsdp_float8_all_gather",
          "embeddings_skip_upcast", "fp32_norms", "fp32_norm_classes", "float32"), noted(_SPEED))
+_add(G, "tiled_mlp", honoured("`tiled_mlp`: each block's MLP over slices of the sequence under checkpointing (its "
+                              "intermediate activations one slice at a time), in every layout", "tiled_mlp"))
+_add(G, "tiled_mlp_num_shards", honoured("`tiled_mlp_shards` (unset: ceil(seq / hidden))", "tiled_mlp_shards"))
+_add(G, "tiled_mlp_use_original_mlp", noted("meshkit tiles the model's own MLP modules (its original MLP) always"))
+_add(G, "chunked_cross_entropy_num_chunks",
+     noted("meshkit's fused loss sizes its chunks by memory (64 MiB of logits at a time, at least as many tokens as "
+           "the hidden size)"))
 _add(G, ("device", "device_map", "model_kwargs", "overrides_of_model_kwargs", "cls_model_config",
          "experimental_skip_move_to_device", "qlora_sharded_model_loading", "torchdistx_path", "quantize_moe_experts",
          "peft_autocast_adapter_dtype", "peft_ensure_weight_tying", "tokenizer_save_jinja_files",

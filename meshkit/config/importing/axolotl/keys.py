@@ -60,6 +60,21 @@ def _warmup(name: str, value: Any, sink: Any) -> None:
         sink.set("train.warmup_steps", int(value), name)
 
 
+def _fused_loss(value: Any) -> str:
+    return "auto" if _on(value) else "off"
+
+
+def _plugins(name: str, value: Any, sink: Any) -> None:
+    """Axolotl's plugin list: Cut Cross-Entropy is meshkit's fused loss; a plugin's keys have their own rows."""
+    plugins = [value] if isinstance(value, str) else list(value or [])
+    for plugin in plugins:
+        short = str(plugin).rsplit(".", 1)[-1]
+        if "cut_cross_entropy" in str(plugin) or short == "CutCrossEntropyPlugin":
+            sink.set("fused_loss", "auto", name)
+        elif "liger" not in str(plugin).lower():
+            sink.notes.append(f"plugins: {short}: {_ATTENTION_KERNEL}")
+
+
 def _tokens(name: str, value: Any, sink: Any) -> None:
     """`special_tokens`, and `tokens`: tokens to add — or, as Axolotl's early configs wrote it, a mapping of
     special tokens, read as `special_tokens` (whose own values win, whichever key comes first)."""
@@ -94,8 +109,14 @@ _add(G, "flash_attention", honoured("attn_implementation: flash_attention_2 (sdp
                                     "noted)", "recipe.attn_implementation", _attention("flash_attention_2")))
 _add(G, ("xformers_attention", "flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_qkv",
          "flash_attn_fuse_mlp", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm",
-         "liger_fused_linear_cross_entropy", "cut_cross_entropy", "unsloth_lora_mlp", "unsloth_lora_qkv",
-         "unsloth_lora_o", "unsloth_rms_norm", "unsloth_rope", "plugins", "kernels"), noted(_ATTENTION_KERNEL))
+         "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_rms_norm", "unsloth_rope", "kernels"),
+     noted(_ATTENTION_KERNEL))
+_add(G, ("cut_cross_entropy", "liger_fused_linear_cross_entropy", "chunked_cross_entropy"),
+     honoured("meshkit's fused loss: cross-entropy from the head's input and weight in token chunks, the logits "
+              "never whole, on every device and layout (`fused_loss: auto`, the default: where the model returns its "
+              "head's output as its logits); false = `fused_loss: off`", "fused_loss", _fused_loss))
+_add(G, "plugins", honoured("CutCrossEntropyPlugin: meshkit's fused loss (`fused_loss: auto`); the Liger and other "
+                            "plugins' keys are read one by one; a kernel plugin alone is noted", reader=_plugins))
 _add(G, ("special_tokens", "tokens"),
      honoured("bos/eos/pad/unk set on the tokenizer, tokens added to it; the embedding (and head) grow, new rows "
               "at the mean of the others; saved with the outputs. `tokens:` as a mapping of bos_token, ... "
@@ -250,8 +271,11 @@ _add(G, "ddp_broadcast_buffers", honoured("`ddp.broadcast_buffers`", "ddp.broadc
 _add(G, "ddp_find_unused_parameters", honoured("`ddp.find_unused_parameters`", "ddp.find_unused_parameters"))
 _add(G, ("local_rank", "strict", "debug", "include_tokens_per_second", "use_cache"),
      noted("no effect: ranks come from the launcher, keys are always checked, tokens/s is always reported"))
-_add(G, ("neftune_noise_alpha", "noisy_embedding_alpha", "optim_target_modules", "s2_attention"),
-     refused("not supported: remove the key"))
+_add(G, ("neftune_noise_alpha", "noisy_embedding_alpha"),
+     honoured("NEFTune: uniform noise of ±alpha/sqrt(seq·hidden) on the input embeddings while training, as "
+              "transformers' Trainer adds it (`neftune_noise_alpha`; noisy_embedding_alpha is Axolotl's older name)",
+              "neftune_noise_alpha"))
+_add(G, ("optim_target_modules", "s2_attention"), refused("not supported: remove the key"))
 _add(G, "lr_quadratic_warmup", honoured("cosine: the warm-up rises as the square of its progress"))
 
 G = "evaluation and checkpoints"
