@@ -8,6 +8,8 @@ Rows (each a ratio or a figure from this run):
 - fp8: float8 matmuls through torchao (`convert_to_float8_training`), on GPUs with fp8 tensor cores;
 - fused loss: cross-entropy from hidden states × a 128k-vocabulary head, fused (`meshkit.training.
   fused_cross_entropy`) against the plain logits + cross-entropy: peak memory, time, agreement;
+- finetune: a Llama-3.2-1B-shaped transformers model (128k vocabulary) on HF batches through the Engine, with the
+  fused loss (`fused_loss: auto`) and without (`off`): tokens/s and peak memory;
 - estimator: `meshkit estimate`'s prediction for the engine row against its measured peak.
 
 Off a GPU every row that can still run does, on a tiny shape (so CI keeps the script alive); rows that need a
@@ -284,6 +286,61 @@ def fused_loss_row(ctx: Context) -> Row:
     return row
 
 
+def _finetune_steps(ctx: Context, fused: str) -> Row:
+    """Steps of a Llama-3.2-1B-shaped transformers model (128k vocabulary, tied head) on HF batches through the
+    Engine: the causal-LM loss fused (`fused_loss: auto`) or from the logits (`off`); bf16, no compile."""
+    import transformers
+
+    cuda = ctx.device.type == "cuda"
+    size = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256) if cuda else dict(
+                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=8192)  # fmt: skip
+    micro_batch, seq = (4, 2048) if cuda else (2, 64)
+    fresh_memory(ctx.device)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**size, tie_word_embeddings=True, max_position_embeddings=seq)
+    model = transformers.LlamaForCausalLM(config).to(ctx.device)
+    engine = Engine(precision="bf16", fused_loss=fused)
+    try:
+        model, optimizer = engine.prepare(model, optimizer_for(model, ctx.device))
+        assert (engine.ctx.objects.fused_head is not None) is (fused == "auto")
+        generator = torch.Generator().manual_seed(0)
+        steps = [
+            torch.randint(0, config.vocab_size, (micro_batch, seq), generator=generator)
+            for _ in range(4 + ctx.shape.steps // 2)
+        ]
+        seconds = []
+        for index, ids in enumerate(steps):
+            ids = ids.to(ctx.device)
+            synchronize(ctx.device)
+            start = time.perf_counter()
+            loss = engine.train_step({"input_ids": ids, "labels": ids})
+            synchronize(ctx.device)
+            if index >= 3:
+                seconds.append(time.perf_counter() - start)
+        median = statistics.median(seconds)
+        return {"step_s": median, "tokens_per_s": micro_batch * seq / median, "peak_gb": peak_gb(ctx.device),
+                "loss": float(loss)}  # fmt: skip
+    finally:
+        engine.end()
+
+
+def finetune_row(ctx: Context) -> Row:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return {"skipped": "transformers is not installed (pip install 'meshkit[hf]')"}
+    plain = _finetune_steps(ctx, "off")
+    fused = _finetune_steps(ctx, "auto")
+    row: Row = {f"plain_{key}": value for key, value in plain.items()}
+    row.update({f"fused_{key}": value for key, value in fused.items()})
+    row["time_vs_plain"] = fused["step_s"] / plain["step_s"]
+    if plain["peak_gb"]:
+        row["peak_vs_plain"] = fused["peak_gb"] / plain["peak_gb"]
+    return row
+
+
 def estimator_row(ctx: Context) -> Row:
     shape = ctx.shape
     estimate = estimate_memory(ModelShape.from_gpt(shape.model), seq_len=shape.seq_len, micro_batch=shape.micro_batch,
@@ -301,6 +358,7 @@ ROWS: dict[str, Callable[[Context], Row]] = {
     "engine": engine_row,
     "torch": torch_row,
     "fused loss": fused_loss_row,
+    "finetune": finetune_row,
     "estimator": estimator_row,
     "fsdp2": fsdp_row,
     "fp8": fp8_row,
@@ -378,6 +436,22 @@ def format_row(row: Row) -> str:
         elif value is not None:
             parts.append(f"{key}={value}")
     return ", ".join(parts)
+
+
+def section(data: dict[str, Any]) -> str:
+    """The BENCHMARKS.md table (`bench/report.py`): each row's figures, as measured."""
+    model = data["model"]
+    head = (
+        f"Device: {data['device']}, torch {data['torch']} (CUDA {data['cuda']}), working tree of {data['commit']}. "
+        f"Model: reference GPT, dim {model['dim']}, {model['n_layers']} layers, {model['n_heads']} heads "
+        f"({model['n_kv_heads']} kv), SwiGLU {model['ffn_hidden']}, vocab {model['vocab_size']}; micro-batch "
+        f"{data['micro_batch']} × seq {data['seq_len']}, bf16 autocast, fused AdamW, regional compile "
+        f"{'on' if data['compile'] else 'off'}; MFU against {data['peak_tflops'] or '?'} TFLOP/s bf16 dense.\n\n"
+        "| row | figures |\n|---|---|"
+    )
+    rows = [f"| {name} | {format_row({k: v for k, v in row.items() if k != 'wall_s'})} |"
+            for name, row in data["rows"].items()]  # fmt: skip
+    return "\n".join([head, *rows])
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import torch
 if __package__ in (None, ""):  # run as `python bench/report.py`: its sections sit beside it in `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu_check import section as gpu_check_section
+from bench.loss_memory import section as loss_memory_section
 from bench.report_compare import (
     against_commit,
     moe,
@@ -274,6 +276,13 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("Every causal LM of transformers in every layout, world 2", "zoo.json", "python bench/zoo.py", zoo_section),
     ("Expert parallelism on a mixture of experts, world 4", "moe-w4.json", "python bench/moe.py", moe),
     ("Ring attention with a sliding window, cp 4", "ring-window-w4.json", "python bench/ring_window.py", ring_window),
+    (
+        "Fused loss and tiled MLP: memory of one step",
+        "loss-memory.json",
+        "python bench/loss_memory.py",
+        loss_memory_section,
+    ),
+    ("GPU check on an NVIDIA H200", "gpu-check-h200.json", "make gpu-check", gpu_check_section),
     (
         "Step time against the previous commit",
         "against-commit.json",

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+MIN_SLICE_TOKENS = 1024
+
 
 def apply_tiled_mlp(model: nn.Module, names: tuple[str, ...], shards: int | None = None) -> int:
     """Tile the MLPs named `names` that this module holds (a pipeline stage holds some); returns how many."""
@@ -26,19 +28,20 @@ def apply_tiled_mlp(model: nn.Module, names: tuple[str, ...], shards: int | None
 
 
 def tile_mlp(mlp: nn.Module, shards: int | None = None) -> None:
-    """Tile every call of `mlp`: `shards` slices of the sequence (None: ceil(seq / hidden), as Arctic Long Sequence
-    Training sizes them — one slice until the sequence is longer than the hidden size).
+    """Tile every call of `mlp`: `shards` slices of the sequence (None: slices of max(hidden, 1024) tokens — Arctic
+    Long Sequence Training's ceil(seq / hidden), with slices never under 1024 tokens: a narrow model's would be
+    too small to run fast, and their activations are small anyway).
 
     The whole call is tiled, the module's hooks included: sequence parallel's hooks then gather each slice from
     every rank's shard and hand back this rank's part of it, so the slices put together are this rank's shard."""
-    call = mlp._call_impl  # (torch's own: forward with the module's hooks)
+    call = type(mlp)._call_impl.__get__(mlp)  # (torch's own: forward with the module's hooks; tiled once only)
 
     def tiled(*args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else None
         if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or not torch.is_grad_enabled():
             return call(*args, **kwargs)
         args = args[1:]
-        count = shards or math.ceil(hidden.shape[-2] / hidden.shape[-1])
+        count = shards or math.ceil(hidden.shape[-2] / max(hidden.shape[-1], MIN_SLICE_TOKENS))
         count = max(1, min(count, hidden.shape[-2]))
         if count == 1:
             return call(hidden, *args, **kwargs)

@@ -103,7 +103,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             None if grad is None else (grad * grad_total).to(dtype)
             for grad, dtype in zip(ctx.grads, ctx.dtypes, strict=True)
         )
-        ctx.grads = None
+        # (ctx keeps them: zero-bubble schedules run this backward twice, for the input then for the weights)
         return (*grads, None, None, None, None, None)
 
 

@@ -33,7 +33,7 @@ class FusedHead:
     def __init__(self, head: nn.Module, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.head = head
         self.chunk_bytes = chunk_bytes
-        self._original = head.forward
+        self._original = type(head).forward.__get__(head)  # (the module's own, also when prepared again)
         self._pending: deque[tuple[torch.Tensor, TokenWeights | None]] = deque()
         self._losses: deque[torch.Tensor] = deque()
         head.forward = self._forward  # (an instance attribute: hooks still run)

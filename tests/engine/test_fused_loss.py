@@ -73,7 +73,8 @@ def _every_layout(rank: int) -> dict[str, Any]:
     with gloo_world():
         out = {name: {fused: _train("llama", fused, **settings) for fused in ("on", "off")}
                for name, settings in LAYOUTS.items()}  # fmt: skip
-        out["pp2"] = {fused: _train("llama", fused, pp=2, schedule="1f1b") for fused in ("on", "off")}
+        for schedule in ("1f1b", "zbv_zero_bubble"):  # (zero bubble runs the loss's backward twice: input, weights)
+            out[schedule] = {fused: _train("llama", fused, pp=2, schedule=schedule) for fused in ("on", "off")}
         return out
 
 
@@ -85,5 +86,7 @@ def test_every_layout_trains_alike_with_the_fused_loss_a_pipeline_on_its_last_st
             on, off = result[name]["on"], result[name]["off"]
             assert on["fused"] and not off["fused"], name
             _close(on, off)
-        _close(result["pp2"]["on"], result["pp2"]["off"])
-        assert result["pp2"]["on"]["fused"] is (rank == 1)  # (the last stage's head)
+        for schedule in ("1f1b", "zbv_zero_bubble"):
+            _close(result[schedule]["on"], result[schedule]["off"])
+        assert result["1f1b"]["on"]["fused"] is (rank == 1)  # (the last stage's head)
+        assert result["zbv_zero_bubble"]["on"]["fused"] is (rank == 0)  # (the V: rank 0 holds stages 0 and 3)

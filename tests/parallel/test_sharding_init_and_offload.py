@@ -179,4 +179,6 @@ def test_a_tied_head_built_on_meta_stays_tied(tmp_path, zero_stage: int) -> None
     causal_lm("gpt2").save_pretrained(tmp_path)
     loaded, streamed = (run_world(tied_head_rank, 2, zero_stage, str(tmp_path), meta, timeout=120)[0]
                         for meta in (False, True))  # fmt: skip
-    assert streamed == loaded
+    # (a model built on meta computes its loss from the logits — its head is not learnt without weights — the loaded
+    # one in the head: the same up to rounding; two copies trained apart drift far beyond it from step 2)
+    assert streamed == pytest.approx(loaded, rel=1e-6)

@@ -48,7 +48,8 @@ _add(G, ("flash_attn_d512", "flash_optimum", "fused_attn_kernel", "sage_attentio
          "embeddings_skip_upcast", "fp32_norms", "fp32_norm_classes", "float32"), noted(_SPEED))
 _add(G, "tiled_mlp", honoured("`tiled_mlp`: each block's MLP over slices of the sequence under checkpointing (its "
                               "intermediate activations one slice at a time), in every layout", "tiled_mlp"))
-_add(G, "tiled_mlp_num_shards", honoured("`tiled_mlp_shards` (unset: ceil(seq / hidden))", "tiled_mlp_shards"))
+_add(G, "tiled_mlp_num_shards",
+     honoured("`tiled_mlp_shards` (unset: ceil(seq / max(hidden, 1024)))", "tiled_mlp_shards"))
 _add(G, "tiled_mlp_use_original_mlp", noted("meshkit tiles the model's own MLP modules (its original MLP) always"))
 _add(G, "chunked_cross_entropy_num_chunks",
      noted("meshkit's fused loss sizes its chunks by memory (64 MiB of logits at a time, at least as many tokens as "
