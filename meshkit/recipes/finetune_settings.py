@@ -10,6 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from meshkit.data.dataset_entry import is_preference_type, is_stepwise_type
 from meshkit.data.formats import DatasetEntry
+from meshkit.recipes.liger import LigerSettings
 from meshkit.recipes.lora_init import LoraInitError, changes_base, lora_init_mode
 from meshkit.recipes.optimizers import OPTIMIZERS
 from meshkit.recipes.qat import QATSettings
@@ -18,7 +19,7 @@ from meshkit.recipes.scheme_settings import SchemeSettings
 from meshkit.recipes.settings_blocks import LrGroup, PeftBlock
 
 
-class FinetuneSettings(SchemeSettings):
+class FinetuneSettings(SchemeSettings, LigerSettings):
     """The recipe's own keys (Axolotl names); LISA, ReLoRA and jagged restarts' in `SchemeSettings`."""
 
     # model and tokenizer

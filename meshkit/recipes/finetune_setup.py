@@ -30,6 +30,7 @@ from meshkit.recipes.hf_base import (
     loaded_as_note,
     weights_file,
 )
+from meshkit.recipes.liger import apply_liger_kernels
 from meshkit.recipes.lora import AdapterExport, apply_lora, bank_dropout_note, old_names_note
 from meshkit.recipes.lora_init import InitialAdapters, PlannedLayer, changes_base, initialise, plan
 from meshkit.recipes.muon import split_for_muon
@@ -98,6 +99,9 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
         engine.print(f"meshkit: {s.qat.describe()}")
     if s.reinit_weights:
         engine.print("meshkit: reinit_weights: the model starts from its own random initialisation, not the weights")
+    liger_note = apply_liger_kernels(base, s, engine.device)
+    if liger_note:
+        engine.print(f"meshkit: {liger_note}")
     tokenizer = load_tokenizer(s)
     if s.tokenizer_use_mistral_common and s.eot_tokens:
         engine.print("meshkit: eot_tokens: Mistral's own tokenizer ends each turn with its end of sequence; the names "

@@ -358,7 +358,7 @@ def test_older_names_and_more_honoured_keys(tmp_path, material) -> None:
     keys = {"type_of_model": "LlamaForCausalLM", "rope_scaling": {"rope_type": "linear", "factor": 2.0},
             "selective_checkpointing": True, "chat_template_kwargs": {"enable_thinking": False},
             "model_config": {"rms_norm_eps": 1e-5}, "noisy_embedding_alpha": 5.0, "tiled_mlp": True,
-            "tiled_mlp_num_shards": 4}  # fmt: skip
+            "tiled_mlp_num_shards": 4, "liger_rope": True, "liger_rms_norm": True}  # fmt: skip
     job = resolve_finetune(_write(tmp_path / "o.yml", axolotl_lora(material, tmp_path, **keys)), [], env={})
     s = job.settings
     assert s.model_type == "LlamaForCausalLM" and s.chat_template_kwargs == {"enable_thinking": False}
@@ -366,6 +366,9 @@ def test_older_names_and_more_honoured_keys(tmp_path, material) -> None:
     assert job.resolved.config.activation_checkpointing.mode == "selective"
     assert job.resolved.config.neftune_noise_alpha == 5.0  # (NEFTune, by Axolotl's older name)
     assert job.resolved.config.tiled_mlp and job.resolved.config.tiled_mlp_shards == 4
+    assert (
+        s.liger_rope and s.liger_rms_norm and not s.liger_layer_norm
+    )  # (applied on CUDA: tests/recipes/test_liger.py)
 
 
 @pytest.mark.parametrize(

@@ -107,8 +107,11 @@ _add(G, "attn_implementation", honoured("the model's attention (unset: the model
 _add(G, "sdp_attention", honoured("attn_implementation: sdpa", "recipe.attn_implementation", _attention("sdpa")))
 _add(G, "flash_attention", honoured("attn_implementation: flash_attention_2 (sdpa where flash-attn is missing, "
                                     "noted)", "recipe.attn_implementation", _attention("flash_attention_2")))
+_add(G, ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm"),
+     honoured("Liger's Triton kernels through the liger-kernel package, on CUDA where it is installed (its own "
+              "patching, by model type); elsewhere one notice line and the model's own modules run"))
 _add(G, ("xformers_attention", "flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_qkv",
-         "flash_attn_fuse_mlp", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm",
+         "flash_attn_fuse_mlp",
          "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_rms_norm", "unsloth_rope", "kernels"),
      noted(_ATTENTION_KERNEL))
 _add(G, ("cut_cross_entropy", "liger_fused_linear_cross_entropy", "chunked_cross_entropy"),
