@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshkit.training.fused_cross_entropy import CHUNK_BYTES, VocabShard, fused_linear_cross_entropy
-from meshkit.training.loss import TokenWeights
+from meshkit.training.loss import LossError, TokenWeights
 
 
 class FusedHead:
@@ -34,8 +34,8 @@ class FusedHead:
         self.head = head
         self.chunk_bytes = chunk_bytes
         self._original = type(head).forward.__get__(head)  # (the module's own, also when prepared again)
-        self._pending: deque[tuple[torch.Tensor, TokenWeights | None]] = deque()
-        self._losses: deque[torch.Tensor] = deque()
+        self._pending: tuple[torch.Tensor, TokenWeights | None] | None = None
+        self._losses: deque[torch.Tensor] = deque()  # (computed, not yet taken: a pipeline's, in order)
         head.forward = self._forward  # (an instance attribute: hooks still run)
 
     def remove(self) -> None:
@@ -43,13 +43,17 @@ class FusedHead:
         self.head.__dict__.pop("forward", None)
 
     @contextlib.contextmanager
-    def loss_of(self, targets: torch.Tensor, weights: TokenWeights | None = None) -> Iterator[None]:
-        """The head's next call computes the loss against `targets` (shaped like its input without the last dim)."""
-        self._pending = deque([(targets, weights)])
+    def loss_of(self, targets: torch.Tensor, weights: TokenWeights | None = None, fresh: bool = True) -> Iterator[None]:
+        """The head's next call computes the loss against `targets` (shaped like its input without the last dim).
+        `fresh`: a loss computed earlier and never taken (a step that failed half-way) is dropped first (a pipeline's
+        micro-batches pass False: their losses are taken in turn)."""
+        if fresh:
+            self._losses.clear()
+        self._pending = (targets, weights)
         try:
             yield
         finally:
-            self._pending.clear()
+            self._pending = None
 
     def forget(self) -> None:
         """Drop losses computed but not taken (a step that failed half-way)."""
@@ -63,14 +67,14 @@ class FusedHead:
         loss = self._losses.popleft()
         local = logits.to_local() if isinstance(logits, DTensor) else logits
         if local.numel() != 0:
-            raise ValueError("the model changed its head's output on the way out: set fused_loss=off")
+            raise LossError("the model changed its head's output on the way out (logits): set fused_loss=off")
         return loss + local.sum()  # (the empty stand-in adds nothing but its place in the graph)
 
     @torch.compiler.disable  # (a whole-model compile breaks its graph here rather than tracing the chunk loop)
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not self._pending or hidden.is_meta:
+        if self._pending is None:
             return self._original(hidden)
-        targets, weights = self._pending.popleft()
+        (targets, weights), self._pending = self._pending, None
         weight: torch.Tensor = self.head.weight  # type: ignore[assignment]
         bias: torch.Tensor | None = getattr(self.head, "bias", None)
         shard = _vocab_shard(weight)

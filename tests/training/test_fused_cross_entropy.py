@@ -184,5 +184,10 @@ def test_outside_loss_of_the_head_is_itself() -> None:
     assert stand_in.shape == (TOKENS, 0)
     loss = fused.take_loss(stand_in)
     assert loss is not None and fused.take_loss(stand_in) is None  # (taken once)
+    with fused.loss_of(targets * 0):
+        model(hidden)  # (a step that failed before its loss was taken)
+    with fused.loss_of(targets):
+        again = fused.take_loss(model(hidden))
+    assert again is not None and float(again) == pytest.approx(float(loss))  # (this forward's, not the stale one)
     fused.remove()
     assert "forward" not in model.head.__dict__ and torch.equal(model(hidden), want)

@@ -164,7 +164,7 @@ class PipelineRunner:
         parts, weights = torch.tensor_split(targets, self.microbatches), self.loss_fn.weights
         last = [stage for stage in self.stages if stage.is_last]
         for stage in last:
-            stage.around_forward = lambda index: fused.loss_of(parts[index], weights)
+            stage.around_forward = lambda index: fused.loss_of(parts[index], weights, fresh=False)
         try:
             yield
         finally:
