@@ -178,7 +178,7 @@ def test_what_cannot_run_is_one_line(tmp_path, material, keys, expected) -> None
 
 
 def test_noted_keys_are_one_line_each_and_the_run_goes_on(tmp_path, material) -> None:
-    keys = axolotl_lora(material, tmp_path, hub_model_id="me/model", eval_sample_packing=True, liger_rope=True)
+    keys = axolotl_lora(material, tmp_path, hub_model_id="me/model", eval_sample_packing=True, xformers_attention=True)
     notes = resolve_finetune(_write(tmp_path / "n.yml", keys), [], env={}).notes
     assert len(notes) == 3 and all("\n" not in note and "no effect here" in note for note in notes)
 
