@@ -1,7 +1,8 @@
 """Layer the config sources into one `RunConfig`, remembering where every value came from.
 
 Precedence, lowest first: defaults < YAML file < `MESHKIT_*` environment < launch flags < code arguments (a
-launcher under SLURM or a PyTorchJob adds the scheduler's variables just below `MESHKIT_*`).
+launcher under SLURM or a PyTorchJob adds the scheduler's variables just below `MESHKIT_*`; `OMP_NUM_THREADS`
+sets `threads_per_process`, also just below `MESHKIT_*`).
 A key may be written as its dotted path (`parallel.tp`, `compile.mode`) or, where the name is unique, as its
 leaf name (`tp`, `precision`); `compile: true` is short for `compile.enabled: true`. Environment variables
 use the same names upper-cased, with `__` for the dot: `MESHKIT_TP=2`, `MESHKIT_COMPILE__MODE=max-autotune`.
@@ -33,6 +34,8 @@ ENV_CONFIG_FILE = "MESHKIT_CONFIG_FILE"  # path of the YAML file (the launcher p
 ENV_LAUNCH_FLAGS = "MESHKIT_LAUNCH_FLAGS"  # JSON of the launch flags, so workers keep their precedence
 RESERVED_ENV = frozenset({ENV_CONFIG_FILE, ENV_LAUNCH_FLAGS, "MESHKIT_RUN_ID"})
 LAUNCHER_ENV_PREFIX = "MESHKIT_LAUNCHER_"  # what `meshkit launch` tells its workers (not config keys)
+# Set by a launcher that chose OMP_NUM_THREADS itself (the user had not): the workers then read it as the default.
+ENV_LAUNCHER_THREADS = "MESHKIT_LAUNCHER_SET_OMP_NUM_THREADS"
 
 
 class ConfigError(MeshkitError):
@@ -205,6 +208,24 @@ def env_values(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     return values, labels
 
 
+def standard_env_values(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Variables other tools define that set a meshkit key: `OMP_NUM_THREADS` is the thread count per rank.
+
+    They rank just below `MESHKIT_*` (which names meshkit's key outright). A value a launcher chose because the
+    user set none is not the user's, and stays the default.
+    """
+    raw = env.get("OMP_NUM_THREADS", "").strip()
+    if not raw or env.get(ENV_LAUNCHER_THREADS) == raw:
+        return {}, {}
+    first = raw.split(",")[0].strip()  # OpenMP allows a list, one count per nesting level: the outer one is ours
+    if not first.isdigit() or int(first) < 1:
+        raise ConfigError(
+            f"environment variable OMP_NUM_THREADS={brief(raw)} is not a thread count: set a whole number >= 1, "
+            "or unset it for each rank's share of the cores"
+        )
+    return {"threads_per_process": int(first)}, {"threads_per_process": "env OMP_NUM_THREADS"}
+
+
 def parse_assignments(items: list[str], source: str = "argument") -> dict[str, Any]:
     """`["tp=2", "compile.mode=max-autotune"]` -> {"parallel.tp": "2", ...} (values stay text)."""
     out: dict[str, Any] = {}
@@ -314,8 +335,8 @@ def resolve(
         apply(flatten(read_config_file(path), f"file {path}"), lambda _k: f"file {path}")
     if cluster is not None:
         apply(cluster[0], lambda k: cluster[1][k])
-    env_vals, env_labels = env_values(env)
-    apply(env_vals, env_labels.__getitem__)
+    for env_vals, env_labels in (standard_env_values(env), env_values(env)):
+        apply(env_vals, env_labels.__getitem__)
     apply(
         {k: _from_text(v) if isinstance(v, str) else v for k, v in flag_values.items()},
         lambda k: flag_labels.get(k, f"flag {k}"),

@@ -351,7 +351,9 @@ class RunConfig(Section):
         True, description="on a stalled collective, name the ranks that never reached it (heartbeats, 1/s)"
     )
     threads_per_process: int | None = Field(
-        None, ge=1, description="torch threads per rank; null = the rank's share of its cores"
+        None,
+        ge=1,
+        description="torch threads per rank (OMP_NUM_THREADS sets it too); null = the rank's share of its cores",
     )
     blocks: str | None = Field(
         None, description="dotted path of the repeated-block list; null = the longest ModuleList of one class"

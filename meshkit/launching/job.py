@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from meshkit.config.resolve import ENV_CONFIG_FILE, ENV_LAUNCH_FLAGS, launch_flags_to_env
+from meshkit.config.resolve import ENV_CONFIG_FILE, ENV_LAUNCH_FLAGS, ENV_LAUNCHER_THREADS, launch_flags_to_env
 from meshkit.config.schema import LaunchSettings, RunConfig
 from meshkit.core.errors import MeshkitError
 from meshkit.launching.interfaces import GLOO_INTERFACE_ENV, gloo_interface
@@ -119,5 +119,5 @@ class LaunchPlan:
         if "OMP_NUM_THREADS" not in os.environ:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             threads = self.threads_per_process or max(1, cores // self.settings.nproc_per_node)
-            env["OMP_NUM_THREADS"] = str(threads)
+            env["OMP_NUM_THREADS"] = env[ENV_LAUNCHER_THREADS] = str(threads)
         return env

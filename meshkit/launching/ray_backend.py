@@ -38,6 +38,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from meshkit.config.resolve import ENV_LAUNCHER_THREADS
 from meshkit.core.errors import MeshkitError, one_line
 from meshkit.launching.failures import describe_failure, failure_report
 from meshkit.launching.job import LaunchPlan, LaunchTarget
@@ -119,7 +120,7 @@ def rank_env(rank: Rank, world: int, master: Placement, attempt: int, plan: Laun
         }
     )
     if "OMP_NUM_THREADS" not in os.environ and plan.threads_per_process is None:
-        env["OMP_NUM_THREADS"] = str(max(1, int(settings.ray_cpus_per_worker)))
+        env["OMP_NUM_THREADS"] = env[ENV_LAUNCHER_THREADS] = str(max(1, int(settings.ray_cpus_per_worker)))
     if LAUNCH_LOG_ENV in env:  # where a rank that lost a peer leaves its traceback, on its own node
         env[LAUNCH_LOG_ENV] = str(Path(env[LAUNCH_LOG_ENV]).with_name(f"ray-node{rank.node_rank}.log"))
     if node_gpus:  # every rank of a node sees the node's GPUs of this job: LOCAL_RANK picks its own

@@ -136,3 +136,21 @@ def test_none_on_the_command_line_is_the_none_choice_where_there_is_one() -> Non
     config = resolve(flags=flags, env={}).config
     assert (config.activation_checkpointing.mode, config.sharding.offload) == ("none", "none")
     assert config.pipeline.microbatches is None  # an optional number: null
+
+
+def test_omp_num_threads_is_the_thread_count_below_meshkit_own_variable() -> None:
+    """The user's OMP_NUM_THREADS sets threads_per_process (shown with its source); MESHKIT_* still wins."""
+    resolved = resolve(env={"OMP_NUM_THREADS": "3"}, file=None)
+    assert resolved.config.threads_per_process == 3
+    assert resolved.sources["threads_per_process"] == "env OMP_NUM_THREADS"
+    assert resolve(env={"OMP_NUM_THREADS": "4,2"}).config.threads_per_process == 4  # OpenMP's nested form
+    both = resolve(env={"OMP_NUM_THREADS": "3", "MESHKIT_THREADS_PER_PROCESS": "2"})
+    assert both.config.threads_per_process == 2 and both.sources["threads_per_process"].endswith("PER_PROCESS")
+    assert resolve(env={"OMP_NUM_THREADS": "3"}, code={"threads_per_process": 1}).config.threads_per_process == 1
+    with pytest.raises(ConfigError, match=r"OMP_NUM_THREADS='lots' is not a thread count"):
+        resolve(env={"OMP_NUM_THREADS": "lots"})
+
+
+def test_a_thread_count_the_launcher_chose_stays_the_default() -> None:
+    launched = resolve(env={"OMP_NUM_THREADS": "2", "MESHKIT_LAUNCHER_SET_OMP_NUM_THREADS": "2"})
+    assert launched.config.threads_per_process is None and launched.sources["threads_per_process"] == "default"

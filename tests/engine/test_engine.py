@@ -128,3 +128,16 @@ def test_tensorboard_tracker_writes_scalars(tmp_path) -> None:
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 2.0), (2, 1.0)]
+
+
+def test_the_users_omp_num_threads_is_kept(monkeypatch) -> None:
+    """OMP_NUM_THREADS=1 exported: the Engine runs torch on one thread, not on its share of the cores."""
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    try:
+        torch.set_num_threads(2)  # what a default share would give on this 2-core host
+        with Engine() as engine:
+            assert engine.affinity.threads == 1 and torch.get_num_threads() == 1
+            assert engine.resolved.sources["threads_per_process"] == "env OMP_NUM_THREADS"
+    finally:
+        torch.set_num_threads(before)

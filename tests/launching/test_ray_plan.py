@@ -49,6 +49,7 @@ def test_a_rank_gets_what_the_elastic_launcher_gives_its_workers(tmp_path, monke
     assert env[LAUNCH_LOG_ENV].endswith("ray-node1.log")
     seen = resolve(env=env).config  # the worker's view: nothing the driver adds is taken for a wrong key
     assert (seen.train.steps, seen.seed, seen.precision) == (7, 3, "bf16")
+    assert seen.threads_per_process is None  # the OMP_NUM_THREADS the launcher chose is not the user's setting
 
 
 def test_the_world_under_ray_is_its_workers() -> None:
