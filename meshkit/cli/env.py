@@ -12,10 +12,12 @@ import torch
 import torch.distributed as dist
 
 from meshkit.launching.affinity import numa_nodes
+from meshkit.runtime.devices import cuda_versions, gpus
 
 
 def environment_rows() -> list[tuple[str, str]]:
     cuda = torch.cuda.is_available()
+    cuda_build, nccl = cuda_versions()
     backends = [
         name for name in ("gloo", "nccl", "mpi", "ucc") if getattr(dist, f"is_{name}_available", lambda: False)()
     ]
@@ -25,7 +27,10 @@ def environment_rows() -> list[tuple[str, str]]:
         ("platform", platform.platform()),
         ("torch", torch.__version__),
         ("cuda available", str(cuda)),
-        ("cuda devices", ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none"),
+        ("cuda (torch build)", cuda_build),
+        ("nccl", nccl),
+        ("gpus", str(len(gpus()))),
+        *((f"gpu {gpu.index}", gpu.describe()) for gpu in gpus()),
         ("distributed backends", ", ".join(backends) or "none"),
         ("default device / backend", "cuda / nccl" if cuda else "cpu / gloo"),
         (

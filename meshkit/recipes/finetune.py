@@ -19,6 +19,7 @@ from meshkit.config.layout import Layout
 from meshkit.config.schema import RunConfig
 from meshkit.data.formats import end_of_turn_ids
 from meshkit.engine.engine import Engine
+from meshkit.engine.where_it_runs import where_words
 from meshkit.parallel.pipeline.schedule import forward_only_refusal
 from meshkit.recipes import schemes
 from meshkit.recipes.finetune_config import FinetuneJob, resolve_finetune
@@ -155,7 +156,8 @@ def _announce(engine: Engine, job: FinetuneJob, built: FinetuneModel, data: Any,
         f"meshkit: fine-tuning {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "
         f"trainable{adapter_words(s)}) on {engine.num_processes} rank(s), layout "
         f"{engine.mesh.dims.describe()}; {_data_words(s, data, cfg.train.seq_len)}"
-        f"{f' packed into {data.row_count} rows' if s.sample_packing and not s.streams else ''}, {steps} steps"
+        f"{f' packed into {data.row_count} rows' if s.sample_packing and not s.streams else ''}, {steps} steps; "
+        f"{where_words(engine)}"
     )
     if data.report.reused:
         engine.print(f"meshkit: reusing tokenized {', '.join(data.report.reused)} from {s.dataset_prepared_path}")

@@ -20,6 +20,7 @@ import torch
 
 from meshkit.data.loader import endless
 from meshkit.engine.engine import Engine
+from meshkit.engine.where_it_runs import where_it_runs
 from meshkit.recipes.report import TrainingProgress, plot_losses
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 
@@ -123,6 +124,7 @@ class LoopRecord:
             "layout_description": layout_description,
             "precision": engine.config.precision,
             "zero_stage": engine.zero_stage,
+            **where_it_runs(engine),  # device, backend, attention
         }
 
 

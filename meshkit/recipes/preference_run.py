@@ -13,6 +13,7 @@ from rich.table import Table
 
 from meshkit.data.stepwise import StepwiseReport
 from meshkit.engine.engine import Engine
+from meshkit.engine.where_it_runs import where_words
 from meshkit.recipes.finetune_config import FinetuneJob
 from meshkit.recipes.finetune_setup import (
     adapt,
@@ -103,7 +104,7 @@ def train_preference(
         f"trainable{adapter_words(s)}) on {engine.num_processes} rank(s), layout {engine.mesh.dims.describe()}; "
         f"{len(data.rows)} {'pairs' if paired else 'step-labelled rows' if s.process_reward_model else 'completions'}"
         f", {steps.total_steps} steps; reference: "
-        f"{reference.describe() if reference else 'none'}"
+        f"{reference.describe() if reference else 'none'}; {where_words(engine)}"
     )
     if data.report.repeated:
         engine.print(f"meshkit: dropped {data.report.repeated} records that repeat another exactly")

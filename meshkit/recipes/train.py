@@ -22,6 +22,7 @@ from meshkit.core.io import state_dict_sha256
 from meshkit.data.loader import endless
 from meshkit.data.text import BYTE_VOCAB_SIZE, ByteTokenizer, TokenWindows, load_text
 from meshkit.engine.engine import Engine
+from meshkit.engine.where_it_runs import where_words
 from meshkit.launching.cluster import cluster_settings
 from meshkit.models.gpt import GPT, lm_loss
 from meshkit.planning.layout_probe import Candidate, choose, one_process_group, print_probe_table
@@ -127,7 +128,7 @@ def _train(engine: Engine, probed: list[Candidate] | None = None) -> dict[str, A
     if engine.is_main_worker:
         print(
             f"meshkit: training GPT ({n_params / 1e6:.2f}M params) on {engine.num_processes} rank(s), "
-            f"layout {layout}, precision {cfg.precision}, {tokens_per_step} tokens/step",
+            f"layout {layout}, precision {cfg.precision}, {tokens_per_step} tokens/step; {where_words(engine)}",
             flush=True,
         )
     plan = LoopPlan(cfg.train.steps, tokens_per_step, measure_activations=True)

@@ -56,7 +56,7 @@ def test_config_show_rejects_unknown_keys() -> None:
 def test_env_reports_versions_and_backends() -> None:
     proc = meshkit("env")
     assert proc.returncode == 0, proc.stderr
-    for expected in ("torch", "gloo", "cpu / gloo", "python", "collective_timeout_s"):
+    for expected in ("torch", "gloo", "cpu / gloo", "python", "collective_timeout_s", "cuda (torch build)", "nccl"):
         assert expected in proc.stdout
 
 
@@ -69,6 +69,7 @@ def test_train_in_process_writes_the_summary(tmp_path) -> None:
         assert key in on_disk
     assert on_disk["steps"] == 4 and on_disk["world_size"] == 1 and on_disk["tokens_per_s"] > 0
     assert on_disk["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
+    assert (on_disk["device"], on_disk["backend"], on_disk["attention"]) == ("cpu", "gloo", "sdpa")  # where it ran
     n_params = on_disk["parameters"]
     assert len(on_disk["memory"]) == 1 and on_disk["memory"][0]["params"] == 4 * n_params  # fp32, unsharded
     assert (run_dir / "loss.png").stat().st_size > 0
@@ -88,6 +89,7 @@ def test_meshkit_train_launches_itself_on_two_ranks(tmp_path) -> None:
     assert [m["params"] for m in summary["memory"]] == [4 * summary["parameters"]] * 2
     assert summary["final_loss"] < summary["first_loss"]
     assert "meshkit run summary" in proc.stdout and "memory per rank" in proc.stdout
+    assert "on cpu (gloo), attention sdpa" in proc.stdout  # the banner names where it runs
     for activations in summary["activations"]:  # the first micro-step, measured on every rank
         assert activations["checkpointed_blocks"] == [] and activations["blocks_saved_bytes"] > 0
 

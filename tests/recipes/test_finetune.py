@@ -188,6 +188,7 @@ def test_meshkit_finetune_launches_itself_on_two_ranks(tmp_path, material) -> No
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2 and len(summary["generations"]) == 1
+    assert (summary["device"], summary["backend"], summary["attention"]) == ("cpu", "gloo", "sdpa")
     rows = summary["packed_rows"] or summary["samples"]["train"]  # 2 steps of 2 ranks × 2 rows: a share of an epoch
     assert summary["epochs"] == pytest.approx(2 * 2 * 2 / rows)
     (answer,) = summary["generations"]  # beside the answer it was trained for, judged
@@ -250,3 +251,4 @@ def test_a_model_without_sdpa_runs_its_own_default_attention(tmp_path, material)
     path = write_config(tmp_path / "g.yaml", material, base_model=str(tmp_path / "gemma2"), max_steps=2)
     summary = run_world(run_finetune, 1, str(path), [f"output_dir={tmp_path / 'out'}"], timeout=180)[0]
     assert len(summary["losses"]) == 2 and all(loss == loss for loss in summary["losses"])
+    assert summary["attention"] == "eager" and summary["device"] == "cpu"  # the summary says which attention ran
