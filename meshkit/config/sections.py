@@ -26,7 +26,11 @@ class CompileConfig(Section):
     )
     fullgraph: bool = Field(False, description="fail on graph breaks instead of falling back to eager")
     dynamic: bool | None = Field(None, description="dynamic shapes: true, false or null (auto)")
-    regional: bool = Field(False, description="compile each repeated block instead of the whole model")
+    regional: bool | None = Field(
+        None,
+        description="compile each repeated block instead of the whole model; null = as the layout needs: per block "
+        "where sharding hooks sit in the model (zero_stage 3, tp, pipeline stages), the whole model otherwise",
+    )
 
 
 class DDPConfig(Section):

@@ -99,6 +99,7 @@ class Preparation(EngineComponent):
         if done.notice:
             print_once_per_node(ctx.info, done.notice)
         objects.checkpointed.extend(done.checkpointed)
+        objects.compiled = done.compiled
         if done.partial_over_tp:
             partial = [now[name] for name in done.partial_over_tp if name in now]
             gradients.model_reducers.append(GradientAllReduce(partial, ctx.mesh.group("tp"), average=False))

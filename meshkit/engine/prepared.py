@@ -33,6 +33,7 @@ class PreparedObjects:
     loaders: list[ShardedLoader] = field(default_factory=list)
     registered: list[Any] = field(default_factory=list)  # engine.register_for_checkpointing
     checkpointed: list[CheckpointedBlock] = field(default_factory=list)  # blocks under activation checkpointing
+    compiled: str = "off"  # how torch.compile was applied to the (last) prepared model that trains
     loss_fn: LossFn | None = None  # prepare(..., loss_fn=) or the Engine's
     pipeline: PipelineRunner | None = None  # the prepared model is split into pipeline stages
     # id(original parameter) -> the one splitting put in its place (None: it lives on another pipeline stage)

@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from meshkit.config.schema import CompileConfig
-from meshkit.models.blocks import block_units, find_blocks
+from meshkit.models.blocks import BlockError, block_units, find_blocks
 
 
 def compile_options(cfg: CompileConfig) -> dict[str, Any]:
@@ -17,19 +17,34 @@ def compile_options(cfg: CompileConfig) -> dict[str, Any]:
     return options
 
 
-def apply_compile(model: nn.Module, cfg: CompileConfig, blocks: str | None = None) -> nn.Module:
-    """Compile in place (`nn.Module.compile`), so parameter names and state-dict keys stay unchanged.
+def compiles_blocks(cfg: CompileConfig, hooked: bool) -> bool:
+    """Per block where the user says so, else where sharding hooks sit in the model (`hooked`): dynamo skips
+    FSDP2's and tensor parallel's hooks, so a whole-model graph breaks at each of them; a block compiled before
+    the hooks wrap it is one clean graph (torchtitan's order). Elsewhere (DDP, one process) the whole model."""
+    return cfg.regional if cfg.regional is not None else hooked
+
+
+def apply_compile(model: nn.Module, cfg: CompileConfig, blocks: str | None = None, hooked: bool = False) -> str:
+    """Compile in place (`nn.Module.compile`), so parameter names and state-dict keys stay unchanged; returns how
+    (`off`, `whole model`, `per block (N blocks)`).
 
     Regional compilation compiles one block and reuses the code for its identical siblings: much shorter
-    compile times than the whole model, at nearly the same speed.
+    compile times than the whole model, at nearly the same speed. Chosen by the layout (`hooked`), a model
+    without a list of repeated blocks is compiled whole.
     """
     if not cfg.enabled:
-        return model
+        return "off"
     options = compile_options(cfg)
-    if cfg.regional:
-        _, block_list = find_blocks(model, blocks)
-        for _, block in block_units(block_list):
-            block.compile(**options)
-    else:
-        model.compile(**options)
-    return model
+    if compiles_blocks(cfg, hooked):
+        try:
+            _, block_list = find_blocks(model, blocks)
+        except BlockError:
+            if cfg.regional:
+                raise
+        else:
+            units = list(block_units(block_list))
+            for _, block in units:
+                block.compile(**options)
+            return f"per block ({len(units)} blocks)"
+    model.compile(**options)
+    return "whole model"

@@ -52,6 +52,7 @@ class Parallelized:
     experts: list[nn.Module] = field(default_factory=list)  # expert banks split over ep (their gradients: edp)
     notice: str | None = None  # one line for the user about how the layout was applied
     own_loss: OwnLoss | None = None  # how the model's own loss reads its labels (learnt on the whole model)
+    compiled: str = "off"  # how torch.compile was applied: off, whole model, per block (N blocks)
 
 
 def parallelize(
@@ -111,6 +112,7 @@ def parallelize(
         experts=[bank for part in parts for bank in part.experts],
         notice=notice or next((part.notice for part in parts if part.notice), None),
         own_loss=own,
+        compiled=parts[0].compiled if parts else "off",
     )
 
 
@@ -165,7 +167,7 @@ def _parallelize_one(
         result.checkpointed = apply_activation_checkpointing(
             model, config.activation_checkpointing, config.activation_offload, mesh.device, structure.blocks
         )
-    model = apply_compile(model, config.compile, structure.blocks)
+    result.compiled = apply_compile(model, config.compile, structure.blocks, zero_stage == 3 or tp > 1 or in_pipeline)
     if zero_stage == 3:
         model = apply_fsdp(model, mesh, sharding, config.precision, structure.blocks, result.experts)
     if on_meta:

@@ -122,10 +122,12 @@ class ActivationReport:
         if self._current:
             self._current.pop()
 
+    @torch.compiler.disable  # (a measurement: never traced into a compiled model's graph)
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.observe(tensor, self._current[-1] if self._current else OUTSIDE)
         return tensor
 
+    @torch.compiler.disable
     def observe(self, tensor: torch.Tensor, block: str, recompute: bool = False) -> None:
         """Charge `tensor`'s storage to `block` unless it is a parameter or was counted already."""
         if _is_parameter(tensor):

@@ -125,6 +125,7 @@ class LoopRecord:
             "precision": engine.config.precision,
             "zero_stage": engine.zero_stage,
             **where_it_runs(engine),  # device, backend, attention
+            "compile": engine.ctx.objects.compiled,  # off, whole model, per block (N blocks)
         }
 
 

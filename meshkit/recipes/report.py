@@ -90,7 +90,7 @@ def print_summary(summary: dict[str, Any], run_dir: Path, plot: Path | None) -> 
     table.add_column("", style="bold")
     table.add_column("")
     table.add_row("layout", f"{summary['layout_description']} ({summary['world_size']} ranks)")
-    for name in ("device", "backend", "attention"):
+    for name in ("device", "backend", "attention", "compile"):
         if name in summary:
             table.add_row(name, summary[name])
     table.add_row("zero stage", str(summary["zero_stage"]))
