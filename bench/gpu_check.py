@@ -2,7 +2,10 @@
 
 Rows (each a ratio or a figure from this run):
 - engine: a ~1.1 B Llama-shaped reference GPT (TinyLlama's shape) through the Engine — bf16 autocast, fused AdamW,
-  regional `torch.compile`, SDPA (flash) attention: tokens/s, MFU against the device's bf16 peak, peak memory;
+  `torch.compile` as the layout picks, SDPA (flash) attention: tokens/s, MFU against the device's bf16 peak, peak
+  memory, where it ran (device, backend, attention), dynamo's graphs and graph breaks;
+- whole compile: the same with the whole model compiled: step time against per block, graphs and breaks;
+- full recompute: the same with full activation checkpointing (its peak, for the estimator);
 - torch: the same step as a plain torch loop (the engine's ratio to it);
 - fsdp2: the same model under torch's `fully_shard` (what zero_stage 3 applies) in a world of one;
 - fp8: float8 matmuls through torchao (`convert_to_float8_training`), on GPUs with fp8 tensor cores;
@@ -10,7 +13,7 @@ Rows (each a ratio or a figure from this run):
   fused_cross_entropy`) against the plain logits + cross-entropy: peak memory, time, agreement;
 - finetune: a Llama-3.2-1B-shaped transformers model (128k vocabulary) on HF batches through the Engine, with the
   fused loss (`fused_loss: auto`) and without (`off`): tokens/s and peak memory;
-- estimator: `meshkit estimate`'s prediction for the engine row against its measured peak.
+- estimator: `meshkit estimate`'s prediction (the compiled recipe) against the engine and full-recompute peaks.
 
 The loss rows live in `bench/gpu_loss_rows.py`, what every row shares in `bench/gpu_setup.py`.
 Off a GPU every row that can still run does, on a tiny shape (so CI keeps the script alive); rows that need a
@@ -42,16 +45,20 @@ from bench.gpu_loss_rows import finetune_row, fused_loss_row  # noqa: E402
 from bench.gpu_setup import (  # noqa: E402
     Context,
     Row,
+    dynamo_counts,
     fresh_memory,
     new_model,
     optimizer_for,
+    reset_dynamo,
     shape_for,
     timed_steps,
 )
 from meshkit import Engine  # noqa: E402
+from meshkit.engine.where_it_runs import where_it_runs  # noqa: E402
 from meshkit.models.gpt import GPT, lm_loss  # noqa: E402
 from meshkit.planning.estimate import ModelShape, estimate_memory  # noqa: E402
 from meshkit.planning.hardware import PRESETS  # noqa: E402
+from meshkit.planning.step_recipe import StepRecipe  # noqa: E402
 
 
 def engine_row(ctx: Context) -> Row:
@@ -63,13 +70,43 @@ def engine_row(ctx: Context) -> Row:
     return row
 
 
-def engine_steps(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Row:
-    """Timed steps through the Engine (bf16, regional compile where the shape asks), which then ends."""
-    compiled = {"enabled": True, "regional": True}
-    engine = Engine(precision="bf16", compile=compiled) if ctx.shape.compile else Engine(precision="bf16")
+def whole_compile_row(ctx: Context) -> Row:
+    """The engine row with the whole model compiled (`compile.regional: false`): its step time against per block,
+    and dynamo's graphs and breaks for each way (per block is what the layout picks under sharding hooks)."""
+    if not ctx.shape.compile:
+        return {"skipped": "compile is off for this shape (CPU): nothing to compare"}
+    fresh_memory(ctx.device)
+    model = new_model(ctx)
+    row = engine_steps(ctx, model, optimizer_for(model.to(ctx.device), ctx.device), regional=False)
+    blocks = ctx.measured.get("engine")
+    row["vs_per_block"] = row["step_s"] / blocks["step_s"] if blocks and "step_s" in blocks else None
+    return row
+
+
+def full_recompute_row(ctx: Context) -> Row:
+    """The engine row with full activation checkpointing: peak memory for the estimator row."""
+    fresh_memory(ctx.device)
+    model = new_model(ctx)
+    row = engine_steps(ctx, model, optimizer_for(model.to(ctx.device), ctx.device), recompute="full")
+    ctx.measured["full recompute"] = row
+    return row
+
+
+def engine_steps(
+    ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer, regional: bool | None = None,
+    recompute: str = "none",
+) -> Row:  # fmt: skip
+    """Timed steps through the Engine (bf16; compile as the layout picks, or as `regional` says), which then ends;
+    with where it ran and dynamo's graphs and breaks."""
+    reset_dynamo()
+    settings: dict[str, Any] = {"precision": "bf16", "activation_checkpointing": {"mode": recompute}}
+    if ctx.shape.compile:
+        settings["compile"] = {"enabled": True, "regional": regional}
+    engine = Engine(**settings)
     try:
         model, optimizer = engine.prepare(model, optimizer, loss_fn=lm_loss)
-        return timed_steps(ctx, engine.train_step)
+        row = timed_steps(ctx, engine.train_step)
+        return row | where_it_runs(engine) | {"compile": engine.ctx.objects.compiled} | dynamo_counts()
     finally:
         engine.end()
 
@@ -149,20 +186,28 @@ def fp8_row(ctx: Context) -> Row:
 
 
 def estimator_row(ctx: Context) -> Row:
+    """`meshkit estimate` for the engine rows' shape and recipe (compiled, SDPA, plain loss, fused AdamW on a GPU)
+    against their measured peaks, without and with full recomputation."""
     shape = ctx.shape
-    estimate = estimate_memory(ModelShape.from_gpt(shape.model), seq_len=shape.seq_len, micro_batch=shape.micro_batch,
-                               precision="bf16", optimizer="adam")  # fmt: skip
-    predicted = estimate.total_gb
-    measured = (ctx.measured.get("engine") or {}).get("peak_gb")
-    row: Row = {"predicted_gb": predicted, "measured_gb": measured}
-    row["predicted_vs_measured"] = predicted / measured if measured else None
-    if measured is None:
+    recipe = StepRecipe(compiled=shape.compile, optimizer_step="fused" if ctx.device.type == "cuda" else "foreach")
+    row: Row = {}
+    for measured_row, recompute in (("engine", "none"), ("full recompute", "full")):
+        estimate = estimate_memory(ModelShape.from_gpt(shape.model), seq_len=shape.seq_len,
+                                   micro_batch=shape.micro_batch, precision="bf16", optimizer="adam",
+                                   activation_checkpointing=recompute, recipe=recipe)  # fmt: skip
+        measured = (ctx.measured.get(measured_row) or {}).get("peak_gb")
+        key = "" if recompute == "none" else "full_"
+        row[f"{key}predicted_gb"], row[f"{key}measured_gb"] = estimate.total_gb, measured
+        row[f"{key}predicted_vs_measured"] = estimate.total_gb / measured if measured else None
+    if row["measured_gb"] is None:
         row["note"] = "measured peak is read from the CUDA allocator: GPU only"
     return row
 
 
 ROWS: dict[str, Callable[[Context], Row]] = {
     "engine": engine_row,
+    "whole compile": whole_compile_row,
+    "full recompute": full_recompute_row,
     "torch": torch_row,
     "fused loss": fused_loss_row,
     "finetune": finetune_row,
@@ -252,7 +297,7 @@ def section(data: dict[str, Any]) -> str:
         f"Device: {data['device']}, torch {data['torch']} (CUDA {data['cuda']}), working tree of {data['commit']}. "
         f"Model: reference GPT, dim {model['dim']}, {model['n_layers']} layers, {model['n_heads']} heads "
         f"({model['n_kv_heads']} kv), SwiGLU {model['ffn_hidden']}, vocab {model['vocab_size']}; micro-batch "
-        f"{data['micro_batch']} × seq {data['seq_len']}, bf16 autocast, fused AdamW, regional compile "
+        f"{data['micro_batch']} × seq {data['seq_len']}, bf16 autocast, fused AdamW, compile "
         f"{'on' if data['compile'] else 'off'}; MFU against {data['peak_tflops'] or '?'} TFLOP/s bf16 dense.\n\n"
         "| row | figures |\n|---|---|"
     )

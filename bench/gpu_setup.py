@@ -102,3 +102,18 @@ def new_model(ctx: Context) -> GPT:
 
 def optimizer_for(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+
+def reset_dynamo() -> None:
+    """Forget compiled code and dynamo's counters, so the next row's graphs and breaks are its own."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Graphs dynamo compiled and graph breaks it met since `reset_dynamo()`."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}

@@ -20,10 +20,15 @@ def test_the_gpu_check_passes_on_a_cpu_and_says_why_gpu_rows_are_skipped(tmp_pat
                           capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"engine", "torch", "fused loss", "finetune", "estimator", "fsdp2", "fp8"}
+    assert set(rows) == {"engine", "whole compile", "full recompute", "torch", "fused loss", "finetune", "estimator",
+                         "fsdp2", "fp8"}  # fmt: skip
     assert not [name for name, row in rows.items() if "error" in row]
     assert "fp8 tensor cores" in rows["fp8"]["skipped"]
     assert rows["engine"]["tokens_per_s"] > 0 and rows["fsdp2"]["tokens_per_s"] > 0
     assert rows["fused loss"]["loss_relative_error"] < 1e-6 and rows["fused loss"]["grad_relative_error"] < 1e-4
     assert rows["finetune"]["fused_loss"] == pytest.approx(rows["finetune"]["plain_loss"], rel=1e-5)
     assert rows["estimator"]["predicted_gb"] > 0 and "GPU only" in rows["estimator"]["note"]
+    assert rows["estimator"]["full_predicted_gb"] < rows["estimator"]["predicted_gb"]
+    engine = rows["engine"]  # where it ran, and dynamo's counts (compile is off on the CPU shape)
+    assert (engine["device"], engine["backend"], engine["compile"], engine["graphs"]) == ("cpu", "gloo", "off", 0)
+    assert "compile is off" in rows["whole compile"]["skipped"] and rows["full recompute"]["tokens_per_s"] > 0

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from meshkit.cli.recipe_options import AttentionOpt, CompileOpt, LossOpt, OptimizerStepOpt, WeightsOpt, step_recipe
 from meshkit.config.layout import Offload, Recompute
 from meshkit.planning.estimate import (
     Estimate,
@@ -96,6 +97,11 @@ def estimate_command(
             "precomputed, or none",
         ),
     ] = "none",
+    compiled: CompileOpt = False,
+    attention: AttentionOpt = "sdpa",
+    loss: LossOpt = "plain",
+    optimizer_step: OptimizerStepOpt = "foreach",
+    weights: WeightsOpt = "autocast",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Memory per device (GB = 10^9 bytes): params, grads, optimizer, activations, buffers, with formulas."""
@@ -108,6 +114,7 @@ def estimate_command(
     ):
         if value not in choices:
             raise EstimateError(f"{name} {value}: choose {', '.join(choices)}")
+    recipe = step_recipe(compiled, attention, loss, optimizer_step, weights)
     shape = model_shape(model, params, layers, hidden, heads, vocab)  # (the choices were checked above)
     if ps_servers:
         _parameter_server(
@@ -130,6 +137,7 @@ def estimate_command(
         runtime_gb=runtime_gb,
         ep=ep,
         reference=cast(Reference, reference),
+        recipe=recipe,
     )
     if as_json:
         print(json.dumps(estimate.as_json(), indent=2))
@@ -137,7 +145,7 @@ def estimate_command(
     Console().print(
         _table(
             f"memory per device (dp={dp} tp={tp} pp={pp} cp={cp}{f' ep={ep}' if ep > 1 else ''}, "
-            f"ZeRO-{zero_stage}, {precision})",
+            f"ZeRO-{zero_stage}, {precision}; {recipe.describe()})",
             estimate,
         )
     )

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshkit.cli.estimate import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
+from meshkit.cli.recipe_options import AttentionOpt, CompileOpt, LossOpt, OptimizerStepOpt, WeightsOpt, step_recipe
 from meshkit.cli.tp_plan_view import print_tensor_parallel
 from meshkit.planning.estimate import Optimizer, Precision, Reference
 from meshkit.planning.estimate_ps import advice
@@ -99,6 +100,11 @@ def plan_command(
         str,
         typer.Option("--reference", help="preference training's reference: copy, adapters, precomputed or none"),
     ] = "none",
+    compiled: CompileOpt = False,
+    attention: AttentionOpt = "sdpa",
+    loss: LossOpt = "plain",
+    optimizer_step: OptimizerStepOpt = "foreach",
+    weights: WeightsOpt = "autocast",
 ) -> None:
     """The layouts that fit, fastest first: predicted step time, tokens/s, MFU, memory, communication, bubble."""
     if probe:
@@ -119,7 +125,7 @@ def plan_command(
     result = plan(
         shape, cluster, seq_len=seq_len, global_batch=global_batch, precision=cast(Precision, precision),
         optimizer=cast(Optimizer, optimizer), only=only, runtime_gb=runtime_gb, host_mem_gb=host_mem_gb,
-        reference=cast(Reference, reference),
+        reference=cast(Reference, reference), recipe=step_recipe(compiled, attention, loss, optimizer_step, weights),
     )  # fmt: skip
     if explain:
         chosen = result.fitting[0] if result.fitting else result.smallest

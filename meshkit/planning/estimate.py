@@ -3,7 +3,10 @@
 Model states follow the ZeRO paper (Rajbhandari et al., 2020): with mixed precision and Adam every parameter
 costs 2 bytes (16-bit weights) + 2 (16-bit gradients) + 12 (fp32 master copy, momentum, variance) = 16Ψ,
 and ZeRO stages 1, 2, 3 divide the optimizer states, then the gradients, then the weights by the number of
-data-parallel ranks Nd. In fp32 the bytes are 4 + 4 + 8. Tensor and pipeline parallel divide Ψ first.
+data-parallel ranks Nd. In fp32 the bytes are 4 + 4 + 8. Tensor and pipeline parallel divide Ψ first. That split
+is `StepRecipe(weights="master")` (DeepSpeed, Megatron); meshkit's Engine keeps fp32 weights and gradients under
+16-bit autocast (4 + 4 + 8, and 2 bytes of 16-bit copies kept for backward): the default. How the step runs (the
+attention kernel, torch.compile, the loss, the optimizer's step) is the `StepRecipe` (`step_recipe.py`).
 
 Activations: for a decoder whose widths are known (GQA, gated MLP, routed experts), as its modules save them
 (`activation_estimate.decoder_layer_activation_bytes`, checked against measured saved tensors); otherwise
@@ -18,160 +21,32 @@ L/pp layers (1F1B), i.e. L layers' worth.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from meshkit.config.layout import Offload, Recompute
-from meshkit.core.errors import MeshkitError
 from meshkit.parallel.zero import BUCKETS_IN_FLIGHT
 from meshkit.planning.activation_estimate import (  # noqa: F401 - layer_activation_bytes re-exported
     activation_line,
     decoder_layer_activation_bytes,
     layer_activation_bytes,
+    recomputed_layer_bytes,
 )
+from meshkit.planning.model_shape import (  # noqa: F401 - re-exported: the estimator's inputs
+    EXPERT_COUNT_KEYS,
+    EstimateError,
+    ModelShape,
+    moe_experts,
+    moe_shape,
+)
+from meshkit.planning.step_recipe import StepRecipe
 
 GB = 1e9
 Precision = Literal["fp32", "bf16", "fp16"]
 Optimizer = Literal["adam", "adam8bit", "adam4bit", "sgd"]
 
 
-class EstimateError(MeshkitError):
-    """Inputs the estimator cannot use; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs of a model: Ψ, and the transformer shape for activations (None: unknown)."""
-
-    params: float
-    layers: int | None = None
-    hidden: int | None = None
-    heads: int | None = None
-    vocab: int | None = None
-    largest_layer_params: float | None = None  # one block: what ZeRO-3 gathers at a time
-    kv_heads: int | None = None  # grouped-query attention: K/V heads (None: as many as heads)
-    expert_params: float = 0.0  # mixture of experts: every routed expert's parameters, all layers (in `params`)
-    active_expert_fraction: float = 1.0  # top-k / experts: the share of the experts a token passes through
-    experts: int = 0  # routed experts per MoE layer (0: a dense model)
-    top_k: int = 0  # experts each token is routed to
-    moe_layers: int = 0  # blocks with an expert bank
-    router_loss: bool = False  # the config turns the router's balancing loss on (`output_router_logits`)
-    ffn: int | None = None  # a gated (SwiGLU) MLP's width; None: a 4h GELU MLP (Korthikanti's activation count)
-    expert_ffn: int | None = None  # each routed expert's gated MLP width
-    fused_attention: bool = True  # SDPA's fused kernels (flash, memory-efficient, cuDNN) keep no attention scores
-
-    def local_params(self, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[float, float]:
-        """(dense, expert) parameters one rank holds before ZeRO: tensor parallel splits the dense ones, expert
-        parallel the routed experts (tensor parallel keeps each expert bank whole)."""
-        return (self.params - self.expert_params) / (tp * pp), self.expert_params / (ep * pp)
-
-    @property
-    def active_params(self) -> float:
-        """Parameters a token passes through (what compute scales with); = params for a dense model."""
-        return self.params - self.expert_params * (1.0 - self.active_expert_fraction)
-
-    @classmethod
-    def transformer(
-        cls, *, layers: int, hidden: int, heads: int, vocab: int, ffn: int | None = None, kv_heads: int | None = None
-    ) -> ModelShape:
-        """A Llama-style decoder (gated MLP when `ffn` is given, else a 4h GELU MLP), untied head."""
-        head_dim = hidden // heads
-        attention = 2 * hidden * hidden + 2 * hidden * head_dim * (kv_heads or heads)
-        mlp = 3 * hidden * ffn if ffn else 8 * hidden * hidden
-        block = attention + mlp + 2 * hidden
-        return cls(
-            params=float(layers * block + 2 * vocab * hidden + hidden),
-            layers=layers,
-            hidden=hidden,
-            heads=heads,
-            vocab=vocab,
-            largest_layer_params=float(block),
-            kv_heads=kv_heads,
-            ffn=ffn,
-        )
-
-    @classmethod
-    def from_gpt(cls, config: Any) -> ModelShape:
-        """The reference GPT (`meshkit.models.gpt.GPTConfig`)."""
-        return cls.transformer(
-            layers=config.n_layers,
-            hidden=config.dim,
-            heads=config.n_heads,
-            vocab=config.vocab_size,
-            ffn=config.hidden,
-            kv_heads=config.kv_heads,
-        )
-
-    @classmethod
-    def from_hf_config(cls, path: str | Path) -> ModelShape:
-        config = json.loads(Path(path).read_text())
-        needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        missing = [key for key in needed if key not in config]
-        if missing:
-            raise EstimateError(f"{path}: the Hugging Face config lacks {', '.join(missing)}")
-        if moe_experts(config):
-            return moe_shape(config)
-        return cls.transformer(
-            layers=config["num_hidden_layers"],
-            hidden=config["hidden_size"],
-            heads=config["num_attention_heads"],
-            vocab=config["vocab_size"],
-            ffn=config.get("intermediate_size"),
-            kv_heads=config.get("num_key_value_heads"),
-        )
-
-
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-
-
-def moe_experts(config: dict[str, Any]) -> int:
-    """Routed experts per MoE layer in a Hugging Face config (0: a dense model)."""
-    return next((int(config[key]) for key in EXPERT_COUNT_KEYS if config.get(key)), 0)
-
-
-def moe_shape(config: dict[str, Any]) -> ModelShape:
-    """A mixture-of-experts decoder from its Hugging Face config: attention as `transformer`, then per layer a
-    router [E, h] and E gated experts of `moe_intermediate_size` (else `intermediate_size`), plus shared experts
-    (DeepSeek's `n_shared_experts`, Qwen2-MoE's `shared_expert_intermediate_size` and its gate); layers before
-    `first_k_dense_replace`, in `mlp_only_layers` or off `decoder_sparse_step` keep a dense MLP."""
-    layers, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
-    experts, top_k = moe_experts(config), int(config.get("num_experts_per_tok") or 1)
-    dense_ffn = config.get("intermediate_size") or 4 * hidden
-    expert_ffn = config.get("moe_intermediate_size") or dense_ffn
-    head_dim = config.get("head_dim") or hidden // heads
-    attention = hidden * heads * head_dim * 2 + 2 * hidden * head_dim * (kv_heads or heads)
-    shared = 3 * hidden * expert_ffn * int(config.get("n_shared_experts") or 0)
-    if config.get("shared_expert_intermediate_size"):
-        shared += 3 * hidden * config["shared_expert_intermediate_size"] + hidden  # and its sigmoid gate
-    dense_only = set(config.get("mlp_only_layers") or [])
-    step = int(config.get("decoder_sparse_step") or 1)
-    first_moe = int(config.get("first_k_dense_replace") or 0)
-    moe_layers = [i for i in range(layers) if i >= first_moe and i not in dense_only and (i + 1) % step == 0]
-    bank = experts * 3 * hidden * expert_ffn
-    moe_block = attention + experts * hidden + bank + shared + 2 * hidden
-    dense_block = attention + 3 * hidden * dense_ffn + 2 * hidden
-    blocks = len(moe_layers) * moe_block + (layers - len(moe_layers)) * dense_block
-    embeddings = (1 if config.get("tie_word_embeddings") else 2) * vocab * hidden
-    return ModelShape(
-        params=float(blocks + embeddings + hidden),
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        vocab=vocab,
-        largest_layer_params=float(max(moe_block, dense_block) if moe_layers else dense_block),
-        kv_heads=kv_heads,
-        expert_params=float(len(moe_layers) * bank),
-        active_expert_fraction=min(1.0, top_k / experts),
-        experts=experts,
-        top_k=top_k,
-        moe_layers=len(moe_layers),
-        ffn=dense_ffn,
-        expert_ffn=expert_ffn,
-        router_loss=bool(config.get("output_router_logits")) and float(config.get("router_aux_loss_coef") or 0) > 0,
-    )
+Phase = Literal["always", "backward", "step", "slack"]
 
 
 @dataclass(frozen=True)
@@ -179,14 +54,18 @@ class Line:
     name: str
     gb: float
     formula: str
+    # when it is held: always; while backward runs (activations, autocast's copies); at the step's end (gradients
+    # built anew each step, one recomputed layer, the optimizer's temporaries); slack: added to the larger peak
+    phase: Phase = "always"
 
 
 @dataclass
 class Estimate:
-    """The lines, and how they meet at the peak. Gradients that `zero_grad()` frees every step and backward
-    builds again (ZeRO-2/3 shards, a pipeline's, a single device's) grow while the activations are freed, so the
-    peak holds the larger of the two; gradients in a buffer kept across steps (DDP's buckets as gradients, ZeRO-1's
-    full buffer, allocated as backward starts) are there with all the activations."""
+    """The lines, and how they meet at the peak. Two moments compete: the loss's backward, with every layer's
+    activations (and autocast's weight copies) alive, and the end of backward and the optimizer step, with the
+    gradients (and the optimizer's temporaries) alive. Gradients that `zero_grad()` frees every step (ZeRO-2/3
+    shards, a pipeline's, a single device's) belong to the second only; gradients in a buffer kept across steps
+    (DDP's buckets as gradients, ZeRO-1's full buffer, allocated as backward starts) are there at both."""
 
     lines: list[Line] = field(default_factory=list)
     grads_meet_activations: bool = True
@@ -195,21 +74,31 @@ class Estimate:
     def gb(self, name: str) -> float:
         return sum(line.gb for line in self.lines if line.name == name)
 
+    def _phase(self, phase: Phase) -> float:
+        return sum(line.gb for line in self.lines if line.phase == phase)
+
+    @property
+    def backward_gb(self) -> float:
+        kept = self.gb("grads") if self.grads_meet_activations else 0.0
+        return self._phase("always") + self._phase("backward") + kept
+
+    @property
+    def step_gb(self) -> float:
+        return self._phase("always") + self._phase("step")
+
     @property
     def total_gb(self) -> float:
-        total = sum(line.gb for line in self.lines)
-        if self.grads_meet_activations:
-            return total
-        grads, activations = self.gb("grads"), self.gb("activations")
-        return total - grads - activations + max(grads, activations)
+        return max(self.backward_gb, self.step_gb) + self._phase("slack")
 
     @property
     def total_formula(self) -> str:
-        return "sum" if self.grads_meet_activations else "sum, with max(grads, activations) for the two"
+        backward = "backward (activations" + (", gradients kept" if self.grads_meet_activations else "") + ")"
+        return f"max({backward}, step (gradients, temporaries)) + slack"
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {f"{line.name}_gb": line.gb for line in self.lines}
         out["total_gb"] = self.total_gb
+        out["backward_peak_gb"], out["step_peak_gb"] = self.backward_gb, self.step_gb
         out["formulas"] = {line.name: line.formula for line in self.lines}
         out["formulas"]["total"] = self.total_formula
         return out
@@ -218,13 +107,14 @@ class Estimate:
 Reference = Literal["none", "copy", "adapters", "precomputed"]  # preference training's reference model
 
 
-def model_state_bytes(precision: Precision, optimizer: Optimizer) -> tuple[int, int, int]:
-    """Bytes per parameter for (weights, gradients, optimizer states)."""
-    mixed = precision != "fp32"
+def model_state_bytes(precision: Precision, optimizer: Optimizer, autocast: bool = False) -> tuple[int, int, int]:
+    """Bytes per parameter for (weights, gradients, optimizer states). 16-bit training either keeps fp32 weights
+    and gradients and casts in each forward (`autocast`: meshkit's Engine, FSDP2's mixed precision), or 16-bit
+    weights and gradients with an fp32 master copy in the optimizer (DeepSpeed, Megatron, the ZeRO paper)."""
     # adam8bit: two 1-byte moments (bitsandbytes, torchao); adam4bit: two half-byte moments (torchao); the block
     # scales (4 bytes per 128-256 values) are left out
     moments = {"adam": 8, "adam8bit": 2, "adam4bit": 1}.get(optimizer, 4)
-    if mixed:
+    if precision != "fp32" and not autocast:
         return 2, 2, 4 + moments  # fp32 master weights kept by the optimizer
     return 4, 4, moments
 
@@ -250,6 +140,7 @@ def estimate_memory(
     runtime_gb: float = 0.0,
     ep: int = 1,
     reference: Reference = "none",
+    recipe: StepRecipe | None = None,
 ) -> Estimate:
     """Per-device GB (10^9 bytes) for params, grads, optimizer, activations, buffers and the runtime, with
     formulas. `runtime_gb` is what the process holds outside tensors (measured: torch's kernels and the
@@ -258,10 +149,13 @@ def estimate_memory(
     rank's experts over the dp·cp/ep ranks that hold the same ones. `reference` (preference training): "copy" adds
     a frozen copy of the weights laid out like the policy's (split by tp/pp, sharded under ZeRO-3; no gradients,
     no optimizer state); "adapters" (LoRA's base with adapters off) and "precomputed" add nothing — pass the
-    micro-batch in rows (a pair is two)."""
+    micro-batch in rows (a pair is two). `recipe`: how the step runs (attention kernel, compile, loss, optimizer
+    step, how 16-bit weights are kept; `step_recipe.py`): by default as meshkit's Engine runs an eager step."""
     _check_layout(model, zero_stage, dp, tp, pp, cp, ep)
+    recipe = recipe or StepRecipe()
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
-    weight_b, grad_b, optim_b = model_state_bytes(precision, optimizer)
+    mixed = precision != "fp32"
+    weight_b, grad_b, optim_b = model_state_bytes(precision, optimizer, autocast=recipe.weights == "autocast")
     dense, experts = model.local_params(tp, pp, ep)
     local = dense + experts  # parameters this device owns before ZeRO
     shards = dp * cp  # ZeRO/FSDP shards over the data-parallel (and context-parallel) ranks
@@ -279,7 +173,7 @@ def estimate_memory(
     optim = optim_b * sharded(1)
     lines = [
         Line("params", params / GB, f"{weight_b}·{psi}" + (f"/{nd} (ZeRO-3)" if zero_stage >= 3 else "")),
-        Line("grads", grads / GB, f"{grad_b}·{psi}" + (f"/{nd} (ZeRO-2+)" if zero_stage >= 2 else "")),
+        Line("grads", grads / GB, f"{grad_b}·{psi}" + (f"/{nd} (ZeRO-2+)" if zero_stage >= 2 else ""), "step"),
     ]
     if offload != "none":
         lines.append(Line("optimizer", 0.0, f"{optim_b}·Ψ' offloaded to {offload}: {optim / GB:.3g} GB off device"))
@@ -296,18 +190,50 @@ def estimate_memory(
     elif reference != "none":
         lines.append(Line("reference", 0.0, f"{reference}: no second copy of the weights"))
     activations, formula = activation_line(
-        model, seq_len, micro_batch, precision, tp, pp, cp, sp, activation_checkpointing, dropout, zero_stage
+        model, seq_len, micro_batch, precision, tp, pp, cp, sp, activation_checkpointing, dropout, zero_stage, recipe
     )
-    lines.append(Line("activations", activations / GB, formula))
+    lines.append(Line("activations", activations / GB, formula, "backward"))
+    if mixed and recipe.weights == "autocast" and zero_stage < 3:
+        lines.append(_autocast_copies(model, local, tp, activation_checkpointing))
+    if activation_checkpointing == "full":
+        layer = recomputed_layer_bytes(model, seq_len, micro_batch, precision, tp, cp, sp, dropout, zero_stage, recipe)
+        lines.append(
+            Line("recomputed layer", layer / GB, "one layer's activations while backward recomputes it", "step")
+        )
+    temporaries = 4 * sharded(1) if recipe.optimizer_step == "foreach" and optimizer == "adam" else 0.0
+    if offload != "none":
+        temporaries = 0.0  # (the step runs where the states are)
+    lines.append(Line("optimizer step", temporaries / GB, _step_formula(recipe, optimizer, temporaries), "step"))
     full_grads = grad_b * local
     bucket = full_grads if zero_stage == 0 and not gradient_as_bucket_view else 0.0
     if zero_stage == 2 and shards > 1:  # buckets in flight during backward, each within one rank's chunk
         bucket = BUCKETS_IN_FLIGHT * min(zero_bucket_mb * 1e6, grads)
-    lines.append(_buffers(model, zero_stage, dp, cp, tp, weight_b, bucket, ep))
+    lines.append(_buffers(model, zero_stage, dp, cp, tp, 2 if mixed else 4, bucket, ep))
     lines.append(Line("runtime", runtime_gb, "given" if runtime_gb else "not counted (runtime_gb / --runtime-gb)"))
     kept = pp == 1 and shards > 1 and (zero_stage == 1 or zero_stage == 0 and gradient_as_bucket_view)
     host = optim / GB if offload == "cpu" else 0.0
-    return Estimate(lines, grads_meet_activations=kept, host_gb=host)
+    estimate = Estimate(lines, grads_meet_activations=kept, host_gb=host)
+    peak = max(estimate.backward_gb, estimate.step_gb) - runtime_gb  # (of the tensors)
+    share = recipe.allocator_allowance
+    estimate.lines.append(
+        Line("allocator", share * peak, f"{share:.0%} of the tensors: allocator rounding, kernel workspaces", "slack")
+    )
+    return estimate
+
+
+def _autocast_copies(model: ModelShape, local: float, tp: int, recompute: Recompute) -> Line:
+    """The 16-bit copies autocast makes of fp32 weights, kept for backward by each matrix product; under full
+    recomputation a layer's are freed with its activations, and only the head's stay."""
+    if recompute == "full":
+        head = (model.vocab or 0) * (model.hidden or 0) / tp
+        return Line("autocast copies", 2 * head / GB, "2·V·h/tp: the head's (layers recomputed)", "backward")
+    return Line("autocast copies", 2 * local / GB, f"2·Ψ/(tp·pp)={local:.4g}: 16-bit copies of the weights", "backward")
+
+
+def _step_formula(recipe: StepRecipe, optimizer: Optimizer, temporaries: float) -> str:
+    if temporaries:
+        return "foreach Adam: one fp32 tensor per optimizer state element (its √v)"
+    return f"{recipe.optimizer_step} {optimizer} step: none"
 
 
 def _buffers(

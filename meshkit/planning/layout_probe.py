@@ -35,6 +35,7 @@ from meshkit.planning.hardware import Hardware
 from meshkit.planning.perf_model import predict
 from meshkit.planning.plan import Cluster, plan, to_config
 from meshkit.planning.probe import measure_profile
+from meshkit.planning.step_recipe import StepRecipe
 from meshkit.planning.workload_probe import model_profile
 from meshkit.runtime.mesh import ProcessInfo, select_device, start_process_group, stop_process_group
 
@@ -161,7 +162,8 @@ def candidates_on(
     cluster = Cluster(local_world, limit / 0.9, max(1, world // local_world), device=hardware)
     precision = "fp32" if cfg.precision == "no" else cfg.precision
     shape, global_batch = work.shape, work.global_batch
-    result = plan(shape, cluster, seq_len=work.seq_len, global_batch=global_batch, precision=precision)
+    recipe = StepRecipe(compiled=cfg.compile.enabled, loss="plain" if cfg.fused_loss == "off" else "fused")
+    result = plan(shape, cluster, seq_len=work.seq_len, global_batch=global_batch, precision=precision, recipe=recipe)
     chosen = diverse([p.layout for p in result.fitting if p.layout.offload == "none"], cfg.probe.top_k)
     if not chosen:
         raise LayoutProbeError(f"layout: auto: {result.suggestion or 'the planner found no layout for this world'}")

@@ -28,6 +28,7 @@ from meshkit.planning.estimate import (
 )
 from meshkit.planning.hardware import PRESETS, Hardware
 from meshkit.planning.perf_model import StepTime, Topology, all_to_all_bytes, predict
+from meshkit.planning.step_recipe import StepRecipe
 
 HEADROOM = 0.9
 INTRA_LINKS = ("nvlink", "nvlink4", "pcie")
@@ -165,6 +166,7 @@ def cost(
     optimizer: Optimizer = "adam",
     runtime_gb: float = 0.0,
     reference: Reference = "none",
+    recipe: StepRecipe | None = None,
 ) -> PlannedLayout:
     """Memory, communication volume, bubble and modelled step time (micro-batches of one sequence); `reference`:
     preference training's reference model (a frozen copy costs the weights' memory again; a copy or the base with
@@ -186,6 +188,7 @@ def cost(
         ep=layout.ep,
         runtime_gb=runtime_gb,
         reference=reference,
+        recipe=recipe,
     )
     grads = 2 * sum(model.local_params(layout.tp, layout.pp, layout.ep))
     n = layout.dp * layout.cp
@@ -296,11 +299,12 @@ def plan(
     runtime_gb: float = 0.0,
     host_mem_gb: float | None = None,
     reference: Reference = "none",
+    recipe: StepRecipe | None = None,
 ) -> Plan:
     """Every layout that fits, fastest first; `optimizer` (adam, adam8bit, adam4bit, sgd) sets the state bytes and step
     traffic per parameter. `only` keeps the layouts the user fixed; `runtime_gb` is counted on every GPU (the
     CUDA context, communication buffers); `host_mem_gb` limits what offload puts in a node's host memory;
-    `reference`: preference training's reference model (`estimate_memory`)."""
+    `reference`: preference training's reference model, `recipe`: how the step runs (`estimate_memory`)."""
     if cluster.intra_node not in (None, *INTRA_LINKS) or cluster.inter_node not in (None, *INTER_LINKS):
         raise PlanError(
             f"--intra-node is one of {', '.join(INTRA_LINKS)}; --inter-node one of {', '.join(INTER_LINKS)}"
@@ -325,7 +329,7 @@ def plan(
     for layout in layouts:
         try:
             costed.append(
-                cost(layout, model, cluster, seq_len, global_batch, precision, optimizer, runtime_gb, reference)
+                cost(layout, model, cluster, seq_len, global_batch, precision, optimizer, runtime_gb, reference, recipe)
             )
         except EstimateError:
             costed.append(PlannedLayout(layout, memory_gb=float("inf")))

@@ -1,0 +1,61 @@
+"""How a training step runs, as far as its memory goes: the attention kernel, torch.compile, the loss, the
+optimizer's step and how 16-bit training keeps its weights. The estimator (`estimate.py`) reads it.
+
+Measured on one NVIDIA H200 (torch 2.11, bf16 autocast, fused AdamW, SDPA, torch.compile; BENCHMARKS.md, "The
+memory estimate on a GPU"), a 1.1 B Llama-shaped model's peak `max_memory_allocated` follows these terms: the
+fp32 weights and Adam's moments; the bf16 copies autocast makes of the weights, kept for backward by each matrix
+product; the activations as the compiled step keeps them (inductor recomputes pointwise results in backward);
+three fp32 logits-sized tensors while the loss runs backward; and, where the step outweighs backward (full
+recomputation), the gradients with one recomputed layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from meshkit.models.attention_kind import stores_scores
+from meshkit.training.fused_cross_entropy import chunk_tokens
+
+LossKind = Literal["plain", "fused"]
+OptimizerStep = Literal["foreach", "fused"]
+WeightsKept = Literal["autocast", "master"]
+
+
+@dataclass(frozen=True)
+class StepRecipe:
+    """`attention`: transformers' name (`sdpa`, `eager`, `flash_attention_2`, ...): eager keeps each layer's
+    [heads, seq, seq] probabilities, fused kernels a log-sum-exp per head. `compiled`: torch.compile (inductor).
+    `loss`: plain (whole logits) or fused (a chunk at a time). `optimizer_step`: torch's default foreach Adam builds
+    one temporary the size of its states' moment; fused (and for-loop) steps none. `weights`: autocast = fp32
+    weights cast to 16 bits in each forward (meshkit's Engine: 4+4+8 bytes per parameter and 2 more for the copies);
+    master = 16-bit weights with an fp32 master copy in the optimizer (DeepSpeed, Megatron: 2+2+12).
+    `allocator_allowance`: the share added for the caching allocator's rounding and kernel workspaces."""
+
+    attention: str = "sdpa"
+    compiled: bool = False
+    loss: LossKind = "plain"
+    optimizer_step: OptimizerStep = "foreach"
+    weights: WeightsKept = "autocast"
+    allocator_allowance: float = 0.02
+
+    @property
+    def keeps_scores(self) -> bool:
+        return stores_scores(self.attention)
+
+    def describe(self) -> str:
+        parts = [f"attention {self.attention}", "compiled" if self.compiled else "eager"]
+        parts += [f"{self.loss} loss", f"{self.optimizer_step} optimizer step", f"{self.weights} weights"]
+        return ", ".join(parts)
+
+
+def loss_bytes(tokens: float, vocab: int | None, hidden: int | None, tp: int, loss: LossKind) -> tuple[float, str]:
+    """(bytes, formula) the loss holds while it runs backward: fp32 log-probabilities, their gradient and the
+    logits' gradient, for every token (plain) or for one chunk of tokens (fused: `fused_cross_entropy`)."""
+    if not vocab:
+        return 0.0, ""
+    rows = vocab / tp
+    if loss == "fused":
+        chunk = chunk_tokens(int(rows), hidden or 1, max(1, int(tokens)))
+        return 3 * 4 * rows * chunk, f" + fused loss: 3·4·V/tp for {chunk} tokens"
+    return 3 * 4 * rows * tokens, " + loss: 3·s·b·4·V/tp (log-probs, their gradient, the logits' gradient)"
