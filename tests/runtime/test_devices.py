@@ -54,3 +54,13 @@ def test_a_transformers_model_says_its_attention_in_its_config() -> None:
         assert attention_implementation(model) == implementation
     assert stores_scores("eager") and stores_scores(None)
     assert not any(stores_scores(kind) for kind in ("sdpa", "flash_attention_2", "flex_attention"))
+
+
+def test_a_cuda_device_is_named_with_its_gpu_and_sdpa_with_its_enabled_kernels(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    assert device_name(torch.device("cuda", 1)) == "cuda:1 (NVIDIA H200)"
+    for switch, on in (("flash_sdp_enabled", True), ("mem_efficient_sdp_enabled", False),
+                       ("math_sdp_enabled", True), ("cudnn_sdp_enabled", True)):  # fmt: skip
+        monkeypatch.setattr(torch.backends.cuda, switch, lambda on=on: on)
+    words = attention_words(fake_engine([tiny_gpt()], device="cuda"))
+    assert words == "sdpa (cudnn, flash, math enabled)"
