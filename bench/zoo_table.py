@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def render(data: dict[str, Any]) -> str:
             if cell is None:
                 cells.append("—" if layout == "ep2" and not entry.get("moe") else "not run")
             elif cell["status"] == "refused":
-                number = reasons.setdefault(cell.get("reason", ""), len(reasons) + 1)
+                number = reasons.setdefault(scrubbed(cell.get("reason", "")), len(reasons) + 1)
                 cells.append(f"refused [{number}]")
             else:
                 cells.append(MARKS[cell["status"]] + (f" [{_note(cell, reasons)}]" if cell["status"] != "ok" else ""))
@@ -67,8 +68,14 @@ def _note(cell: dict[str, Any], reasons: dict[str, int]) -> int:
         worst = f" ({cell['worst']})" if cell.get("worst") else ""
         text = f"off by {cell.get('loss_error', 0):.1e} in loss, {cell.get('weight_error', 0):.1e} in weights{worst}"
     else:
-        text = cell.get("reason") or "no result"
+        text = scrubbed(cell.get("reason") or "no result")
     return reasons.setdefault(text, len(reasons) + 1)
+
+
+def scrubbed(reason: str) -> str:
+    """A reason without what differs from run to run: a peer's address and port, the path of torch's build."""
+    reason = re.sub(r"\[/[^\]]*/gloo/[^\]]*\]\s*", "gloo: ", reason)
+    return re.sub(r"\[[0-9a-fA-F.:]+\]:\d+", "[a peer]", reason)
 
 
 def write_docs(data: dict[str, Any], page: Path) -> None:

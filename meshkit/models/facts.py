@@ -121,6 +121,11 @@ class ModelStructure:
         return counts
 
 
+def has_meta_tensors(model: nn.Module) -> bool:
+    """Some parameter or buffer is on the meta device (built without storage, materialised after sharding)."""
+    return any(tensor.is_meta for tensor in (*model.parameters(), *model.buffers()))
+
+
 def tied_parameters(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     """Groups of parameter names that are one tensor (e.g. a head tied to the input embedding)."""
     names: dict[int, list[str]] = {}

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshkit.models.facts import ModelStructure, takes_argument, takes_cache_switch
+from meshkit.models.facts import ModelStructure, has_meta_tensors, takes_argument, takes_cache_switch
 from meshkit.models.hf_adapter import is_transformers_model
 
 TOLERANCE = 1e-4  # relative: the same logits give the same cross-entropy up to summation order
@@ -41,7 +41,7 @@ class OwnLoss:
 def own_loss(model: nn.Module, structure: ModelStructure) -> OwnLoss | None:
     """How `model`'s own loss reads its labels; None where nothing can be learnt (not a transformers causal LM,
     weights on the meta device, a forward that does not run on sample tokens or returns no loss)."""
-    if not (structure.causal_lm and is_transformers_model(model)) or _on_meta(model):
+    if not (structure.causal_lm and is_transformers_model(model)) or has_meta_tensors(model):
         return None
     vocab = _vocabulary(model)
     if vocab < 2:
@@ -115,7 +115,3 @@ def _vocabulary(model: nn.Module) -> int:
         and isinstance(size := getattr(getattr(model, getter)(), attribute, None), int)
     ]
     return min(sizes, default=0)
-
-
-def _on_meta(model: nn.Module) -> bool:
-    return any(tensor.is_meta for tensor in (*model.parameters(), *model.buffers()))

@@ -15,6 +15,7 @@ from torch import nn
 from meshkit.config.layout import PipelineError
 from meshkit.config.schema import DDPConfig, RunConfig
 from meshkit.models.block_flow import carried_between_blocks
+from meshkit.models.facts import has_meta_tensors
 from meshkit.models.gpt import GPT
 from meshkit.models.layer_roles import LayerRoles, layer_roles, sample_forward
 from meshkit.models.own_loss import OwnLoss, own_loss
@@ -29,7 +30,7 @@ from meshkit.parallel.ddp import apply_ddp
 from meshkit.parallel.expert.apply import apply_expert_parallel
 from meshkit.parallel.fits import check_layout_fits
 from meshkit.parallel.fsdp import apply_fsdp
-from meshkit.parallel.materialize import has_meta_tensors, load_safetensors, materialize
+from meshkit.parallel.materialize import load_safetensors, materialize
 from meshkit.parallel.pipeline.stages import PipelineModel, chunks_per_rank, split_model, stage_ids
 from meshkit.parallel.tensor.apply import apply_tensor_parallel
 from meshkit.parallel.tensor.storage import SplitWeights

@@ -32,10 +32,6 @@ class MaterializeError(MeshkitError):
     """A meta-device model that cannot be filled; the message says what it lacks."""
 
 
-def has_meta_tensors(model: nn.Module) -> bool:
-    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-
-
 def set_local(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's part of the full tensor `full` into `target` (a DTensor shard or a plain tensor)."""
     if isinstance(target, DTensor):

@@ -191,3 +191,30 @@ def test_outside_loss_of_the_head_is_itself() -> None:
     assert again is not None and float(again) == pytest.approx(float(loss))  # (this forward's, not the stale one)
     fused.remove()
     assert "forward" not in model.head.__dict__ and torch.equal(model(hidden), want)
+
+
+def _local_weights(rank: int) -> dict[str, bool]:
+    """What the fused head computes against for each kind of DTensor head weight."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from meshkit.training.fused_head import _local, _vocab_shard
+
+    with gloo_world():
+        weight = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+        flat, square = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (1, 2))
+        rows = distribute_tensor(weight, flat, [Shard(0)])  # vocab-parallel: this rank's rows, its shard named
+        whole = distribute_tensor(weight, flat, [Replicate()])
+        nested = distribute_tensor(weight, square, [Shard(0), Shard(0)])  # a 2-D split: gathered whole
+        return {
+            "rows": torch.equal(_local(rows), weight[rank * 4 : (rank + 1) * 4]),
+            "shard": _vocab_shard(rows) is not None and _vocab_shard(rows).start == rank * 4,
+            "replicated": torch.equal(_local(whole), weight) and _vocab_shard(whole) is None,
+            "nested": torch.equal(_local(nested), weight) and _vocab_shard(nested) is None,
+        }
+
+
+@pytest.mark.world
+def test_a_head_weight_is_read_as_its_rows_when_split_over_the_vocabulary_and_whole_otherwise() -> None:
+    for result in run_world(_local_weights, 2, timeout=120):
+        assert result == {"rows": True, "shard": True, "replicated": True, "nested": True}
