@@ -28,7 +28,7 @@ def backend_name() -> str:
 
 
 def sdpa_backends() -> list[str]:
-    """The fused kernels torch's scaled_dot_product_attention may choose on CUDA (enabled ones, in its order)."""
+    """The kernels torch's scaled_dot_product_attention may choose on CUDA: those enabled, fused ones first."""
     switches = (
         ("cudnn", "cudnn_sdp_enabled"),
         ("flash", "flash_sdp_enabled"),

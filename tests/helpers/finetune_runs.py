@@ -103,6 +103,8 @@ def run_finetune(rank: int, config: str, assignments: list[str]) -> dict[str, An
         "layout",
         "layout_description",
         "zero_stage",
+        "device",
+        "attention",
     )
     return {key: summary[key] for key in keep}
 
