@@ -147,12 +147,15 @@ def choose_for_loop(
     config = resolved.config
     dims = Layout.from_config(config.parallel, engine.info.world_size)
     batch = next(iter(loader))
+    structure = describe(model, config.blocks, config.structure)
+    fused = config.fused_loss != "off" and loss_fn is None and structure.causal_lm  # (what train_step will do)
     workload = Workload(
-        shape_of(model, describe(model, config.blocks, config.structure)),
+        shape_of(model, structure),
         seq_len=sequence_length(batch),
         global_batch=micro_batch * dims.dp_replicate * dims.dp_shard * config.grad_accum_steps,
         micro_batch=micro_batch,
         refine=_efficiency(model, batch, loss_fn, engine.device),
+        loss="fused" if fused else "plain",
     )
 
     def build(probe: Any) -> Callable[[], None]:

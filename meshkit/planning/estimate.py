@@ -200,9 +200,9 @@ def estimate_memory(
         lines.append(
             Line("recomputed layer", layer / GB, "one layer's activations while backward recomputes it", "step")
         )
-    temporaries = 4 * sharded(1) if recipe.optimizer_step == "foreach" and optimizer == "adam" else 0.0
-    if offload != "none":
-        temporaries = 0.0  # (the step runs where the states are)
+    # (offloaded: the step runs where the states are)
+    foreach = recipe.optimizer_step == "foreach" and optimizer == "adam" and offload == "none"
+    temporaries = 4 * sharded(1) if foreach else 0.0
     lines.append(Line("optimizer step", temporaries / GB, _step_formula(recipe, optimizer, temporaries), "step"))
     full_grads = grad_b * local
     bucket = full_grads if zero_stage == 0 and not gradient_as_bucket_view else 0.0

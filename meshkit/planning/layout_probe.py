@@ -35,7 +35,7 @@ from meshkit.planning.hardware import Hardware
 from meshkit.planning.perf_model import predict
 from meshkit.planning.plan import Cluster, plan, to_config
 from meshkit.planning.probe import measure_profile
-from meshkit.planning.step_recipe import StepRecipe
+from meshkit.planning.step_recipe import LossKind, StepRecipe
 from meshkit.planning.workload_probe import model_profile
 from meshkit.runtime.mesh import ProcessInfo, select_device, start_process_group, stop_process_group
 
@@ -123,6 +123,7 @@ class Workload:
     global_batch: int  # sequences per optimizer step, kept by every candidate
     micro_batch: int  # the largest micro-batch (per rank) a candidate may use
     refine: Callable[[Hardware], Hardware] | None = None
+    loss: LossKind = "plain"  # fused: train_step computes the causal-LM loss a chunk at a time (`fused_loss`)
 
     @classmethod
     def of_config(cls, config: RunConfig, world: int, local_world: int, device: torch.device) -> Workload:
@@ -162,7 +163,7 @@ def candidates_on(
     cluster = Cluster(local_world, limit / 0.9, max(1, world // local_world), device=hardware)
     precision = "fp32" if cfg.precision == "no" else cfg.precision
     shape, global_batch = work.shape, work.global_batch
-    recipe = StepRecipe(compiled=cfg.compile.enabled, loss="plain" if cfg.fused_loss == "off" else "fused")
+    recipe = StepRecipe(compiled=cfg.compile.enabled, loss=work.loss)
     result = plan(shape, cluster, seq_len=work.seq_len, global_batch=global_batch, precision=precision, recipe=recipe)
     chosen = diverse([p.layout for p in result.fitting if p.layout.offload == "none"], cfg.probe.top_k)
     if not chosen:
