@@ -24,6 +24,7 @@ from meshkit.parallel.pipeline.schedule import PipelineRunner
 from meshkit.parallel.pipeline.stages import PipelineModel
 from meshkit.parallel.pipeline.tied import TiedAcrossStages
 from meshkit.parallel.replicate import GradientAllReduce
+from meshkit.parallel.routed import UnreachedBanks
 from meshkit.parallel.tensor.consistency import WholeGradientsAgree
 from meshkit.parallel.zero.sharding import rebind_params, renamed_parameters, shard_optimizer
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
@@ -108,6 +109,8 @@ class Preparation(EngineComponent):
         if done.needs_gradient_reduce:
             others = [param for param in now.values() if id(param) not in experts]
             gradients.model_reducers.append(GradientAllReduce(others, ctx.mesh.grad_group))
+        if done.routed_banks:  # (after every other reducer: the banks no rank's tokens reached lose their zeros)
+            gradients.model_reducers.append(UnreachedBanks(done.routed_banks, ctx.mesh.grad_group))
         if experts and ctx.placement.zero_stage == 0:  # (FSDP reduces them over edp itself)
             banks = [param for param in now.values() if id(param) in experts]
             edp = ctx.mesh.expert_dim("edp").get_group()

@@ -44,8 +44,8 @@ def _bank_size(name: str, module: nn.Module) -> tuple[int, bool] | None:
         return None
     own = [param for _, param in module.named_parameters(recurse=False)]
     stacked = own and all(param.dim() >= 2 for param in own) and any(param.dim() == 3 for param in own)
-    if stacked and len({param.shape[0] for param in own}) == 1:  # (gpt-oss: 2-D biases [E, out] beside them)
-        experts = own[0].shape[0]
+    if stacked:  # (gpt-oss: 2-D biases [E, out] beside them; LongCat's gate/up also holds rows for its
+        experts = max(param.shape[0] for param in own)  # zero-computation experts, its down projection not)
         return (experts, True) if experts >= 2 else None
     if isinstance(module, nn.ModuleList) and len(module) >= 2 and "expert" in name:
         kinds = {type(child) for child in module}
@@ -83,7 +83,9 @@ def moe_block(path: str, block: nn.Module, config: Any = None) -> ExpertFacts | 
         shared = next((name for name, _ in block.named_children() if name.startswith(SHARED_NAMES)), None)
         parameters = tuple(f"{bank}.{name}" for name, _ in child.named_parameters())
         adapted = wrapped_module(child) is not child
-        return ExpertFacts(path, router, bank, experts, top_k, fused, parameters, shared, adapted)
+        rows = {param.shape[0] for param in wrapped_module(child).parameters(recurse=False)} if fused else set()
+        uneven = len(rows) > 1
+        return ExpertFacts(path, router, bank, experts, top_k, fused, parameters, shared, adapted, uneven)
     return None
 
 

@@ -60,6 +60,7 @@ class ExpertFacts:
     bank_parameters: tuple[str, ...]  # the bank's parameters, relative to the block (experts.gate_up_proj, ...)
     shared: str | None = None  # shared expert(s) every token passes through (DeepSeek, Qwen2-MoE), if any
     adapted: bool = False  # the bank's parameters carry adapters (peft's LoRA on parameters wraps the bank)
+    uneven: bool = False  # its tensors hold different expert counts (LongCat: rows for zero-computation experts)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from meshkit.parallel.fits import check_layout_fits
 from meshkit.parallel.fsdp import apply_fsdp
 from meshkit.parallel.materialize import load_safetensors, materialize
 from meshkit.parallel.pipeline.stages import PipelineModel, chunks_per_rank, split_model, stage_ids
+from meshkit.parallel.routed import tie_expert_banks
 from meshkit.parallel.tensor.apply import apply_tensor_parallel
 from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.parallel.tiled_mlp import apply_tiled_mlp
@@ -54,6 +55,7 @@ class Parallelized:
     notice: str | None = None  # one line for the user about how the layout was applied
     own_loss: OwnLoss | None = None  # how the model's own loss reads its labels (learnt on the whole model)
     compiled: str = "off"  # how torch.compile was applied: off, whole model, per block (N blocks)
+    routed_banks: list[nn.Module] = field(default_factory=list)  # expert banks tied into every step's reduction
 
 
 def parallelize(
@@ -111,6 +113,7 @@ def parallelize(
         needs_gradient_reduce=any(part.needs_gradient_reduce for part in parts),
         checkpointed=[block for part in parts for block in part.checkpointed],
         experts=[bank for part in parts for bank in part.experts],
+        routed_banks=[bank for part in parts for bank in part.routed_banks],
         notice=notice or next((part.notice for part in parts if part.notice), None),
         own_loss=own,
         compiled=parts[0].compiled if parts else "off",
@@ -164,6 +167,11 @@ def _parallelize_one(
         ep_mesh, edp_mesh = mesh.expert_dim("ep"), mesh.expert_dim("edp")
         result.experts = apply_expert_parallel(model, ep_mesh, edp_mesh, config.moe.capacity_factor)
     apply_tiled_mlp(model, tiled, config.tiled_mlp_shards)  # (inside the blocks: checkpointing wraps it)
+    # DDP's and FSDP's reductions need every rank's banks in the graph, also where no token reached them here
+    # (a pipeline's or tensor parallel's own all-reduce agrees on the gradients present instead)
+    reduced_by_wrapper = zero_stage == 3 or (zero_stage == 0 and mesh.size("tp") == 1)
+    if mesh.grad_size > 1 and mesh.dims.ep == 1 and reduced_by_wrapper and not in_pipeline and not frozen:
+        result.routed_banks = tie_expert_banks(model, structure)
     if not frozen:  # (recomputation only pays where a backward runs)
         result.checkpointed = apply_activation_checkpointing(
             model, config.activation_checkpointing, config.activation_offload, mesh.device, structure.blocks

@@ -41,6 +41,7 @@ class GradientAllReduce:
         """Nothing to prepare: gradients accumulate in place until the window ends."""
 
     def reduce_gradients(self) -> None:
+        self._agree_on_present()
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         bucket: list[torch.Tensor] = []
         size = 0
@@ -52,6 +53,18 @@ class GradientAllReduce:
                 bucket, size = [], 0
         if bucket:
             self._all_reduce(bucket)
+
+    def _agree_on_present(self) -> None:
+        """A gradient some rank has and this one lacks (its router sent no token to a bank) becomes zeros here,
+        so every rank's buckets hold the same tensors; one that no rank has stays absent (as in one process)."""
+        if not self.params:
+            return
+        present = torch.tensor([param.grad is not None for param in self.params], dtype=torch.int32)
+        present = present.to(self.params[0].device)  # (every rank asks, whatever it holds: one small all-reduce)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
+        for param, anywhere in zip(self.params, present.tolist(), strict=True):
+            if anywhere and param.grad is None:
+                param.grad = torch.zeros_like(param)
 
     def _all_reduce(self, bucket: list[torch.Tensor]) -> None:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -8,6 +8,7 @@ in every layout; a checkpoint saved at ep 4 resumes at ep 2 under ZeRO-3 and exp
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,9 @@ def test_an_ep_that_does_not_fit_is_one_line_naming_the_choices() -> None:
         check_expert_parallel((_facts(6),), 4, 4, "auto")
     with pytest.raises(ExpertParallelError, match="are a list of modules"):
         check_expert_parallel((_facts(4, fused=False),), 2, 4, "auto")
+    uneven = replace(_facts(4), uneven=True)  # (LongCat: gate/up rows for its zero-computation experts too)
+    with pytest.raises(ExpertParallelError, match="holds different expert counts .* set parallel.ep=1$"):
+        check_expert_parallel((uneven,), 2, 4, "auto")
     with pytest.raises(MeshError, match=r"ep=3 must divide the 4 ranks .* choose 1, 2 or 4"):
         Layout.from_config(ParallelConfig(ep=3), 4)
     assert Layout.from_config(ParallelConfig(ep=2, tp=2, dp_replicate=-1), 8).describe() == (

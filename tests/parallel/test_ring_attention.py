@@ -158,3 +158,19 @@ def test_block_kinds_from_chunk_numbers_agree_with_the_dense_mask(causal: bool) 
 def test_a_window_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1 position"):
         ring_attention(*(torch.zeros(1, 1, 4, 2) for _ in range(3)), group=None, window=0)  # type: ignore[arg-type]
+
+
+def test_attention_inputs_ring_attention_cannot_split_are_refused_in_one_line() -> None:
+    """Keys beyond the sequence (a compressed memory) and a float tensor of the model's own (a position bias) stop
+    the first call; the batch's integer tensors pass on to the rest of the checks."""
+    from meshkit.parallel.context.hf import RingAttentionError, ring_attention_function
+
+    module, query = torch.nn.Module(), torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RingAttentionError, match=r"attends over 6 keys for 4 queries .* use cp=1$"):
+        ring_attention_function(module, query, torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8), None)
+    bias = torch.zeros(1, 2, 4, 4)
+    with pytest.raises(RingAttentionError, match=r"passes position_bias to its attention function .* use cp=1$"):
+        ring_attention_function(module, query, query, query, None, position_bias=bias)
+    labels = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(RingAttentionError, match="none of the attention modules"):  # (past the input checks)
+        ring_attention_function(module, query, query, query, None, shift_labels=labels, position_ids=labels)

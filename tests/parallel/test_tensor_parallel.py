@@ -136,3 +136,17 @@ def test_whole_gradients_that_differ_over_tp_stop_the_first_step() -> None:
     assert refused[0] == refused[1] and refused[0].startswith(
         "tensor parallel: the gradient of layers.0.bias (whole on every tp rank) differs between the tp ranks"
     )
+
+
+def test_sequence_parallel_reaches_the_norms_of_a_container() -> None:
+    """A block child that is a list of norms (LongCat-Flash's two input norms) is not called itself: each norm in
+    it runs on the sequence shards, named by its own path."""
+    from meshkit.parallel.tensor.sequence import _owners
+
+    norms = torch.nn.ModuleList([torch.nn.LayerNorm(4), torch.nn.LayerNorm(4)])
+    assert [(path, type(module).__name__) for path, module in _owners(norms, "layers.0.norms")] == [
+        ("layers.0.norms.0", "LayerNorm"),
+        ("layers.0.norms.1", "LayerNorm"),
+    ]
+    single = torch.nn.LayerNorm(4)
+    assert _owners(single, "layers.0.norm") == [("layers.0.norm", single)]

@@ -50,6 +50,7 @@ def ring_attention_function(
             f"context parallel: {type(module).__name__} passes an attention mask of its own (built from its "
             "weights or data, e.g. Doge's dynamic mask), which ring attention does not apply: use cp=1"
         )
+    _check_inputs(module, query, key, kwargs)
     repeats = query.shape[1] // key.shape[1]
     if repeats > 1:  # grouped-query attention: each key/value head serves `repeats` query heads
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
@@ -73,6 +74,34 @@ def ring_attention_function(
         softcap=kwargs.get("softcap"),
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_inputs(module: nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """Stop where the attention reads something ring attention does not split or apply: keys beyond the sequence
+    (DeepSeek-V4's compressed memory) or a float tensor outside transformers' attention arguments (Inkling's
+    relative position bias; the batch's integer tensors, labels and the like, pass through) would otherwise be
+    dropped or misaligned silently."""
+    if key.shape[2] != query.shape[2]:
+        raise RingAttentionError(
+            f"context parallel: {type(module).__name__} attends over {key.shape[2]} keys for {query.shape[2]} "
+            "queries (entries beyond the sequence, e.g. a compressed memory), which ring attention does not split: "
+            "use cp=1"
+        )
+    foreign = sorted(name for name, value in kwargs.items() if isinstance(value, torch.Tensor)
+                     and value.is_floating_point() and name not in _standard_arguments())  # fmt: skip
+    if foreign:
+        raise RingAttentionError(
+            f"context parallel: {type(module).__name__} passes {foreign[0]} to its attention function (a tensor "
+            "of its own, e.g. a position bias over all keys), which ring attention does not apply: use cp=1"
+        )
+
+
+def _standard_arguments() -> frozenset[str]:
+    """The tensors transformers passes to any attention function (its `TransformersKwargs`: positions, packed
+    sequence bounds) and those ring attention applies (`s_aux`)."""
+    from transformers.utils.generic import TransformersKwargs
+
+    return frozenset(TransformersKwargs.__annotations__) | {"s_aux"}
 
 
 def use_ring_attention(model: nn.Module, group: dist.ProcessGroup, attention_paths: list[str]) -> None:

@@ -50,6 +50,12 @@ def check_expert_parallel(moe: tuple[ExpertFacts, ...], ep: int, token_ranks: in
                 f"parallel.ep={ep}: the experts of {facts.path} are a list of modules; expert parallel splits a "
                 "fused bank (one 3-D tensor per projection, experts first, as transformers 5 builds them)"
             )
+        if facts.uneven:
+            raise ExpertParallelError(
+                f"parallel.ep={ep}: the expert bank of {facts.path} holds different expert counts in its tensors "
+                "(rows for experts that compute nothing beside the real ones), which expert parallel cannot deal "
+                "out evenly: set parallel.ep=1"
+            )
         if facts.experts % ep:
             fits = [d for d in range(1, facts.experts + 1) if facts.experts % d == 0 and token_ranks % d == 0]
             where = f"the {facts.experts} experts of {facts.path}"

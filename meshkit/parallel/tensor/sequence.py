@@ -31,6 +31,14 @@ def acts_per_token(module: nn.Module) -> bool:
     return bool(params) and all(param.dim() == 1 for param in params)
 
 
+def _owners(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    """The modules under `module` that hold its parameters themselves: the module, or the norms of a container
+    (LongCat-Flash's two input norms in one `ModuleList`), each called on its own."""
+    if next(module.parameters(recurse=False), None) is not None or not list(module.children()):
+        return [(path, module)]
+    return [found for name, child in module.named_children() for found in _owners(child, f"{path}.{name}")]
+
+
 def _relayout(tensor: torch.Tensor, mesh: DeviceMesh, source: Placement, target: Placement) -> torch.Tensor:
     return DTensor.from_local(tensor, mesh, [source], run_check=False).redistribute(mesh, [target]).to_local()
 
@@ -69,8 +77,9 @@ def apply_sequence_parallel(
                 child.register_forward_pre_hook(gather, with_kwargs=True, prepend=True)  # (before its split)
                 require_sequence_shape(child, names[id(child)])  # (first: OPT flattens the tokens before fc1)
             elif acts_per_token(child):
-                parallelize_module(child, mesh, SequenceParallel(use_local_output=True))
-                require_sequence_shape(child, f"{structure.blocks}.{index}.{name}")
+                for path, norm in _owners(child, f"{structure.blocks}.{index}.{name}"):
+                    parallelize_module(norm, mesh, SequenceParallel(use_local_output=True))
+                    require_sequence_shape(norm, path)
     for name, region in split_regions(model, structure, split_modules):
         region.register_forward_pre_hook(_gather_input(mesh), with_kwargs=True)
         if name in whole_out:  # (Qwen3-Next's linear attention as declared: gathered layers only)
