@@ -29,11 +29,18 @@ class RegionTrace:
     writers: list[str] = field(default_factory=list)
     between: set[str] = field(default_factory=set)  # autograd node names from readers' outputs to writers' inputs
     consumers: dict[str, set[str]] = field(default_factory=dict)  # layer -> autograd node names reading its output
+    # layer -> G where its output is viewed as [..., G, width / G] and then cut on the last dim (CodeGen's q, v, k
+    # in 4 groups, each holding a quarter of the heads): its parts lie one after the other inside each group
+    groups: dict[str, int] = field(default_factory=dict)
     sources: dict[str, set[str]] = field(default_factory=dict)  # layer -> the region's layers its input comes from
     output_reads_input: bool = False  # the region's output depends on its input other than through its layers
     # ids of the region's other parameters the writers' inputs depend on (per-head norms): under tp each rank
     # computes only its part of their gradient; the others (a bias the model adds after the region) see whole values
     between_parameters: set[int] = field(default_factory=set)
+
+
+SPLITS = {"SplitBackward0", "SplitWithSizesBackward0"}
+VIEWS = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"}
 
 
 @dataclass
@@ -138,7 +145,17 @@ def _read(
             for child, _ in node.next_functions:
                 if child in produced and produced[child] in own:
                     trace.consumers.setdefault(produced[child], set()).add(type(node).__name__)
+                elif type(node).__name__ in SPLITS and type(child).__name__ in VIEWS:
+                    _grouped(node, child)
         return nodes
+
+    def _grouped(split: Any, view: Any) -> None:
+        """A split on the last dim of a view of one of the layers' outputs into [..., G, width / G]."""
+        viewed, dim = tuple(split._saved_self_sym_sizes), int(split._saved_dim)
+        dim = dim - 2**64 if dim >= 2**63 else dim  # (autograd keeps a negative dim as an unsigned 64-bit int)
+        layer = next((produced[c] for c, _ in view.next_functions if c in produced and produced[c] in own), None)
+        if layer is not None and len(viewed) >= 3 and dim in (-1, len(viewed) - 1) and int(viewed[-2]) > 1:
+            trace.groups[layer] = int(viewed[-2])
 
     if record.output is not record.leaf:
         walked = visit(record.output.grad_fn)

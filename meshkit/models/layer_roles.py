@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -85,6 +85,7 @@ class LayerRole:
     source: Source
     region: str
     fused: Literal["qkv", "gate_up"] | None = None  # parts one after the other, regrouped per rank
+    groups: int = 1  # its output is viewed as [..., groups, width / groups] and cut on the last dim (traced)
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,10 @@ def layer_roles(model: nn.Module, structure: ModelStructure, run: Callable[[], A
         if stray:
             whole[path] = f"its declared row split {stray[0]} does not write the region's output"
             roles.update({name: LayerRole("whole", "declared", path) for name in layers})
+        elif trace is not None:  # (a declared column the forward cuts in groups: CodeGen's q, v, k in 4)
+            for name in (name for name in layers if roles[name].role == "column" and name in trace.groups):
+                fused = roles[name].fused or _fused(model, name, trace, structure, "column")
+                roles[name] = replace(roles[name], fused=fused, groups=trace.groups[name])
     blocks = {id(block) for _, block in block_units(find_blocks(model, structure.blocks)[1])}
     for path, (module, layers) in undeclared.items():
         trace = traces.get(path)
@@ -232,7 +237,8 @@ def layer_roles(model: nn.Module, structure: ModelStructure, run: Callable[[], A
         for name in layers:  # (a layer the forward never ran stays whole)
             role: Role = "row" if name in trace.writers else "column" if name in trace.called else "whole"
             role = "whole" if name in latent else role
-            roles[name] = LayerRole(role, "traced", path, _fused(model, name, trace, structure, role))
+            fused = _fused(model, name, trace, structure, role)
+            roles[name] = LayerRole(role, "traced", path, fused, trace.groups.get(name, 1) if role == "column" else 1)
     names = {id(param): name for name, param in model.named_parameters()}
     between = {path: frozenset(names[i] for i in trace.between_parameters if i in names)
                for path, trace in traces.items()}  # fmt: skip
@@ -273,8 +279,14 @@ def _latent_readers(trace: RegionTrace) -> set[str]:
 def _fused(
     model: nn.Module, name: str, trace: RegionTrace, structure: ModelStructure, role: Role
 ) -> Literal["qkv", "gate_up"] | None:
-    """A column layer whose output holds several parts one after the other (cut by split/slice, not per head)."""
-    if role != "column" or not trace.consumers.get(name, set()) & CUT_IN_PARTS:
+    """A column layer whose output holds several parts one after the other (cut by split/slice, not per head;
+    or inside each of a fixed number of groups that is not the head count: CodeGen's)."""
+    if role != "column":
+        return None
+    attention = _attention_of(trace.path, structure)
+    groups = trace.groups.get(name, 1)
+    fixed_groups = groups > 1 and attention is not None and groups not in (attention.heads, attention.kv_heads)
+    if not fixed_groups and not trace.consumers.get(name, set()) & CUT_IN_PARTS:
         return None
     return _fused_by_width(model, name, trace.path, trace.writers[0], structure)
 

@@ -49,7 +49,7 @@ def config(family: str, **overrides: Any) -> Any:
             eos_token_id=2,
         )
         return transformers.GPT2Config(**{**settings, **overrides})
-    if family in OTHER_FAMILIES:
+    if family in OTHER_FAMILIES or family == "codegen":
         return _other(family, overrides)
     classes = {
         "llama": "LlamaConfig",
@@ -98,6 +98,11 @@ def _other(family: str, overrides: dict[str, Any]) -> Any:
                         n_positions=POSITIONS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0,
                         bos_token_id=1, eos_token_id=2)  # fmt: skip
         return transformers.GPTJConfig(**{**settings, **overrides})
+    if family == "codegen":  # (q, v and k cut inside 4 fixed groups: 8 heads give each group 2, so tp=2 fits)
+        settings = dict(vocab_size=VOCAB, n_embd=2 * HIDDEN, n_layer=2, n_head=8, rotary_dim=4, n_positions=POSITIONS,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)  # fmt: skip
+        return transformers.CodeGenConfig(**{**settings, **overrides})
     if family == "bloom":
         settings = dict(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS, hidden_dropout=0.0,
                         attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip

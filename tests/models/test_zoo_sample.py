@@ -26,6 +26,11 @@ SAMPLE = {
     "gpt_neox_japanese": {"tp2": "ok"},  # a bias added after the attention: its gradient whole, not summed
     "granitemoehybrid": {"ddp2": "ok"},  # use_cache=False through the forward's **kwargs
     "inkling2_text": {"pp2": "refused"},  # a second stream carried from block to block
+    "inkling_text": {"cp2": "refused"},  # a relative position bias handed to the attention function
+    "longcat_flash": {"ddp2": "ok"},  # zero-computation experts: a bank no token of one rank reaches
+    "minimax_m3_vl_text": {"tp2_sp": "ok"},  # declared gathered columns and a row split of the whole: one scatter
+    "deepseek_v4": {"tp2_sp": "ok", "cp2": "refused"},  # hyper-connections' per-token tuple; routing by token ids;
+    # keys beyond the sequence (a compressed memory)
 }
 
 

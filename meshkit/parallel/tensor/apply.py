@@ -36,6 +36,7 @@ from meshkit.models.layer_roles import LayerRoles, layer_roles
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.parallel.tensor.auto import TensorParallelError, divide_attributes, style, tensor_plan
 from meshkit.parallel.tensor.first_call import check_first_call
+from meshkit.parallel.tensor.groups import check_local_groups, grouped_layout
 from meshkit.parallel.tensor.head_inputs import take_own_heads
 from meshkit.parallel.tensor.head_parameters import split_head_parameters
 from meshkit.parallel.tensor.latent import sum_shared_rotary_key
@@ -150,12 +151,14 @@ def apply_tensor_parallel(
     lora = split_lora_layers(model, plan, cfg.sequence_parallel)
     kinds = lora.kinds
     split_weights = SplitWeights.union(
-        (interleave_in_place(model.get_submodule(name), name, tp, fused_parts(name, kind, structure))
+        (interleave_in_place(model.get_submodule(name), name, tp, fused_parts(name, kind, structure),
+                             *grouped_layout(name, roles, structure, tp))
          for name, kind in kinds.items() if kind in ("fused_qkv", "fused_gate_up")),
         tp,
     )  # fmt: skip
     styles = {name: found for name, kind in kinds.items() if (found := style(kind, cfg.sequence_parallel))}
     parallelize_module(model, tp_mesh, styles)
+    check_local_groups(model, roles, structure, tp)  # (after the styles' hooks: it reads the local outputs)
     for experts in structure.moe:  # a split shared expert returns a view of the reduced output
         shared = f"{experts.path}.{experts.shared}" if experts.shared else None
         if shared and any(name.startswith(f"{shared}.") for name in styles):
@@ -174,7 +177,10 @@ def apply_tensor_parallel(
     split_head_parameters(model, split, tp_mesh)
     if cfg.sequence_parallel:
         columns = {name for name, kind in kinds.items() if kind in COLUMN_KINDS and name in styles}
-        apply_sequence_parallel(model, structure, tp_mesh, set(styles), columns, roles.whole_between_layers())
+        # (a region whose writer is a row split of a whole input hands on its reduce-scattered shard already)
+        scattered = {role.region for name, role in roles.layers.items() if kinds.get(name) == "rowwise_of_whole"}
+        whole_out = roles.whole_between_layers() - scattered
+        apply_sequence_parallel(model, structure, tp_mesh, set(styles), columns, whole_out)
         for name in (name for name, kind in kinds.items() if kind == "rowwise" and name in styles):
             require_sequence_shape(model.get_submodule(name), name)
     latent = sum_shared_rotary_key(model, split, tp_mesh.get_group())

@@ -90,6 +90,13 @@ def apply_sequence_parallel(
     present = [block for _, block in units if not is_placeholder(block)]
     if present:  # hidden states arrive whole (from the model's own forward, or the previous pipeline stage)
         present[0].register_forward_pre_hook(_relayout_hook(mesh, Replicate(), Shard(1)), with_kwargs=True)
+    for block in present:  # (after the cut above: Gemma-4's per-layer inputs, used on the block's own shard)
+        block.register_forward_pre_hook(_side_inputs_sharded(mesh, lowest_dim=3, floats_only=True), with_kwargs=True)
+    for facts in structure.moe:  # an MoE block runs on the shard: its routing inputs too (DeepSeek-V4's token ids)
+        moe_block = _present(model, facts.path)
+        if moe_block is not None:
+            moe_block.register_forward_pre_hook(_side_inputs_sharded(mesh, 2, floats_only=False), with_kwargs=True)
+    if present:
         # and leave whole: to the next pipeline stage, or to the model's code after its blocks, which may reshape
         # them to the whole sequence (OpenAI GPT before its head, GPT-2 after its final norm)
         present[-1].register_forward_hook(_gathered_output(mesh))
@@ -112,6 +119,36 @@ class _SequenceShaped:
 def require_sequence_shape(module: nn.Module, name: str) -> None:
     """Refuse, in one line, a sequence-parallel module that the model feeds flattened tokens (OPT's MLP)."""
     module.register_forward_pre_hook(_SequenceShaped(name), prepend=True)
+
+
+def _present(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:  # (on another pipeline stage)
+        return None
+
+
+def _side_inputs_sharded(mesh: DeviceMesh, lowest_dim: int, floats_only: bool) -> Any:
+    """A forward pre-hook that cuts the module's other per-token inputs (tensors of `lowest_dim` or more dims,
+    [batch, whole sequence, ...]) to this rank's sequence shard, as its hidden states (the first) already are.
+    A block takes only float ones of 3 dims or more this way: 2-D positions and integer indices (an indexer's
+    top-k) go on to the split attention, which gathers the sequence."""
+    size = mesh.size()
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+            return args, kwargs
+        whole = (hidden.shape[0], hidden.shape[1] * size)
+
+        def shard(value: Any) -> Any:
+            per_token = isinstance(value, torch.Tensor) and value is not hidden and value.dim() >= lowest_dim
+            per_token = per_token and tuple(value.shape[:2]) == whole and (value.is_floating_point() or not floats_only)
+            return _relayout(value, mesh, Replicate(), Shard(1)) if per_token else value
+
+        return tuple(shard(value) for value in args), {key: shard(value) for key, value in kwargs.items()}
+
+    return hook
 
 
 def _gathered_output(mesh: DeviceMesh) -> Any:
@@ -191,13 +228,21 @@ def _gather_all(mesh: DeviceMesh) -> Any:
 
 
 def _sharded_output(mesh: DeviceMesh) -> Any:
-    """A forward hook that keeps this rank's sequence shard of a block child's whole-sequence output."""
+    """A forward hook that keeps this rank's sequence shard of a block child's whole-sequence output: the tensor,
+    or every tensor of a tuple shaped [batch, seq, ...] like the first (DeepSeek-V4's hyper-connection returns its
+    per-token weights beside the collapsed hidden states)."""
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             return _relayout(output, mesh, Replicate(), Shard(1))
-        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (_relayout(output[0], mesh, Replicate(), Shard(1)), *output[1:])
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor) and output[0].dim() >= 2:
+            tokens = output[0].shape[:2]
+
+            def shard(value: Any) -> Any:
+                per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == tokens
+                return _relayout(value, mesh, Replicate(), Shard(1)) if per_token else value
+
+            return tuple(shard(value) for value in output)
         raise TypeError(f"{type(module).__name__} returned no hidden states to shard for sequence parallel")
 
     return hook
