@@ -32,6 +32,9 @@ class RegionTrace:
     # layer -> G where its output is viewed as [..., G, width / G] and then cut on the last dim (CodeGen's q, v, k
     # in 4 groups, each holding a quarter of the heads): its parts lie one after the other inside each group
     groups: dict[str, int] = field(default_factory=dict)
+    # sizes of the dims other than the last that the writers' inputs were cut along (DiffLlama pairs the first half
+    # of its heads with the second: a dim as long as the head count, cut in two)
+    cut_dims: set[int] = field(default_factory=set)
     sources: dict[str, set[str]] = field(default_factory=dict)  # layer -> the region's layers its input comes from
     output_reads_input: bool = False  # the region's output depends on its input other than through its layers
     # ids of the region's other parameters the writers' inputs depend on (per-head norms): under tp each rank
@@ -151,8 +154,7 @@ def _read(
 
     def _grouped(split: Any, view: Any) -> None:
         """A split on the last dim of a view of one of the layers' outputs into [..., G, width / G]."""
-        viewed, dim = tuple(split._saved_self_sym_sizes), int(split._saved_dim)
-        dim = dim - 2**64 if dim >= 2**63 else dim  # (autograd keeps a negative dim as an unsigned 64-bit int)
+        viewed, dim = tuple(split._saved_self_sym_sizes), _dim(split)
         layer = next((produced[c] for c, _ in view.next_functions if c in produced and produced[c] in own), None)
         if layer is not None and len(viewed) >= 3 and dim in (-1, len(viewed) - 1) and int(viewed[-2]) > 1:
             trace.groups[layer] = int(viewed[-2])
@@ -177,7 +179,17 @@ def _read(
             trace.readers.append(name)
         if name in trace.writers:
             trace.between |= {type(node).__name__ for node in walked if node not in produced}
+            for node in (node for node in walked if type(node).__name__ in SPLITS):
+                sizes, dim = tuple(node._saved_self_sym_sizes), _dim(node)
+                if dim % len(sizes) != len(sizes) - 1:
+                    trace.cut_dims.add(int(sizes[dim]))
             trace.between_parameters |= {
                 id(node.variable) for node in walked if type(node).__name__ == "AccumulateGrad"
             }
     return trace
+
+
+def _dim(split: Any) -> int:
+    """A split node's dim (autograd keeps a negative one as an unsigned 64-bit int)."""
+    dim = int(split._saved_dim)
+    return dim - 2**64 if dim >= 2**63 else dim

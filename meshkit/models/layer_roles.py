@@ -73,6 +73,19 @@ ELEMENTWISE = {
     "UnbindBackward0",
     "NativeDropoutBackward0",
 }
+# operations that only move features around (a declared MLP split survives them)
+RESHAPING = {
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "ReshapeAliasBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+    "ExpandBackward0",
+    "SqueezeBackward0",
+    "SqueezeBackward1",
+    "UnsqueezeBackward0",
+    "AccumulateGrad",
+}
 # how a fused output is cut into its parts: one after the other (split/slice: regrouped per rank), or per head
 # (viewed as [.., heads, parts, head_dim] first: a plain column split already gives each rank whole heads)
 ATTENTION_KERNEL = re.compile(r"ScaledDotProduct|Softmax|FlexAttention|FlashAttention|EfficientAttention")
@@ -216,8 +229,10 @@ def layer_roles(model: nn.Module, structure: ModelStructure, run: Callable[[], A
     for path, (_, layers) in declared.items():  # (a declaration the forward contradicts: the region stays whole)
         trace = traces.get(path)
         stray = [name for name in layers if roles[name].role.startswith("row") and trace and name not in trace.writers]
-        if stray:
-            whole[path] = f"its declared row split {stray[0]} does not write the region's output"
+        mixing = _mixing(trace) if trace is not None and _attention_of(path, structure) is None else []
+        if stray or mixing:
+            whole[path] = (f"its declared row split {stray[0]} does not write the region's output" if stray else
+                           f"its forward mixes the split features between its layers ({', '.join(mixing)})")
             roles.update({name: LayerRole("whole", "declared", path) for name in layers})
         elif trace is not None:  # (a declared column the forward cuts in groups: CodeGen's q, v, k in 4)
             for name in (name for name in layers if roles[name].role == "column" and name in trace.groups):
@@ -262,10 +277,19 @@ def _unsplittable(trace: RegionTrace, structure: ModelStructure, own_block: bool
         return f"layer(s) {middle or trace.writers} lie between its input and output"
     if attention is not None and not any(ATTENTION_KERNEL.search(name) for name in trace.between):
         return "no softmax attention between its layers (a linear attention or recurrence keeps its own heads)"
+    heads = {count for count in (attention.heads, attention.kv_heads) if count} if attention is not None else set()
+    if trace.cut_dims & heads:
+        return "it cuts its heads into fixed groups (a differential attention pairs one half with the other)"
     if attention is None and not trace.between <= ELEMENTWISE:
         mixing = sorted(trace.between - ELEMENTWISE)[:3]
         return f"it mixes features between its layers ({', '.join(mixing)}) and is no attention with known heads"
     return ""
+
+
+def _mixing(trace: RegionTrace) -> list[str]:
+    """Operations between an MLP's layers that mix its features (Gemma-3n's activation sparsity takes the mean and
+    spread of each token's gate features): a declared split of its layers would see only its rank's features."""
+    return sorted(trace.between - ELEMENTWISE - RESHAPING)[:3]
 
 
 def _latent_readers(trace: RegionTrace) -> set[str]:
