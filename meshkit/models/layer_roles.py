@@ -231,8 +231,11 @@ def layer_roles(model: nn.Module, structure: ModelStructure, run: Callable[[], A
         stray = [name for name in layers if roles[name].role.startswith("row") and trace and name not in trace.writers]
         mixing = _mixing(trace) if trace is not None and _attention_of(path, structure) is None else []
         if stray or mixing:
-            whole[path] = (f"its declared row split {stray[0]} does not write the region's output" if stray else
-                           f"its forward mixes the split features between its layers ({', '.join(mixing)})")
+            whole[path] = (
+                f"its declared row split {stray[0]} does not write the region's output"
+                if stray
+                else f"its forward mixes the split features between its layers ({', '.join(mixing)})"
+            )
             roles.update({name: LayerRole("whole", "declared", path) for name in layers})
         elif trace is not None:  # (a declared column the forward cuts in groups: CodeGen's q, v, k in 4)
             for name in (name for name in layers if roles[name].role == "column" and name in trace.groups):
