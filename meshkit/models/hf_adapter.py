@@ -100,13 +100,23 @@ def text_config(config: Any) -> Any:
         return config
 
 
-def _forward_order(base: nn.Module, config: Any) -> dict[str, int]:
+def _forward_order(base: nn.Module, config: Any, blocks: str) -> dict[str, int]:
     """Where each child of the model's base runs in its forward: the order its declared pipeline plan
-    (`base_model_pp_plan`) gives, else where its forward's code first uses it (`self.<child>`); {} when neither
-    is known (then the order the children are registered in stands)."""
+    (`base_model_pp_plan`) gives, else where its forward's code first uses it (`self.<child>`: also for a child
+    the plan leaves out, Phi-4-multimodal's feature embedding, placed against the blocks); {} when neither is known
+    (then the order the children are registered in stands)."""
     plan = getattr(text_config(config), "base_model_pp_plan", None)
     if plan:
-        return {name: index for index, name in enumerate(plan)}
+        planned = {name: 2 * index for index, name in enumerate(plan)}
+        code = _code_order(base)
+        if blocks in planned and blocks in code:  # (before the blocks or after them, beside them in the plan)
+            planned.update({name: planned[blocks] + (1 if at > code[blocks] else -1)
+                            for name, at in code.items() if name not in planned})  # fmt: skip
+        return planned
+    return _code_order(base)
+
+
+def _code_order(base: nn.Module) -> dict[str, int]:
     source = _forward_source(cast(Any, type(base)))
     if source is None:
         return {}
@@ -197,7 +207,7 @@ def describe(model: Any, blocks_override: str | None) -> ModelStructure:
     base_name = path.rpartition(".")[0]
     base = model.get_submodule(base_name) if base_name else model
     first, last, after_blocks = [], [], False
-    order = _forward_order(base, config)
+    order = _forward_order(base, config, path.rpartition(".")[2])
     blocks_at = order.get(path.rpartition(".")[2])
     for local, child in base.named_children():
         name = names[id(child)]

@@ -29,6 +29,10 @@ SAMPLE = {
     "inkling_text": {"cp2": "refused"},  # a relative position bias handed to the attention function
     "longcat_flash": {"ddp2": "ok"},  # zero-computation experts: a bank no token of one rank reaches
     "minimax_m3_vl_text": {"tp2_sp": "ok"},  # declared gathered columns and a row split of the whole: one scatter
+    "modernbert-decoder": {"pp2": "ok"},  # embeddings called by keyword on a later stage
+    "phi4_multimodal": {"pp2": "ok"},  # a feature embedding its declared pipeline plan leaves out: first stage
+    "diffllama": {"tp2": "ok"},  # heads paired half with half: the attention kept whole
+    "gemma3n_text": {"tp2": "ok"},  # a declared MLP split whose activation sparsity mixes features: kept whole
     "deepseek_v4": {"tp2_sp": "ok", "cp2": "refused"},  # hyper-connections' per-token tuple; routing by token ids;
     # keys beyond the sequence (a compressed memory)
 }

@@ -32,14 +32,21 @@ class StandIn(nn.Module):
 
     is_placeholder = True
 
-    def __init__(self, width: int | None = None) -> None:
+    def __init__(self, width: int | None = None, embedding: bool = False) -> None:
         super().__init__()
         self.width = width
+        self.embedding = embedding  # an embedding's stand-in makes zeros of any input (OPT's positions: a mask)
         # (a forward may read its embedding's weight.device: Llama 4 does) — empty, and never saved
         self.register_buffer("weight", torch.empty(0), persistent=False)
 
-    def forward(self, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.width is None:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The first tensor given, positionally or by keyword (ModernBERT calls `embeddings(input_ids=...)`): token
+        ids (any integer tensor; any input of an embedding) become zeros [*ids.shape, width]; float states pass on
+        as they are (OPT's project_in, Bloom's embedding norm)."""
+        value = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        if value is None:
+            raise TypeError(f"a pipeline stage's stand-in got no tensor (arguments: {', '.join(kwargs) or len(args)})")
+        if self.width is None or (value.is_floating_point() and not self.embedding):
             return value
         return torch.zeros(*value.shape, self.width, device=value.device)
 
@@ -143,12 +150,12 @@ def make_transformers_stage(
     base = chunk.get_submodule(holder) if holder else chunk
     _learn_block_outputs(blocks, unpacked_from_blocks(base, (structure.blocks or "").rpartition(".")[2]))
     received = _Received()
-    embeddings: list[StandIn] = []  # (their zeros are as wide as the hidden states received: OPT's project_in)
+    embeddings: list[StandIn] = []  # (their zeros are as wide as the hidden states received)
     if not first:
-        for name in structure.first_stage:
-            width = getattr(chunk.get_submodule(name), "embedding_dim", None)
-            chunk.set_submodule(name, stand_in := StandIn(width))
-            embeddings += [stand_in] if width is not None else []
+        for name in structure.first_stage:  # (Phi-4-multimodal's feature embedding takes ids too: no embedding_dim)
+            embedding = hasattr(chunk.get_submodule(name), "embedding_dim")
+            chunk.set_submodule(name, stand_in := StandIn(0, embedding))
+            embeddings.append(stand_in)
         blocks[first_block].register_forward_pre_hook(received.hook, with_kwargs=True)
     if not last:
         for name in structure.last_stage:
