@@ -102,9 +102,9 @@ Expected = tuple[list[float], dict[str, Any], float]  # (losses, weights, this t
 
 def reference(model_type: str) -> Expected:
     """The plain loop in one process, and the tolerance a layout gets on this type: 1e-5, or ten times the most
-    that a rounding-sized change of every gradient does to the same loop (over a few draws) where the model
-    amplifies it — a ReLU unit that flips, a chaotic tiny model: a cell must be as close as the model's own
-    conditioning lets any other summation order be; a real error is far above."""
+    that a rounding-sized change of every linear layer's output and every gradient does to the same loop (over a
+    few draws) where the model amplifies it — a ReLU unit that flips, a chaotic tiny model: a cell must be as
+    close as the model's own conditioning lets any other summation order be; a real error is far above."""
     losses, state = _plain_loop(model_type, noise_seed=None)
     noise = 0.0
     for seed in range(NOISE_RUNS):
@@ -114,12 +114,24 @@ def reference(model_type: str) -> Expected:
 
 
 def _plain_loop(model_type: str, noise_seed: int | None) -> tuple[list[float], dict[str, Any]]:
-    """model(**batch).loss, backward, step; with `noise_seed`, each gradient times (1 + 1e-7 · noise) first."""
+    """model(**batch).loss, backward, step; with `noise_seed`, each linear layer's output and each gradient times
+    (1 + 1e-7 · noise): what summing in another order does to a forward (a row split's partial sums, ring
+    attention's blocks) and to the gradients' reduction."""
     import torch
 
     model = build(model_type)
     optimizer = optimizer_of(model)
     perturbed, generator = noise_seed is not None, torch.Generator().manual_seed(noise_seed or 0)
+
+    def rounding(module: Any, args: Any, output: Any) -> Any:
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return None
+        noise = torch.randn(output.shape, generator=generator, dtype=output.dtype)
+        return output * (1 + ROUNDING * noise)
+
+    for module in model.modules() if perturbed else ():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(rounding)
     losses = []
     for batch in batches():
         loss = model(**batch, use_cache=False).loss

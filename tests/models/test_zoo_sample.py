@@ -30,6 +30,7 @@ SAMPLE = {
     "longcat_flash": {"ddp2": "ok"},  # zero-computation experts: a bank no token of one rank reaches
     "minimax_m3_vl_text": {"tp2_sp": "ok"},  # declared gathered columns and a row split of the whole: one scatter
     "modernbert-decoder": {"pp2": "ok"},  # embeddings called by keyword on a later stage
+    "nanochat": {"pp2": "ok"},  # a weightless norm before and after the blocks: a stage hands on the next block's input
     "phi4_multimodal": {"pp2": "ok"},  # a feature embedding its declared pipeline plan leaves out: first stage
     "diffllama": {"tp2": "ok"},  # heads paired half with half: the attention kept whole
     "gemma3n_text": {"tp2": "ok"},  # a declared MLP split whose activation sparsity mixes features: kept whole

@@ -160,6 +160,13 @@ def make_transformers_stage(
     if not last:
         for name in structure.last_stage:
             chunk.set_submodule(name, StandIn())
+    handed_on: dict[str, torch.Tensor] = {}  # a stage before the last hands on what the next block receives
+    own = [index for index, block in enumerate(blocks) if not isinstance(block, _Skipped)]
+    if not last and own and own[-1] + 1 < len(blocks):
+        blocks[own[-1] + 1].register_forward_pre_hook(
+            lambda _m, args, kwargs: handed_on.update(hidden=args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True,
+        )  # (after every hook of the block before it: sequence parallel's gather)
     forward = chunk.forward  # the causal-LM forward of this instance's class
     head: dict[str, torch.Tensor] = {}
     if last and structure.classifier is not None:
@@ -178,7 +185,10 @@ def make_transformers_stage(
             return head.pop("outputs")
         if last:
             return forward(input_ids=ids, use_cache=False, **kwargs).logits
-        return base(input_ids=ids, use_cache=False, **kwargs).last_hidden_state
+        # (what the model does after its blocks is not this stage's: NanoChat's weightless norm, used before the
+        # blocks too, runs there)
+        output = base(input_ids=ids, use_cache=False, **kwargs)
+        return handed_on.pop("hidden", output.last_hidden_state)
 
     chunk.forward = stage_forward
     return chunk
