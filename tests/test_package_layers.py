@@ -35,7 +35,7 @@ LAYER_OF = {package: rank for rank, packages in enumerate(LAYERS) for package in
 # them), then what reads several strategies' facts, then the composition itself.
 PARALLEL_LAYERS = [
     ("activation", "compile", "context", "dataparallel", "ddp", "expert", "fsdp", "pipeline", "replicate")
-    + ("tensor", "tiled_mlp", "zero"),
+    + ("routed", "tensor", "tiled_mlp", "zero"),
     ("fits", "materialize"),
     ("compose",),
 ]
