@@ -42,6 +42,49 @@ class RegionTrace:
     between_parameters: set[int] = field(default_factory=set)
 
 
+# autograd operations that act on each feature alone: an MLP whose readers reach its writer through these only
+# may be split on its features (activations, gating products, a fused gate/up cut in two, casts, views)
+ELEMENTWISE = {
+    "MulBackward0",
+    "AddBackward0",
+    "SubBackward0",
+    "DivBackward0",
+    "PowBackward0",
+    "NegBackward0",
+    "SiluBackward0",
+    "GeluBackward0",
+    "GeLUFunctionBackward",
+    "ReluBackward0",
+    "SigmoidBackward0",
+    "TanhBackward0",
+    "EluBackward0",
+    "LeakyReluBackward0",
+    "HardswishBackward0",
+    "HardsigmoidBackward0",
+    "SoftplusBackward0",
+    "ClampBackward1",
+    "ClampMinBackward0",
+    "ExpBackward0",
+    "ToCopyBackward0",
+    "CloneBackward0",
+    "SplitBackward0",
+    "SplitWithSizesBackward0",
+    "UnbindBackward0",
+    "NativeDropoutBackward0",
+}
+# operations that only move features around (a declared MLP split survives them)
+RESHAPING = {
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "ReshapeAliasBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+    "ExpandBackward0",
+    "SqueezeBackward0",
+    "SqueezeBackward1",
+    "UnsqueezeBackward0",
+    "AccumulateGrad",
+}
 SPLITS = {"SplitBackward0", "SplitWithSizesBackward0"}
 VIEWS = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"}
 

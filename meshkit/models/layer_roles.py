@@ -30,7 +30,7 @@ from torch import nn
 from meshkit.models.adapters import inside_lora_layer, lora_parts
 from meshkit.models.blocks import block_units, find_blocks
 from meshkit.models.facts import AttentionFacts, ModelStructure, takes_cache_switch
-from meshkit.models.forward_trace import RegionTrace, trace_regions
+from meshkit.models.forward_trace import ELEMENTWISE, RESHAPING, RegionTrace, trace_regions
 from meshkit.models.hf_adapter import text_config
 
 Role = Literal["column", "row", "column_gathered", "row_of_whole", "whole"]
@@ -42,49 +42,6 @@ DECLARED_ROLES: dict[str, Role] = {
     "packed_rowwise": "row",
     "colwise_gather_output": "column_gathered",
     "rowwise_split_input": "row_of_whole",
-}
-# autograd operations that act on each feature alone: an MLP whose readers reach its writer through these only
-# may be split on its features (activations, gating products, a fused gate/up cut in two, casts, views)
-ELEMENTWISE = {
-    "MulBackward0",
-    "AddBackward0",
-    "SubBackward0",
-    "DivBackward0",
-    "PowBackward0",
-    "NegBackward0",
-    "SiluBackward0",
-    "GeluBackward0",
-    "GeLUFunctionBackward",
-    "ReluBackward0",
-    "SigmoidBackward0",
-    "TanhBackward0",
-    "EluBackward0",
-    "LeakyReluBackward0",
-    "HardswishBackward0",
-    "HardsigmoidBackward0",
-    "SoftplusBackward0",
-    "ClampBackward1",
-    "ClampMinBackward0",
-    "ExpBackward0",
-    "ToCopyBackward0",
-    "CloneBackward0",
-    "SplitBackward0",
-    "SplitWithSizesBackward0",
-    "UnbindBackward0",
-    "NativeDropoutBackward0",
-}
-# operations that only move features around (a declared MLP split survives them)
-RESHAPING = {
-    "ViewBackward0",
-    "UnsafeViewBackward0",
-    "ReshapeAliasBackward0",
-    "TransposeBackward0",
-    "PermuteBackward0",
-    "ExpandBackward0",
-    "SqueezeBackward0",
-    "SqueezeBackward1",
-    "UnsqueezeBackward0",
-    "AccumulateGrad",
 }
 # how a fused output is cut into its parts: one after the other (split/slice: regrouped per rank), or per head
 # (viewed as [.., heads, parts, head_dim] first: a plain column split already gives each rank whole heads)
