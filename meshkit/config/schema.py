@@ -140,9 +140,15 @@ class RunConfig(Section):
     host_memory_slack_mb: float | None = Field(
         16.0,
         ge=0,
-        description="CPU ranks: hand freed heap memory back to the system when resident memory exceeds the most "
-        "the first 3 steps held by this much (MB), and start workers with large blocks mapped on their own; "
+        description="CPU ranks: hand freed memory back to the system when resident memory exceeds the most "
+        "the first 3 steps held by this much (MB), and start workers on the allocator `host_allocator` names; "
         "null = neither (glibc's malloc keeps freed memory, fragmented)",
+    )
+    host_allocator: Literal["auto", "tcmalloc", "glibc"] = Field(
+        "auto",
+        description="CPU workers `meshkit launch` starts: tcmalloc (preloaded; caches freed blocks, so the peak "
+        "stays flat without slowing the step), glibc (blocks of 4 MB or more mapped on their own, on huge pages: flat, "
+        "but the kernel zeroes each step's fresh blocks), auto = tcmalloc where installed, else glibc",
     )
     structure: StructureConfig = StructureConfig()
     activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig()

@@ -63,7 +63,7 @@ class LaunchPlan:
     config_file: str | None = None
     flags: Mapping[str, Any] = field(default_factory=dict)
     flag_labels: Mapping[str, str] = field(default_factory=dict)
-    tune_allocator: bool = True  # glibc's mmap threshold for the workers (`runtime/host_memory.py`)
+    allocator: str | None = "auto"  # the CPU workers' allocator (`runtime/host_memory.py`); None: malloc as is
 
     @classmethod
     def from_config(cls, config: RunConfig, **kwargs: Any) -> LaunchPlan:
@@ -74,7 +74,7 @@ class LaunchPlan:
             config.checkpoint.preempt_signal,
             config.logging.dir,
             **kwargs,
-            tune_allocator=config.host_memory_slack_mb is not None,
+            allocator=config.host_allocator if config.host_memory_slack_mb is not None else None,
         )
 
     @property
@@ -114,8 +114,8 @@ class LaunchPlan:
                 if name not in os.environ:
                     env[name] = value
         on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
-        if self.tune_allocator and on_cpu:
-            env.update(allocator_env(os.environ))
+        if self.allocator is not None and on_cpu:
+            env.update(allocator_env(os.environ, self.allocator))
         if "OMP_NUM_THREADS" not in os.environ:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             threads = self.threads_per_process or max(1, cores // self.settings.nproc_per_node)
