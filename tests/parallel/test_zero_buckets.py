@@ -121,6 +121,43 @@ def test_stage_2_frees_each_full_gradient_once_its_bucket_is_reduced() -> None:
         assert result["grads_bytes"] == result["chunk_bytes"]  # this rank's chunk is all it keeps
 
 
+def _stage_1(rank: int) -> dict:
+    """Two steps of stage 1: which collectives reduce the gradients, what `.grad` shows, where the buffer lives."""
+    engine = Engine(seed=0, zero_stage=1, zero={"bucket_mb": SMALL_BUCKET_MB})
+    model = tiny_gpt()
+    model, optimizer = engine.prepare(model, make_optimizer(model))
+    reducer = optimizer.optimizer.shards[0].bucketed
+    calls: list[str] = []
+    for name in ("reduce", "all_reduce"):
+        original = getattr(torch.distributed, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(torch.distributed, name, counted)
+    buffers, grads_after_backward = [], []
+    for batch in token_batches(2, 4):
+        inputs, targets = split(batch[rank * 2 : rank * 2 + 2])
+        engine.backward(lm_loss(model(inputs), targets))
+        grads_after_backward.append(sum(p.grad is not None for p in model.parameters()))
+        buffers.append(reducer.full.data_ptr())
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.end()
+    return {"calls": calls, "buffers": buffers, "grads": grads_after_backward, "buckets": len(reducer.buckets)}
+
+
+def test_stage_1_reduces_each_bucket_to_its_owner_into_a_buffer_kept_between_steps() -> None:
+    """The ZeRO paper's P_os: each rank steps its own chunk, so an all-reduce would send every gradient twice.
+    Outside its chunk a rank's buffer holds its own sums afterwards, so no parameter's `.grad` shows them."""
+    for result in run_world(_stage_1, 2, timeout=120):
+        assert result["calls"].count("reduce") == 2 * result["buckets"]  # every bucket, both steps
+        assert "all_reduce" not in result["calls"][: result["buckets"]]  # (clipping's norm is one scalar later)
+        assert result["grads"] == [0, 0]
+        assert result["buffers"][0] == result["buffers"][1]  # allocated once, zeroed as the next window starts
+
+
 def _rss(rank: int) -> dict[int, list[float]]:
     """Resident MB after each of 20 steps of a 6.3 M-parameter stack (SGD with momentum), every stage in turn."""
     torch.distributed.init_process_group("gloo")

@@ -14,9 +14,15 @@ even where its gradients arrive in another.
   accumulation steps).
 - Stage 2, once per window: gradients are added into a full flat buffer (4Ψ, freed after the window); its
   buckets are reduced to their owners during the last micro-step's backward (traffic once).
-- Stage 1: gradients are views of a full flat buffer (4Ψ, freed after the step; tensor-parallel DTensor
-  gradients are copied into it, as they cannot be views); its buckets are all-reduced during the last
-  micro-step's backward.
+- Stage 1: gradients are views of a full flat buffer (4Ψ, allocated once and kept, as DDP keeps its buckets;
+  tensor-parallel DTensor gradients are copied into it, as they cannot be views); its buckets are reduced to
+  their owners during the last micro-step's backward — as the ZeRO paper's P_os does: each rank steps its own
+  chunk only, so an all-reduce would send every gradient twice (measured: 1.14× stage 2's step at world 4).
+  Only the owner's chunk holds the average afterwards, so the parameters' `.grad` are let go then; the chunk
+  is the optimizer's gradient.
+
+Every buffer here is taken once per window and reused where its size repeats (the bucket buffers, the shard):
+a step that frees and takes back hundreds of MB costs the allocator (faulting fresh pages in) more than it saves.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ class BucketedReduce:
             for member in bucket.members:
                 self.of_param[member].append(index)
         self.full: torch.Tensor | None = None  # stage 1, or stage 2 once per window: the full gradients
+        self._spent = False  # the full buffer holds a reduced window (zeroed when the next one starts)
         self.shard_grad: torch.Tensor | None = None  # stage 2: this rank's reduced chunk
         self.holder = holder
         self._armed = False  # hooks act between before_backward and after_backward only
@@ -104,10 +111,14 @@ class BucketedReduce:
         self._issued = 0
         if self.stage == 2 and self.per_micro_step:
             return
+        # gradients accumulate in place in views of the full buffer (re-attached after a model.zero_grad() too)
+        attach = not self.copies and any(p.grad is None for p in self.params)
         if self.full is None:
             self.full = torch.zeros_like(template)
-        if not self.copies and any(p.grad is None for p in self.params):  # (also after a model.zero_grad())
-            self.full.zero_()  # gradients accumulate in place in views of the full buffer
+        elif self._spent or attach:  # kept from the last window (stage 1): it still holds that window's sums
+            self.full.zero_()
+        self._spent = False
+        if attach:
             for param, (offset, size) in zip(self.params, self.slices, strict=True):
                 param.grad = self.full[offset : offset + size].view_as(param)
 
@@ -158,11 +169,8 @@ class BucketedReduce:
         bucket = self.buckets[index]
         data = self._buffer(index) if self.per_micro_step else self._full()[bucket.start : bucket.end]
         data.div_(self.world)  # pre-divided, as DDP does, so the sum cannot overflow
-        if self.stage == 1:
-            work = dist.all_reduce(data, group=self.group, async_op=True)
-        else:
-            owner = dist.get_global_rank(self.group, bucket.owner)
-            work = dist.reduce(data, dst=owner, group=self.group, async_op=True)
+        owner = dist.get_global_rank(self.group, bucket.owner)
+        work = dist.reduce(data, dst=owner, group=self.group, async_op=True)
         self._in_flight.append((index, data, work))
 
     def _finish_oldest(self) -> None:
@@ -188,6 +196,10 @@ class BucketedReduce:
                 self._finish_oldest()
             if self.stage == 2:
                 self.full = None  # (once per window: reduced into the shard, no longer needed)
+            else:  # outside this rank's chunk the views hold its own, unreduced sums: nobody may read them
+                for param in self.params:
+                    param.grad = None
+                self._spent = True
         self._armed = False
 
     # ------------------------------------------------------------------ after the window
@@ -199,15 +211,12 @@ class BucketedReduce:
             self.shard_grad = torch.zeros_like(template)
         return self.shard_grad
 
-    @property
-    def grads_view_the_reduced(self) -> bool:
-        """The parameters' .grad are views of the reduced full gradients (stage 1 without copies): scaling
-        them scales this rank's chunk too."""
-        return self.stage == 1 and not self.copies
-
     def release(self) -> None:
-        """After the step: the gradients are not needed any more (stage 1 frees its full buffer too)."""
-        self.shard_grad = self.full = None
+        """After the step: the gradients are not needed any more (stage 1 keeps its full buffer for the next
+        window, zeroed when that window starts)."""
+        self.shard_grad = None
+        if self.stage == 2:
+            self.full = None
         for param in self.params:
             param.grad = None
 

@@ -6,7 +6,7 @@ the parameters become views of it, and rank r owns the contiguous chunk r. The u
 the model's weights in place, then one all-gather hands every rank the others' chunks.
 
 Per rank, with Ψ parameters, N dp ranks and Adam in fp32 (bytes of storage held between steps):
-    stage 1: params 4Ψ + full gradients 4Ψ (all-reduced; freed after the step) + optimizer 8Ψ/N
+    stage 1: params 4Ψ + full gradients 4Ψ (reduced to their owners; kept between steps) + optimizer 8Ψ/N
     stage 2: params 4Ψ + gradient chunk 4Ψ/N (reduced to its owner)          + optimizer 8Ψ/N
 Gradients are reduced in buckets while backward goes on (`meshkit.parallel.zero.buckets`), so stage 2 never
 holds the full 4Ψ (unless `zero.reduce_every_micro_step: false` keeps it over an accumulation window).
@@ -295,11 +295,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shard.after_backward()
 
     def scale_reduced(self, factor: float) -> None:
-        """Scale gradients already reduced into the chunks (reduced in buckets during backward) that the
-        parameters' own gradients do not view (those were scaled with the parameters')."""
+        """Scale gradients already reduced into the chunks (in buckets during backward: the parameters' own
+        `.grad` were let go, so scaling those scaled nothing)."""
         for shard in self.shards:
             bucketed = shard.bucketed
-            if bucketed is not None and shard.shard.grad is not None and not bucketed.grads_view_the_reduced:
+            if bucketed is not None and shard.shard.grad is not None:
                 shard.shard.grad.mul_(factor)
 
     def reduce_gradients(self) -> None:
