@@ -118,7 +118,9 @@ def peers_deepspeed(data: dict[str, Any]) -> str:
         f"{data['micro_batch']}, both systems reducing in 25 MB buckets; pp2 = 2 stages × 2 data-parallel, 1F1B, "
         f"{data['pipeline_microbatches']} micro-batches. {data['rounds']} rounds of separate launches, order rotating; "
         "step = median over the run (slowest rank), ratio = median of the per-round meshkit/DeepSpeed ratios. Peak "
-        "rss+ = the largest rank's peak resident memory over its start; held = live tensor bytes after the last step."
+        "rss+ = the largest rank's peak resident memory over its start; held = live tensor bytes after the last step. "
+        "Both are started by torchrun, so both run on glibc's malloc as it comes (`meshkit launch` would give "
+        "meshkit's workers tcmalloc where installed: `host_allocator`)."
         "\n\n" + _table(header, rows)
     )
 
