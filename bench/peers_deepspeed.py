@@ -3,7 +3,10 @@ at world 4 and a 2-stage 1F1B pipeline (× 2 data-parallel) against DeepSpeed's 
 
 Same model (a stack of pre-norm MLP blocks, 17 M parameters), same initial weights, same data, same AdamW,
 the same 25 MB reduction buckets (DeepSpeed's `reduce_bucket_size` / `allgather_bucket_size`,
-`overlap_comm: true`; its defaults of 5e8 elements would allocate 2 GB of buffers per rank).
+`overlap_comm: true`; its defaults of 5e8 elements would allocate 2 GB of buffers per rank). ZeRO-3 twice:
+DeepSpeed as it comes (its `stage3_max_reuse_distance` of 1e9 parameters keeps what forward gathered until
+backward on a model this size: half the all-gathers, a higher peak), and `zero3-refetch` with it 0, gathering
+again in backward as meshkit's ZeRO-3 (FSDP) does: the same work.
 Every (system, layout) run is its own launch of 4 processes; runs are interleaved over `--rounds` rounds, the
 order rotating each round, so machine noise hits all alike. Per run: the median step time (each step timed
 at its slowest rank), the peak resident memory a rank added over its start (the largest rank), the bytes of
@@ -37,7 +40,7 @@ from torch import nn
 
 WORLD, DIM, BLOCKS, MICRO, PIPE_MICRO, WARMUP = 4, 512, 8, 16, 4, 3
 BUCKET_ELEMENTS = 25_000_000 // 4  # DeepSpeed's defaults are 5e8 elements (2 GB of fp32 buffers per rank)
-LAYOUTS = ("zero1", "zero2", "zero3", "pp2")
+LAYOUTS = ("zero1", "zero2", "zero3", "zero3-refetch", "pp2")
 SYSTEMS = ("meshkit", "deepspeed")
 
 
@@ -92,7 +95,7 @@ def meshkit_run(layout: str, steps: int) -> tuple[Any, Any]:
     if layout == "pp2":
         settings.update(pp=2, pipeline={"schedule": "1f1b", "microbatches": PIPE_MICRO})
     else:
-        settings["zero_stage"] = int(layout[-1])
+        settings["zero_stage"] = int(layout[4])
     engine = Engine(**settings)
     model = nn.Sequential(*blocks())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -120,9 +123,11 @@ def deepspeed_run(layout: str, steps: int) -> tuple[Any, Any]:
     }
     if not pipeline:  # buckets of 25 MB (fp32), as meshkit's zero.bucket_mb and DDP's default
         buckets = {"reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS}
-        if layout == "zero3":
+        if layout.startswith("zero3"):
             buckets = {"reduce_bucket_size": BUCKET_ELEMENTS, "stage3_prefetch_bucket_size": BUCKET_ELEMENTS}
-        config["zero_optimization"] = {"stage": int(layout[-1]), "overlap_comm": True, **buckets}
+        if layout == "zero3-refetch":  # gathers again in backward, as meshkit's (FSDP's) ZeRO-3 does: the same
+            buckets["stage3_max_reuse_distance"] = 0  # work (by default it keeps what backward reuses soon)
+        config["zero_optimization"] = {"stage": int(layout[4]), "overlap_comm": True, **buckets}
     layers = blocks()
     if pipeline:
         model: nn.Module = PipelineModule(layers=layers, loss_fn=F.mse_loss, num_stages=2, partition_method="uniform")
