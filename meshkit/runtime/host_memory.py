@@ -11,9 +11,9 @@ keeps the peak flat *and* the step fast is an allocator that caches those blocks
 allocator does on GPUs. Two measures, for CPU workers the launcher starts (`allocator_env`):
 - `tcmalloc` (gperftools' `libtcmalloc_minimal`, where the system has it — `apt install libtcmalloc-minimal4`,
   `conda install gperftools`): preloaded into the workers. It keeps freed spans and hands them out again, so
-  nothing is faulted in twice: on that bench every layout's peak stayed within 2 % of step 1's (ZeRO-3: 0.8 GB
-  against glibc's 1.9 → 2.5 GB) and every step ran 0.72–0.98× glibc's time (torch's CPU tuning guide
-  recommends the same allocator). It settles within a few steps, at most a block or two above step 1.
+  nothing is faulted in twice: on that bench every layout's peak stayed within about 2 % of step 1's (ZeRO-3:
+  0.8 GB against glibc's 1.9 → 2.5 GB); ZeRO-1/2 stepped at 0.72–0.76× glibc's time, the rest as fast (torch's
+  CPU tuning guide recommends the same allocator). It settles within a few steps, a block or two above step 1.
 - Without it, glibc tunables: a fixed mmap threshold (which also turns the dynamic one off) maps every block of
   4 MB or more on its own and unmaps it when freed, so it never fragments the heap (growth within 25 MB on every
   layout), on transparent huge pages (`glibc.malloc.hugetlb`; 4 kB pages cost ZeRO-3 40–65 %). The price is the
