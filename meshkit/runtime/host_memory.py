@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -72,11 +73,17 @@ def allocator_env(
     choice: str = "auto",
     huge_pages: Path = THP_SETTING,
     tcmalloc: str | None | Callable[[], str | None] = find_tcmalloc,
+    platform: str = sys.platform,
 ) -> dict[str, str]:
     """What the launcher adds to its workers' environment (see the module text). Nothing where the person chose
-    malloc settings or preloaded an allocator already."""
+    malloc settings or preloaded an allocator already, or off Linux (both measures are Linux's: LD_PRELOAD and
+    glibc)."""
     if choice not in ALLOCATOR_CHOICES:
         raise AllocatorError(f"host_allocator: {choice!r} is not one of {', '.join(ALLOCATOR_CHOICES)}")
+    if not platform.startswith("linux"):
+        if choice == "tcmalloc":
+            raise AllocatorError(f"host_allocator: tcmalloc is preloaded on Linux only, not {platform}; set auto")
+        return {}
     preloaded = environ.get("LD_PRELOAD", "")
     chosen = environ.get("GLIBC_TUNABLES", "")
     if any(name in environ for name in _MALLOC_SETTINGS) or "glibc.malloc." in chosen or "malloc" in preloaded:

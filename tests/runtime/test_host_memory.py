@@ -72,6 +72,12 @@ def test_tcmalloc_asked_for_but_missing_says_what_to_install(huge_pages: Path) -
         allocator_env({}, "jemalloc", huge_pages)
 
 
+def test_off_linux_nothing_is_set_and_tcmalloc_asked_for_says_why(huge_pages: Path) -> None:
+    assert allocator_env({}, "auto", huge_pages, tcmalloc="libtcmalloc_minimal.4.dylib", platform="darwin") == {}
+    with pytest.raises(AllocatorError, match="Linux only, not darwin; set auto"):
+        allocator_env({}, "tcmalloc", huge_pages, tcmalloc="libtcmalloc_minimal.4.dylib", platform="darwin")
+
+
 def test_the_guard_hands_pages_back_only_past_the_slack(monkeypatch) -> None:
     released: list[bool] = []
     sizes = iter([100, 120, 110, 125, 140, 150])  # MB: the first 3 steps set the baseline (120)
