@@ -140,7 +140,10 @@ class FlatShard:
             return  # DTensor gradients accumulate in their own tensors; `reduce` copies them in
         if self.flat_grad is not None and all(p.grad is not None for p in self.params):
             return
-        self.flat_grad = torch.zeros_like(self.flat)
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros_like(self.flat)
+        else:  # stage 1 keeps its buffer from window to window
+            self.flat_grad.zero_()
         for param, (offset, size) in zip(self.params, self.slices, strict=True):
             param.grad = self.flat_grad[offset : offset + size].view_as(param)
         self._attached = True
@@ -156,16 +159,14 @@ class FlatShard:
             self.shard.grad = None
             return
         self.flat_grad.div_(self.divisor)  # pre-divide, as DDP does, so the sum cannot overflow
-        if self.stage == 1:
-            dist.all_reduce(self.flat_grad, group=self.group)
-            self.shard.grad = self.flat_grad[self.bounds[0] : self.bounds[1]]
-            return
+        # each rank steps its own chunk: a reduce-scatter (an all-reduce would send every gradient twice)
         shard_grad = torch.empty_like(self.shard)
         reduce_scatter_flat(shard_grad, self.flat_grad, self.group)
         self.shard.grad = shard_grad
-        for param in self.params:  # the full gradients are no longer needed: free them
+        for param in self.params:  # the full gradients hold this rank's own sums: nobody may read them
             param.grad = None
-        self.flat_grad, self._attached = None, False
+        if self.stage == 2 or not self._attached:
+            self.flat_grad, self._attached = None, False  # (stage 1 keeps its buffer for the next window)
 
     def _collect_grads(self) -> None:
         if all(p.grad is None for p in self.params):
@@ -211,10 +212,9 @@ class FlatShard:
             for param in self.params:
                 param.grad = None
             return
-        if self.flat_grad is not None:
-            self.flat_grad.zero_()
-        if self.stage == 2:
-            self.shard.grad = None
+        if self.flat_grad is not None and any(p.grad is not None for p in self.params):
+            self.flat_grad.zero_()  # (mid-window: the views stay and start again from zero)
+        self.shard.grad = None
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, shards: list[FlatShard]) -> torch.optim.Optimizer:
