@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/preference.py
 	$(BIN)/python bench/ps.py
 	$(BIN)/python bench/peers_deepspeed.py
+	$(BIN)/python bench/peers_deepspeed.py --layouts zero3,zero3-refetch --rounds 3 --out bench/results/peers-deepspeed-w4-zero3.json
 	$(BIN)/python bench/plan_published.py
 	$(BIN)/python bench/plan_vs_measured.py
 	$(BIN)/python bench/moe.py

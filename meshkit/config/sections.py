@@ -115,11 +115,17 @@ class ShardingConfig(Section):
     reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         None, description="zero_stage 3: dtype of the gradient reduce-scatter; null = fp32"
     )
+    unit_mb: float = Field(
+        25.0,
+        ge=0,
+        description="zero_stage 3: consecutive blocks share one FSDP unit (one all-gather, one reduce-scatter) "
+        "up to this many MB of parameters; a bigger block is a unit of its own; 0 = one unit per block",
+    )
     forward_prefetch: int = Field(
-        0, ge=0, description="zero_stage 3: blocks whose all-gather is issued ahead in forward; 0 = torch's default"
+        0, ge=0, description="zero_stage 3: units whose all-gather is issued ahead in forward; 0 = torch's default"
     )
     backward_prefetch: int = Field(
-        0, ge=0, description="zero_stage 3: blocks whose all-gather is issued ahead in backward; 0 = torch's default"
+        0, ge=0, description="zero_stage 3: units whose all-gather is issued ahead in backward; 0 = torch's default"
     )
     init_from: Path | None = Field(
         None, description="safetensors file or index.json to fill a meta-device model from; null = the model's init"

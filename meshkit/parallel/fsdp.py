@@ -1,7 +1,8 @@
 """ZeRO-3 (FSDP) and HSDP with torch's FSDP2 `fully_shard`: parameters, gradients and optimizer states sharded.
 
-Every repeated block is its own FSDP unit (its parameters are all-gathered just before its forward and freed
-after it), then the root takes the remaining parameters (embedding, final norm, head). On a 2-D mesh
+Consecutive repeated blocks form FSDP units of about `sharding.unit_mb` of parameters (a unit's parameters are
+all-gathered in one collective just before its forward and freed after it; its gradients are reduce-scattered
+in one), then the root takes the remaining parameters (embedding, final norm, head). On a 2-D mesh
 (dp_replicate, dp_shard) the same call is HSDP: sharded within a replica group, replicated across groups.
 """
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from meshkit.config.schema import ShardingConfig
 from meshkit.models.blocks import block_units, find_blocks
@@ -62,7 +64,7 @@ def apply_fsdp(
     """Shard each expert bank (split over ep: over the edp ranks that hold the same experts), each block, then
     the root. Returns the same module object (FSDP2 works in place)."""
     _, block_list = find_blocks(model, blocks)
-    units = [block for _, block in block_units(block_list)]
+    units = group_blocks([block for _, block in block_units(block_list)], cfg.unit_mb)
     options: dict[str, Any] = {"mesh": fsdp_mesh(mesh), "mp_policy": mixed_precision_policy(cfg, precision)}
     policy = offload_policy(cfg, mesh.device)
     if policy is not None:
@@ -74,20 +76,45 @@ def apply_fsdp(
         # a sum, then the division (gloo has no pre-scaled sum); on one edp rank FSDP divides in its copy, and
         # forcing the sum there would divide twice
         sharded_bank.set_force_sum_reduction_for_comms(mesh.expert_dim("edp").size() > 1)
-    sharded_blocks = []
-    for index, block in enumerate(units):
-        # The last block runs first in backward: freeing its parameters after forward would only make
+    sharded_units: list[FSDPModule] = []
+    for index, unit in enumerate(units):
+        # The last unit runs first in backward: freeing its parameters after forward would only make
         # backward gather them again at once.
         reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else index < len(units) - 1
-        sharded_blocks.append(fully_shard(block, reshard_after_forward=reshard, **options))
+        sharded = fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard, **options)
+        sharded_units.append(sharded[0] if isinstance(sharded, list) else sharded)  # one module stands for its unit
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward is not False, **options)
-    set_prefetch(sharded_blocks, cfg.forward_prefetch, cfg.backward_prefetch)
+    set_prefetch(sharded_units, cfg.forward_prefetch, cfg.backward_prefetch)
     return model
 
 
+def group_blocks(blocks: list[nn.Module], unit_mb: float) -> list[list[nn.Module]]:
+    """Consecutive blocks in units of at most `unit_mb` of parameters (a block bigger than that is a unit of its
+    own; 0 = one block per unit). Fewer, larger collectives: each costs a fixed latency (every rank must reach
+    it) besides its bytes, as DeepSpeed's ZeRO-3 buckets its gathers and reductions by size."""
+    limit = unit_mb * 1e6
+    units: list[list[nn.Module]] = []
+    held = 0.0
+    for block in blocks:
+        size = float(sum(local_bytes(p) for p in block.parameters()))
+        if units and units[-1] and held + size <= limit:
+            units[-1].append(block)
+            held += size
+        else:
+            units.append([block])
+            held = size
+    return units
+
+
+def local_bytes(parameter: torch.Tensor) -> int:
+    """Bytes of the part of a parameter this rank holds before FSDP (a tensor-parallel DTensor: its local part)."""
+    local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+    return local.numel() * local.element_size()
+
+
 def set_prefetch(blocks: list[FSDPModule], forward: int, backward: int) -> None:
-    """Issue the all-gathers of the next `forward` blocks (forward) and the previous `backward` blocks (backward)
-    as soon as a block starts, so they run while it computes. 0 keeps torch's defaults (forward: the next
+    """Issue the all-gathers of the next `forward` units (forward) and the previous `backward` units (backward)
+    as soon as a unit starts, so they run while it computes. 0 keeps torch's defaults (forward: the next
     all-gather overlaps through its own stream on GPUs; backward: one block ahead). More hides more latency and
     holds more gathered blocks at once."""
     for index, block in enumerate(blocks):

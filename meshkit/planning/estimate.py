@@ -137,6 +137,7 @@ def estimate_memory(
     dropout: bool = False,
     gradient_as_bucket_view: bool = False,
     zero_bucket_mb: float = 25.0,
+    zero3_unit_mb: float = 25.0,
     runtime_gb: float = 0.0,
     ep: int = 1,
     reference: Reference = "none",
@@ -149,7 +150,8 @@ def estimate_memory(
     rank's experts over the dp·cp/ep ranks that hold the same ones. `reference` (preference training): "copy" adds
     a frozen copy of the weights laid out like the policy's (split by tp/pp, sharded under ZeRO-3; no gradients,
     no optimizer state); "adapters" (LoRA's base with adapters off) and "precomputed" add nothing — pass the
-    micro-batch in rows (a pair is two). `recipe`: how the step runs (attention kernel, compile, loss, optimizer
+    micro-batch in rows (a pair is two). `zero3_unit_mb`: ZeRO-3 groups small blocks into units of
+    that many MB (`sharding.unit_mb`). `recipe`: how the step runs (attention kernel, compile, loss, optimizer
     step, how 16-bit weights are kept; `step_recipe.py`): by default as meshkit's Engine runs an eager step."""
     _check_layout(model, zero_stage, dp, tp, pp, cp, ep)
     recipe = recipe or StepRecipe()
@@ -208,7 +210,8 @@ def estimate_memory(
     bucket = full_grads if zero_stage == 0 and not gradient_as_bucket_view else 0.0
     if zero_stage == 2 and shards > 1:  # buckets in flight during backward, each within one rank's chunk
         bucket = BUCKETS_IN_FLIGHT * min(zero_bucket_mb * 1e6, grads)
-    lines.append(_buffers(model, zero_stage, dp, cp, tp, 2 if mixed else 4, bucket, ep))
+    unit = model.zero3_unit_params(tp, weight_b, zero3_unit_mb)
+    lines.append(_buffers(model, zero_stage, dp, cp, tp, 2 if mixed else 4, bucket, ep, unit))
     lines.append(Line("runtime", runtime_gb, "given" if runtime_gb else "not counted (runtime_gb / --runtime-gb)"))
     kept = pp == 1 and shards > 1 and (zero_stage == 1 or zero_stage == 0 and gradient_as_bucket_view)
     host = optim / GB if offload == "cpu" else 0.0
@@ -237,7 +240,15 @@ def _step_formula(recipe: StepRecipe, optimizer: Optimizer, temporaries: float) 
 
 
 def _buffers(
-    model: ModelShape, zero_stage: int, dp: int, cp: int, tp: int, weight_b: int, bucket: float, ep: int = 1
+    model: ModelShape,
+    zero_stage: int,
+    dp: int,
+    cp: int,
+    tp: int,
+    weight_b: int,
+    bucket: float,
+    ep: int = 1,
+    unit: float = 0.0,
 ) -> Line:
     if zero_stage >= 3:
         layer = model.largest_layer_params or model.params / max(1, model.layers or 1)
@@ -247,6 +258,10 @@ def _buffers(
             gathered = 2 * weight_b * per_rank
             formula = f"2 gathered layers: 2·{weight_b}·((block − experts)/tp + experts/ep)={per_rank:.4g}"
             return Line("buffers", gathered / GB, formula)
+        if unit > layer / tp:  # small blocks share a unit (sharding.unit_mb): the one in use and the next
+            held = 1 if unit * 2 > layer / tp * (model.layers or 1) else 2  # (all blocks in one unit: one)
+            formula = f"{held} gathered unit(s) of sharding.unit_mb: {held}·{weight_b}·{unit:.4g}"
+            return Line("buffers", held * weight_b * unit / GB, formula)
         gathered = 2 * weight_b * layer / tp  # the layer in use and the one prefetched
         return Line("buffers", gathered / GB, f"2 gathered layers: 2·{weight_b}·{layer:.4g}/tp")
     if dp * cp > 1 and zero_stage == 0 and bucket:

@@ -41,6 +41,15 @@ class ModelShape:
         parallel the routed experts (tensor parallel keeps each expert bank whole)."""
         return (self.params - self.expert_params) / (tp * pp), self.expert_params / (ep * pp)
 
+    def zero3_unit_params(self, tp: int = 1, stored_bytes: int = 4, unit_mb: float = 25.0) -> float:
+        """Parameters one ZeRO-3 (FSDP) unit gathers at once: consecutive blocks (split by tp) grouped up to
+        `unit_mb` of stored weights, a bigger block alone (`sharding.unit_mb`, as meshkit.parallel.fsdp groups)."""
+        block = (self.largest_layer_params or self.params / max(1, self.layers or 1)) / tp
+        if block <= 0:
+            return 0.0
+        per_unit = max(1, int(unit_mb * 1e6 // (stored_bytes * block)))
+        return block * min(per_unit, self.layers or 1)
+
     @property
     def active_params(self) -> float:
         """Parameters a token passes through (what compute scales with); = params for a dense model."""

@@ -207,7 +207,7 @@ def predict(
         if layout.zero_stage:  # the updated chunks, all-gathered after the step
             comm["zero_gather"], links["zero_gather"] = seconds(dp_span, weight_b * local_params, shards, "gather")
     elif shards > 1:
-        block = (model.largest_layer_params or local_params / max(1, layers)) / layout.tp
+        block = model.zero3_unit_params(layout.tp)  # fp32 weights grouped by sharding.unit_mb's default
         gather, links["zero3_gather"] = seconds(dp_span, weight_b * reduced, shards, "gather")
         first, _ = seconds(dp_span, weight_b * block, shards, "gather")
         reduce, links["zero3_reduce"] = seconds(dp_span, grad_b * reduced, shards, "gather")

@@ -122,6 +122,11 @@ def test_accelerate_fsdp_and_deepspeed_with_its_file(tmp_path) -> None:
     assert config.sharding.zero_stage == 3 and config.parallel.dp_replicate == 2 and config.parallel.dp_shard == -1
     assert config.activation_checkpointing.mode == "full"
     assert "fsdp_config.fsdp_auto_wrap_policy" in dict(imported.skipped)
+    sized = {**fsdp["fsdp_config"], "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 10**7}
+    imported = import_config(_write(tmp_path, "sized.yaml", {**fsdp, "fsdp_config": sized}))
+    config = resolve(file_values=imported.values, file=tmp_path / "x.yaml", env={}).config
+    assert config.sharding.unit_mb == 40.0  # 10^7 fp32 parameters per FSDP unit
+    assert "fsdp_config.fsdp_min_num_params" not in dict(imported.skipped)
     _write(tmp_path, "ds_config.json", SEED_DS)
     deepspeed = {
         **ACCELERATE,

@@ -21,6 +21,7 @@ LAYOUTS = {
     "hsdp": {"zero_stage": 3, "dp_replicate": 2, "dp_shard": 2},
     "zero3_cpu_offload": {"zero_stage": 3, "offload": "cpu"},
     "zero3_kept_gathered": {"zero_stage": 3, "reshard_after_forward": False},  # ZeRO-2-like FSDP schedule
+    "zero3_per_block": {"zero_stage": 3, "unit_mb": 0},  # one FSDP unit per block (the tiny blocks share one)
 }
 
 
@@ -82,6 +83,7 @@ FORMULA = {  # fp32 params 4Ψ, fp32 grads 4Ψ, Adam moments 8Ψ
     "zero1": 8 * PSI + 8 * PSI / N,
     "zero2": 4 * PSI + 12 * PSI / N,
     "zero3": 16 * PSI / N,
+    "zero3_per_block": 16 * PSI / N,
     "hsdp": 16 * PSI / 2,  # sharded within groups of dp_shard=2
 }
 
@@ -103,3 +105,15 @@ def test_cpu_offload_on_a_cpu_host_says_there_is_nothing_to_move(results) -> Non
 def test_sharded_layouts_use_no_deprecated_device_mesh_api(results, layout) -> None:
     deprecated = [w for rank in results for w in rank[layout]["warnings"] if "deprecated" in w.lower()]
     assert deprecated == [], deprecated
+
+
+def test_blocks_are_grouped_into_units_by_parameter_bytes() -> None:
+    from torch import nn
+
+    from meshkit.parallel.fsdp import group_blocks
+
+    blocks = [nn.Linear(250, 1000, bias=False) for _ in range(5)]  # 1 MB of fp32 each
+    assert [len(unit) for unit in group_blocks(blocks, 0)] == [1, 1, 1, 1, 1]
+    assert [len(unit) for unit in group_blocks(blocks, 2.5)] == [2, 2, 1]
+    assert [len(unit) for unit in group_blocks(blocks, 0.5)] == [1, 1, 1, 1, 1]  # a bigger block stays whole
+    assert [block for unit in group_blocks(blocks, 3) for block in unit] == blocks  # in order, each once

@@ -89,8 +89,19 @@ def test_the_activation_line_scales_with_layers_and_context_parallel() -> None:
 
 def test_zero3_buffers_hold_two_gathered_layers() -> None:
     shape = ModelShape.transformer(layers=8, hidden=512, heads=8, vocab=1000)
-    out = estimate_memory(shape, zero_stage=3, dp=8, precision="bf16").as_json()
+    out = estimate_memory(shape, zero_stage=3, dp=8, precision="bf16", zero3_unit_mb=0).as_json()
     assert out["buffers_gb"] == pytest.approx(2 * 2 * shape.largest_layer_params / 1e9)
+
+
+def test_zero3_small_blocks_are_gathered_in_units_of_sharding_unit_mb() -> None:
+    shape = ModelShape.transformer(layers=8, hidden=256, heads=8, vocab=1000)  # 3.1 MB of fp32 a block
+    block = shape.largest_layer_params
+    assert shape.zero3_unit_params(unit_mb=13) == 4 * block and shape.zero3_unit_params(unit_mb=1) == block
+    assert shape.zero3_unit_params(tp=2, unit_mb=13) == 8 * block / 2  # a tp rank groups its own halves
+    two_units = estimate_memory(shape, zero_stage=3, dp=8, precision="bf16", zero3_unit_mb=13).as_json()
+    assert two_units["buffers_gb"] == pytest.approx(2 * 2 * 4 * block / 1e9)  # the unit in use and the next
+    one_unit = estimate_memory(shape, zero_stage=3, dp=8, precision="bf16", zero3_unit_mb=100).as_json()
+    assert one_unit["buffers_gb"] == pytest.approx(2 * 8 * block / 1e9)  # every block in one unit: held once
 
 
 def test_gradients_freed_every_step_meet_the_activations_as_the_larger_of_the_two() -> None:

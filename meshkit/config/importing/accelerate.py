@@ -26,7 +26,7 @@ _FSDP_NOT_NEEDED = {
     "fsdp_cpu_ram_efficient_loading": "build the model on the meta device and set sharding.init_from",
     "fsdp_version": "meshkit uses FSDP2 (fully_shard)",
     "fsdp_backward_prefetch": "meshkit prefetches one block in backward (sharding.backward_prefetch to change)",
-    "fsdp_min_num_params": "meshkit wraps the repeated blocks it finds",
+    "fsdp_min_num_params": "meshkit wraps the repeated blocks it finds (with SIZE_BASED_WRAP: sharding.unit_mb)",
 }
 _SHARDING = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3, "HYBRID_SHARD_ZERO2": 2}
 
@@ -126,6 +126,12 @@ def read_fsdp_config(block: dict[str, Any], out: Imported, machines: int) -> Non
             value in (True, "true", "True", "FULL_SHARD"),
             "fsdp_config.fsdp_reshard_after_forward",
         )
+    sized = str(block.get("fsdp_auto_wrap_policy", "")).upper() == "SIZE_BASED_WRAP"
+    if sized and block.get("fsdp_min_num_params") and _SHARDING.get(strategy) == 3:
+        # units of about that many fp32 parameters: meshkit groups whole blocks up to the size
+        unit_mb = 4 * int(block["fsdp_min_num_params"]) / 1e6
+        out.set("sharding.unit_mb", unit_mb, "fsdp_config.fsdp_min_num_params (SIZE_BASED_WRAP, 4 bytes each)")
+        block = {key: value for key, value in block.items() if key != "fsdp_min_num_params"}
     handled = {
         "fsdp_sharding_strategy",
         "fsdp_offload_params",
