@@ -6,6 +6,7 @@ import contextlib
 import io
 import multiprocessing as mp
 import os
+import pkgutil
 import queue
 import sys
 import time
@@ -17,8 +18,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import meshkit
 from meshkit.launching.interfaces import quiet_port
 from meshkit.runtime.mesh import stop_process_group
+
+
+def meshkit_modules() -> list[str]:
+    """Every module of the meshkit package, by name (entry points excluded)."""
+    found = pkgutil.walk_packages(meshkit.__path__, "meshkit.")
+    return ["meshkit", *(module.name for module in found if not module.name.endswith("__main__"))]
 
 
 def free_port() -> int:
@@ -45,12 +53,14 @@ def gloo_world() -> Iterator[None]:
     leave_world()
 
 
-# Imported once by the fork server, not by every rank: torch and meshkit (~3 s a rank), and where the hf extra is
-# installed transformers, peft, datasets and bitsandbytes (~4 s more; the server skips a module it cannot import).
+# Imported once by the fork server, not by every rank: torch and every meshkit module (~5 s a rank: the engine
+# alone brings torch's pipelining, DTensor and dynamo, 1.6 s), and where the hf extra is installed transformers,
+# peft, datasets and bitsandbytes (~4 s more; the server skips a module it cannot import). meshkit's modules import
+# their optional dependencies (Ray, trackers) only when used, and start no threads, so forking after them is safe.
 PRELOADED = [
     "torch",
     "torch.distributed",
-    "meshkit",
+    *meshkit_modules(),
     "transformers",
     "transformers.models.llama.modeling_llama",
     "peft",
