@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -240,19 +239,38 @@ def _read(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
     return {(entry := json.loads(line))["layout"]: entry for line in path.read_text().splitlines() if line}
 
 
+# Imported once by the fork server the ranks start from, not by every rank (~7 s a rank): 300 types, 2 ranks each
+PRELOADED = ["torch", "torch.distributed", "meshkit.engine", "transformers", "transformers.models.auto.modeling_auto"]
+
+
+def _rank(model_type: str, layouts: list[str], rank: int, port: int, scratch: Path, log: Path) -> None:
+    """A rank forked from the server: its stderr into `log`, stdout dropped, then `worker`."""
+    import warnings
+
+    with log.open("w") as err, open(os.devnull, "w") as out:
+        os.dup2(err.fileno(), 2)
+        os.dup2(out.fileno(), 1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    warnings.simplefilter("ignore")
+    sys.exit(worker(model_type, layouts, rank, port, scratch))
+
+
 def _world(model_type: str, layouts: list[str], timeout: float) -> tuple[list[dict[str, Any]], bool, str]:
     """One 2-rank world over `layouts`: each rank's cell results, whether it hung, rank 0's last error line."""
+    import multiprocessing
+
     from meshkit.launching.interfaces import quiet_port
 
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)  # (where the server already runs, as it was started)
     with tempfile.TemporaryDirectory() as scratch:
-        command = [sys.executable, __file__, "--worker", model_type, "--layouts", ",".join(layouts),
-                   "--port", str(quiet_port()), "--scratch", scratch]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        logs = [Path(scratch) / f"stderr{rank}" for rank in range(2)]
-        procs = [subprocess.Popen([*command, "--rank", str(rank)], stdout=subprocess.DEVNULL,
-                                  stderr=logs[rank].open("w"), env=env) for rank in range(2)]  # fmt: skip
+        port, logs = quiet_port(), [Path(scratch) / f"stderr{rank}" for rank in range(2)]
+        procs = [context.Process(target=_rank, args=(model_type, layouts, rank, port, Path(scratch), logs[rank]))
+                 for rank in range(2)]  # fmt: skip
+        for proc in procs:
+            proc.start()
         hung, done, last_progress = False, -1, time.monotonic()
-        while any(proc.poll() is None for proc in procs):  # (a hang: no cell finished within `timeout` seconds)
+        while any(proc.is_alive() for proc in procs):  # (a hang: no cell finished within `timeout` seconds)
             finished = sum(len(_read(Path(scratch), rank)) for rank in range(2))
             if finished != done:
                 done, last_progress = finished, time.monotonic()
@@ -262,7 +280,9 @@ def _world(model_type: str, layouts: list[str], timeout: float) -> tuple[list[di
                     proc.kill()
                 break
             time.sleep(0.5)
-        lines = [line for line in logs[0].read_text().splitlines() if line.strip()]
+        for proc in procs:
+            proc.join(10)
+        lines = [line for line in logs[0].read_text().splitlines() if line.strip()] if logs[0].exists() else []
         return [_read(Path(scratch), rank) for rank in range(2)], hung, lines[-1][:300] if lines else ""
 
 
