@@ -61,8 +61,8 @@ def apply_fsdp(
     blocks: str | None = None,
     experts: tuple[nn.Module, ...] | list[nn.Module] = (),
 ) -> nn.Module:
-    """Shard each expert bank (split over ep: over the edp ranks that hold the same experts), each block, then
-    the root. Returns the same module object (FSDP2 works in place)."""
+    """Shard each expert bank (split over ep: over the edp ranks that hold the same experts), each unit of
+    blocks (`group_blocks`), then the root. Returns the same module object (FSDP2 works in place)."""
     _, block_list = find_blocks(model, blocks)
     units = group_blocks([block for _, block in block_units(block_list)], cfg.unit_mb)
     options: dict[str, Any] = {"mesh": fsdp_mesh(mesh), "mp_policy": mixed_precision_policy(cfg, precision)}
@@ -112,16 +112,16 @@ def local_bytes(parameter: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def set_prefetch(blocks: list[FSDPModule], forward: int, backward: int) -> None:
+def set_prefetch(units: list[FSDPModule], forward: int, backward: int) -> None:
     """Issue the all-gathers of the next `forward` units (forward) and the previous `backward` units (backward)
     as soon as a unit starts, so they run while it computes. 0 keeps torch's defaults (forward: the next
-    all-gather overlaps through its own stream on GPUs; backward: one block ahead). More hides more latency and
-    holds more gathered blocks at once."""
-    for index, block in enumerate(blocks):
+    all-gather overlaps through its own stream on GPUs; backward: one unit ahead). More hides more latency and
+    holds more gathered units at once."""
+    for index, unit in enumerate(units):
         if forward:
-            block.set_modules_to_forward_prefetch(list(blocks[index + 1 : index + 1 + forward]))
+            unit.set_modules_to_forward_prefetch(list(units[index + 1 : index + 1 + forward]))
         if backward:
-            block.set_modules_to_backward_prefetch(list(blocks[max(0, index - backward) : index][::-1]))
+            unit.set_modules_to_backward_prefetch(list(units[max(0, index - backward) : index][::-1]))
 
 
 def reshard(model: nn.Module) -> None:

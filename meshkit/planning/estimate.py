@@ -259,9 +259,9 @@ def _buffers(
             formula = f"2 gathered layers: 2·{weight_b}·((block − experts)/tp + experts/ep)={per_rank:.4g}"
             return Line("buffers", gathered / GB, formula)
         if unit > layer / tp:  # small blocks share a unit (sharding.unit_mb): the one in use and the next
-            held = 1 if unit * 2 > layer / tp * (model.layers or 1) else 2  # (all blocks in one unit: one)
-            formula = f"{held} gathered unit(s) of sharding.unit_mb: {held}·{weight_b}·{unit:.4g}"
-            return Line("buffers", held * weight_b * unit / GB, formula)
+            following = min(unit, max(0.0, layer / tp * (model.layers or 1) - unit))  # (none: one unit for all)
+            formula = f"gathered units of sharding.unit_mb: {weight_b}·({unit:.4g} + next {following:.4g})"
+            return Line("buffers", weight_b * (unit + following) / GB, formula)
         gathered = 2 * weight_b * layer / tp  # the layer in use and the one prefetched
         return Line("buffers", gathered / GB, f"2 gathered layers: 2·{weight_b}·{layer:.4g}/tp")
     if dp * cp > 1 and zero_stage == 0 and bucket:

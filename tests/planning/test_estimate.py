@@ -100,6 +100,8 @@ def test_zero3_small_blocks_are_gathered_in_units_of_sharding_unit_mb() -> None:
     assert shape.zero3_unit_params(tp=2, unit_mb=13) == 8 * block / 2  # a tp rank groups its own halves
     two_units = estimate_memory(shape, zero_stage=3, dp=8, precision="bf16", zero3_unit_mb=13).as_json()
     assert two_units["buffers_gb"] == pytest.approx(2 * 2 * 4 * block / 1e9)  # the unit in use and the next
+    uneven = estimate_memory(shape, zero_stage=3, dp=8, precision="bf16", zero3_unit_mb=20).as_json()
+    assert uneven["buffers_gb"] == pytest.approx(2 * (6 + 2) * block / 1e9)  # units of 6 blocks, then the last 2
     one_unit = estimate_memory(shape, zero_stage=3, dp=8, precision="bf16", zero3_unit_mb=100).as_json()
     assert one_unit["buffers_gb"] == pytest.approx(2 * 8 * block / 1e9)  # every block in one unit: held once
 
