@@ -14,9 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from meshkit.models.attention_kind import stores_scores
-from meshkit.training.fused_cross_entropy import chunk_tokens
-
 LossKind = Literal["plain", "fused"]
 OptimizerStep = Literal["foreach", "fused"]
 WeightsKept = Literal["autocast", "master"]
@@ -41,6 +38,9 @@ class StepRecipe:
 
     @property
     def keeps_scores(self) -> bool:
+        # (imported here: the estimator and the CLI that shows it need no torch, the models' modules import it)
+        from meshkit.models.attention_kind import stores_scores
+
         return stores_scores(self.attention)
 
     def describe(self) -> str:
@@ -56,6 +56,8 @@ def loss_bytes(tokens: float, vocab: int | None, hidden: int | None, tp: int, lo
         return 0.0, ""
     rows = vocab / tp
     if loss == "fused":
+        from meshkit.training.fused_cross_entropy import chunk_tokens  # (as `keeps_scores`: no torch up front)
+
         chunk = chunk_tokens(int(rows), hidden or 1, max(1, int(tokens)))
         return 3 * 4 * rows * chunk, f" + fused loss: 3·4·V/tp for {chunk} tokens"
     return 3 * 4 * rows * tokens, " + loss: 3·s·b·4·V/tp (log-probs, their gradient, the logits' gradient)"

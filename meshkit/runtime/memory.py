@@ -8,11 +8,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor  # (here: the launcher reads resident memory, needs no DTensor)
+
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
