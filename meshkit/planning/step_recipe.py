@@ -38,7 +38,7 @@ class StepRecipe:
 
     @property
     def keeps_scores(self) -> bool:
-        # (imported here: the estimator and the CLI that shows it need no torch, the models' modules import it)
+        # (imported here: the estimator itself needs neither torch nor DTensor; the models' modules bring both)
         from meshkit.models.attention_kind import stores_scores
 
         return stores_scores(self.attention)
