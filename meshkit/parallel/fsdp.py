@@ -97,7 +97,7 @@ def group_blocks(blocks: list[nn.Module], unit_mb: float) -> list[list[nn.Module
     held = 0.0
     for block in blocks:
         size = float(sum(local_bytes(p) for p in block.parameters()))
-        if units and units[-1] and held + size <= limit:
+        if units and held + size <= limit:
             units[-1].append(block)
             held += size
         else:
