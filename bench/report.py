@@ -25,6 +25,7 @@ if __package__ in (None, ""):  # run as `python bench/report.py`: its sections s
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import section as gpu_check_section
+from bench.host_collectives import section as host_collectives_section
 from bench.loss_memory import section as loss_memory_section
 from bench.report_compare import (
     against_commit,
@@ -282,6 +283,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "peers-deepspeed-w4.json",
         "python bench/peers_deepspeed.py",
         peers_deepspeed,
+    ),
+    (
+        "ZeRO's collectives on the host: rings against gloo's own",
+        "host-collectives.json",
+        "python bench/host_collectives.py",
+        host_collectives_section,
     ),
     (
         "ZeRO-3 against DeepSpeed with FSDP units of sharding.unit_mb, world 4",

@@ -121,6 +121,11 @@ class ShardingConfig(Section):
         description="zero_stage 3: consecutive blocks share one FSDP unit (one all-gather, one reduce-scatter) "
         "up to this many MB of parameters; a bigger block is a unit of its own; 0 = one unit per block",
     )
+    ring_collectives: bool = Field(
+        True,
+        description="zero_stage 3 on CPU: FSDP's all-gather and reduce-scatter as rings of point-to-point sends, "
+        "in place (gloo's own copy every part, and reduce by all-reduce); false = the backend's own",
+    )
     forward_prefetch: int = Field(
         0, ge=0, description="zero_stage 3: units whose all-gather is issued ahead in forward; 0 = torch's default"
     )

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from meshkit.config.schema import ShardingConfig
 from meshkit.models.blocks import block_units, find_blocks
 from meshkit.runtime.mesh import ParallelMesh
+from meshkit.runtime.ring_collectives import RingAllGather, RingReduceScatter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -85,7 +86,19 @@ def apply_fsdp(
         sharded_units.append(sharded[0] if isinstance(sharded, list) else sharded)  # one module stands for its unit
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward is not False, **options)
     set_prefetch(sharded_units, cfg.forward_prefetch, cfg.backward_prefetch)
+    if cfg.ring_collectives and mesh.device.type == "cpu":
+        use_ring_collectives(model)
     return model
+
+
+def use_ring_collectives(model: nn.Module) -> None:
+    """Every FSDP module of `model` gathers and reduce-scatters in rings of sends (`ring_collectives`): on the
+    host, gloo's own collectives copy every part and reduce by all-reduce. Needs torch >= 2.8 (FSDP2's
+    pluggable collectives); older torch keeps the backend's."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and hasattr(module, "set_custom_all_gather"):
+            module.set_custom_all_gather(RingAllGather())
+            module.set_custom_reduce_scatter(RingReduceScatter())
 
 
 def group_blocks(blocks: list[nn.Module], unit_mb: float) -> list[list[nn.Module]]:

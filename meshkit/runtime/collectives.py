@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from meshkit.core.tree import map_tensors
+from meshkit.runtime.ring_collectives import ring_all_gather, ring_reduce_scatter
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -94,35 +95,35 @@ def start_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Callable
     return result
 
 
-def all_gather_flat(
-    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, piece_bytes: int | None = None
-) -> None:
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Every rank's `shard`, concatenated into `output` in rank order (`shard` may be a view of `output`).
 
-    gloo stages the whole output in a buffer of its own (a second copy of every parameter for ZeRO-1/2's
-    gather, the peak of each step): with `piece_bytes` it is gathered in pieces of at most that many bytes per
-    rank, through one staging buffer of a piece per rank. NCCL writes in place and takes it whole.
+    On gloo, a ring of sends straight into `output` (`ring_all_gather`): gloo's own all-gather stages the whole
+    output in a buffer of its own (a second copy of every parameter for ZeRO-1/2's gather) and copies it out.
     """
-    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
-    size = shard.numel()
-    piece = size if piece_bytes is None else max(1, piece_bytes // shard.element_size())
-    if piece >= size or dist.get_backend(group) != "gloo":
-        gather_single(output, shard, group=group)
+    if _on_gloo(group):
+        ring_all_gather(output, shard, _group(group))
         return
-    world = output.numel() // size
-    staging = torch.empty(piece * world, dtype=output.dtype, device=output.device)
-    rows = output.view(world, size)  # [rank, element]
-    for start in range(0, size, piece):
-        length = min(piece, size - start)
-        gathered = staging[: length * world]
-        gather_single(gathered, shard[start : start + length], group=group)
-        rows[:, start : start + length].copy_(gathered.view(world, length))
+    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    gather_single(output, shard, group=group)
 
 
 def reduce_scatter_flat(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """Sum `full` over the ranks of `group`; rank r receives chunk r of the sum in `shard`."""
+    """Sum `full` over the ranks of `group`; rank r receives chunk r of the sum in `shard`. On gloo `full` is
+    scratch afterwards (`ring_reduce_scatter`: gloo's own all-reduces a copy of all of it, twice the traffic)."""
+    if _on_gloo(group):
+        ring_reduce_scatter(shard, full, _group(group))
+        return
     scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
     scatter_single(shard, full, group=group)
+
+
+def _on_gloo(group: dist.ProcessGroup | None) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
 
 
 def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:

@@ -9,6 +9,7 @@ import torch
 
 from meshkit import Engine
 from meshkit.models.gpt import lm_loss
+from meshkit.runtime import collectives, ring_collectives
 from tests.helpers.distributed import gloo_world, run_world
 from tests.helpers.training import assert_close_relative, assert_state_close, split, tiny_gpt, token_batches
 
@@ -22,13 +23,29 @@ LAYOUTS = {
     "zero3_cpu_offload": {"zero_stage": 3, "offload": "cpu"},
     "zero3_kept_gathered": {"zero_stage": 3, "reshard_after_forward": False},  # ZeRO-2-like FSDP schedule
     "zero3_per_block": {"zero_stage": 3, "unit_mb": 0},  # one FSDP unit per block (the tiny blocks share one)
+    "zero3_backend_collectives": {"zero_stage": 3, "sharding": {"ring_collectives": False}},  # gloo's own
 }
+RING_USERS = {"zero1", "zero2", "zero3", "hsdp", "zero3_cpu_offload", "zero3_kept_gathered", "zero3_per_block"}
 
 
 def train_layout(rank: int, overrides: dict) -> dict:
-    with warnings.catch_warnings(record=True) as caught:
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+
+    def counted(name: str, ring):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[name] += 1
+            return ring(*args, **kwargs)
+
+        return call
+
+    with warnings.catch_warnings(record=True) as caught, pytest.MonkeyPatch.context() as patch:
         warnings.simplefilter("always")
-        return _train_layout(overrides, caught)
+        gather = counted("all_gather", ring_collectives.ring_all_gather)
+        scatter = counted("reduce_scatter", ring_collectives.ring_reduce_scatter)
+        for module in (ring_collectives, collectives):  # FSDP's hooks and ZeRO-1/2's flat collectives
+            patch.setattr(module, "ring_all_gather", gather)
+            patch.setattr(module, "ring_reduce_scatter", scatter)
+        return {**_train_layout(overrides, caught), "ring_calls": calls}
 
 
 def _train_layout(overrides: dict, caught: list) -> dict:
@@ -95,6 +112,18 @@ def test_model_state_bytes_follow_the_zero_formulas(results, layout) -> None:
         held = memory["params"] + memory["grads"] + memory["optimizer"]
         assert abs(held - FORMULA[layout]) <= 0.05 * FORMULA[layout], (layout, memory, FORMULA[layout])
         assert memory["peak_rss"] >= memory["rss"] > 100 * 2**20  # a torch process holds > 100 MiB
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sharded_layouts_gather_and_reduce_in_rings_on_the_host(results, layout) -> None:
+    """ZeRO-1/2 gather in a ring (their reduce runs in buckets during backward); ZeRO-3 both gathers and
+    reduce-scatters in rings unless `ring_collectives` is off; DDP all-reduces."""
+    calls = results[0][layout]["ring_calls"]
+    if layout in RING_USERS:
+        assert calls["all_gather"] >= STEPS, calls
+        assert calls["reduce_scatter"] >= (STEPS if layout.startswith(("zero3", "hsdp")) else 0), calls
+    else:
+        assert calls == {"all_gather": 0, "reduce_scatter": 0}, calls
 
 
 def test_cpu_offload_on_a_cpu_host_says_there_is_nothing_to_move(results) -> None:

@@ -33,8 +33,6 @@ from meshkit.core.errors import MeshkitError
 from meshkit.parallel.zero.buckets import BucketedReduce
 from meshkit.runtime.collectives import all_gather_flat, reduce_scatter_flat
 
-GATHER_PIECE_BYTES = 25 * 2**20  # the updated parameters are gathered in pieces this size (zero.bucket_mb)
-
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
@@ -108,7 +106,6 @@ class FlatShard:
         self.shard = nn.Parameter(self.flat[self.bounds[0] : self.bounds[1]])
         self.flat_grad: torch.Tensor | None = None
         self._attached = False  # the parameters' .grad are views of flat_grad (attach_grads)
-        self.piece_bytes = overlap[0] if overlap is not None else GATHER_PIECE_BYTES
         self.bucketed = (
             BucketedReduce(
                 params,
@@ -198,8 +195,8 @@ class FlatShard:
         return weights[self.bounds[0] : self.bounds[1]]
 
     def gather(self) -> None:
-        """After the step: every rank receives the others' updated chunks (in bucket-sized pieces)."""
-        all_gather_flat(self.flat, self.shard.detach(), self.group, self.piece_bytes)
+        """After the step: every rank receives the others' updated chunks."""
+        all_gather_flat(self.flat, self.shard.detach(), self.group)
 
     def zero_grad(self) -> None:
         if self.bucketed is not None:
