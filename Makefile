@@ -65,7 +65,6 @@ bench: $(STAMP)
 	$(BIN)/python bench/ps.py
 	$(BIN)/python bench/host_collectives.py
 	$(BIN)/python bench/peers_deepspeed.py
-	$(BIN)/python bench/peers_deepspeed.py --layouts zero3,zero3-refetch --rounds 3 --out bench/results/peers-deepspeed-w4-zero3.json
 	$(BIN)/python bench/plan_published.py
 	$(BIN)/python bench/plan_vs_measured.py
 	$(BIN)/python bench/moe.py

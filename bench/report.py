@@ -291,13 +291,6 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         host_collectives_section,
     ),
     (
-        "ZeRO-3 against DeepSpeed with FSDP units of sharding.unit_mb, world 4",
-        "peers-deepspeed-w4-zero3.json",
-        "python bench/peers_deepspeed.py --layouts zero3,zero3-refetch --rounds 3 "
-        "--out bench/results/peers-deepspeed-w4-zero3.json",
-        peers_deepspeed,
-    ),
-    (
         "Planner step-time model against published runs",
         "plan-published.json",
         "python bench/plan_published.py",

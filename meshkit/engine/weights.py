@@ -21,6 +21,7 @@ from meshkit.parallel.materialize import set_local
 from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.planning.activation_report import ActivationReport
 from meshkit.runtime import collectives
+from meshkit.runtime.dtensors import local_tensor
 from meshkit.runtime.memory import memory_report
 
 
@@ -63,7 +64,7 @@ class Weights(EngineComponent):
                 target = held[name]
                 if tuple(full.shape) != tuple(target.shape):
                     raise EngineError(f"'{name}' has shape {tuple(full.shape)}; the model has {tuple(target.shape)}")
-                local = target.to_local() if isinstance(target, DTensor) else target
+                local = local_tensor(target)
                 stored = split.to_storage(name, full)  # (a fused weight in tensor parallel's order)
                 set_local(target, stored.to(device=local.device, dtype=local.dtype))
         return sorted(set(tensors) - set(held))

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from meshkit.config.schema import ShardingConfig
 from meshkit.models.blocks import block_units, find_blocks
+from meshkit.runtime.dtensors import local_tensor
 from meshkit.runtime.mesh import ParallelMesh
 from meshkit.runtime.ring_collectives import RingAllGather, RingReduceScatter
 
@@ -121,7 +121,7 @@ def group_blocks(blocks: list[nn.Module], unit_mb: float) -> list[list[nn.Module
 
 def local_bytes(parameter: torch.Tensor) -> int:
     """Bytes of the part of a parameter this rank holds before FSDP (a tensor-parallel DTensor: its local part)."""
-    local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+    local = local_tensor(parameter)
     return local.numel() * local.element_size()
 
 

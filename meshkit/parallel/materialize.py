@@ -26,6 +26,7 @@ from meshkit.models import hf_adapter
 from meshkit.models.adapters import adapter_submodules, base_checkpoint_name, is_adapter_parameter, reset_adapter
 from meshkit.models.checkpoint_names import CheckpointConversion
 from meshkit.parallel.tensor.storage import SplitWeights
+from meshkit.runtime.dtensors import local_tensor
 
 
 class MaterializeError(MeshkitError):
@@ -268,7 +269,7 @@ def _fill(
         raise MaterializeError(f"'{name}' {shapes}")
     if split_weights is not None:
         full = split_weights.to_storage(name, full)
-    device = (target.to_local() if isinstance(target, DTensor) else target).device
+    device = local_tensor(target).device
     set_local(target, full.to(device=device, dtype=target.dtype))
 
 

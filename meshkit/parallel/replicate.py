@@ -10,13 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from meshkit.runtime.dtensors import local_tensor
 
 BUCKET_BYTES = 25 * 2**20
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class GradientAllReduce:
@@ -42,7 +39,7 @@ class GradientAllReduce:
 
     def reduce_gradients(self) -> None:
         self._agree_on_present()
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
         bucket: list[torch.Tensor] = []
         size = 0
         for grad in grads:

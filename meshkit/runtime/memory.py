@@ -10,11 +10,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor  # (here: the launcher reads resident memory, needs no DTensor)
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from meshkit.runtime.dtensors import local_tensor
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
@@ -25,7 +21,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
     seen = set() if seen is None else seen
     total = 0
     for tensor in tensors:
-        local = _local(tensor)
+        local = local_tensor(tensor)
         if is_traceable_wrapper_subclass(local):  # e.g. torchao's quantized optimizer states: count their parts
             names, _ = local.__tensor_flatten__()
             total += storage_bytes((getattr(local, name) for name in names), seen)

@@ -16,6 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from meshkit.runtime.dtensors import local_tensor
+
 
 def add_embedding_noise(embedding: nn.Module, alpha: float, sequence_parts: int = 1) -> RemovableHandle:
     """Noise on `embedding`'s output [batch, seq, hidden] in training; `sequence_parts`: ranks each row's token
@@ -24,7 +26,7 @@ def add_embedding_noise(embedding: nn.Module, alpha: float, sequence_parts: int 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         if not module.training or not isinstance(output, torch.Tensor) or output.dim() != 3:
             return None
-        local = output.to_local() if isinstance(output, DTensor) else output
+        local = local_tensor(output)
         ids = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 2 else None
         length = (ids.shape[1] if ids is not None else local.shape[1]) * sequence_parts
         bound = alpha / math.sqrt(length * local.shape[2])

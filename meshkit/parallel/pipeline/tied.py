@@ -11,15 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshkit.models.structure import ModelStructure
 from meshkit.runtime import collectives
+from meshkit.runtime.dtensors import local_tensor
 from meshkit.runtime.mesh import ParallelMesh
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class TiedAcrossStages:
@@ -39,7 +35,7 @@ class TiedAcrossStages:
             params = list({id(p): p for name in names if (p := mine.get(name)) is not None}.values())
             self.copies.append(params)
             if params:
-                local_shapes[index] = (tuple(_local(params[0]).shape), params[0].dtype)
+                local_shapes[index] = (tuple(local_tensor(params[0]).shape), params[0].dtype)
         shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         for part in collectives.gather_object(local_shapes, self.group):
             shapes.update(part)
@@ -54,9 +50,9 @@ class TiedAcrossStages:
             total = torch.zeros(shape, dtype=dtype, device=self.device)
             for param in params:
                 if param.grad is not None:
-                    total += _local(param.grad)
+                    total += local_tensor(param.grad)
             dist.all_reduce(total, group=self.group)
             for param in params:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                _local(param.grad).copy_(total)
+                local_tensor(param.grad).copy_(total)

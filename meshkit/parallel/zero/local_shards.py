@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshkit.parallel.zero.wrapped_optimizer import WrappedOptimizer
+from meshkit.runtime.dtensors import local_tensor
 
 
 def steps_plain_tensors(optimizer: torch.optim.Optimizer) -> bool:
@@ -42,7 +43,7 @@ def local_pieces(optimizer: Any, only: set[int] | None = None) -> Iterator[dict[
             piece = nn.Parameter(param.to_local().detach(), requires_grad=param.requires_grad)
             if param.grad is not None:
                 grad = param.grad
-                piece.grad = grad.to_local() if isinstance(grad, DTensor) else grad
+                piece.grad = local_tensor(grad)
             if param in optimizer.state:
                 optimizer.state[piece] = optimizer.state.pop(param)
             params[index] = piece

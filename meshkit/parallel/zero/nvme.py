@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from meshkit.core.errors import MeshkitError
 from meshkit.models.blocks import BlockError, find_blocks
 from meshkit.parallel.zero.wrapped_optimizer import WrappedOptimizer
+from meshkit.runtime.dtensors import local_tensor
 
 
 class OffloadDirError(MeshkitError):
@@ -59,10 +60,6 @@ def block_pages(model: nn.Module, params: list[nn.Parameter], blocks: str | None
         if id(param) in mine:
             pages[page_of.get(id(param), len(block_list))].append(param)
     return [page for page in pages if page]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -107,7 +104,9 @@ class NVMeOptimizer(WrappedOptimizer):
             for key, (path, dtype, shape) in self.files.get(id(param), {}).items():
                 mapped = torch.from_file(str(path), shared=True, size=shape.numel(), dtype=dtype).view(shape)
                 self.mapped[(id(param), key)] = mapped
-                working = mapped if mapped.device == _local(param).device else mapped.to(_local(param).device)
+                working = (
+                    mapped if mapped.device == local_tensor(param).device else mapped.to(local_tensor(param).device)
+                )
                 self.optimizer.state[param][key] = _like(working, param)
 
     def _page_out(self, page: list[nn.Parameter]) -> None:
@@ -115,7 +114,7 @@ class NVMeOptimizer(WrappedOptimizer):
             state = self.optimizer.state.get(param, {})
             files = self.files.setdefault(id(param), {})
             for key in [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == param.shape]:
-                local = _local(state.pop(key))
+                local = local_tensor(state.pop(key))
                 if key not in files:
                     files[key] = (self.directory / f"p{self.number[id(param)]:05d}-{key}.bin", local.dtype, local.shape)
                 path, dtype, shape = files[key]

@@ -32,10 +32,7 @@ from torch.distributed.tensor import DTensor
 from meshkit.core.errors import MeshkitError
 from meshkit.parallel.zero.buckets import BucketedReduce
 from meshkit.runtime.collectives import all_gather_flat, reduce_scatter_flat
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+from meshkit.runtime.dtensors import local_tensor
 
 
 class ZeroError(MeshkitError):
@@ -84,7 +81,7 @@ class FlatShard:
         # Tensor-parallel parameters are DTensors: this rank flattens its local shards (their gradients are
         # copied in after backward, since a DTensor's gradient cannot be made a view of a plain buffer).
         self.distributed = any(isinstance(p, DTensor) for p in params)
-        locals_ = [_local(p) for p in params]
+        locals_ = [local_tensor(p) for p in params]
         numel = sum(t.numel() for t in locals_)
         self.chunk = math.ceil(numel / world)
         self.flat = torch.zeros(self.chunk * world, dtype=params[0].dtype, device=locals_[0].device)
@@ -176,7 +173,7 @@ class FlatShard:
                 continue
             if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
                 grad = grad.redistribute(param.device_mesh, param.placements)  # e.g. a partial sum: reduce it
-            self.flat_grad[offset : offset + size].copy_(_local(grad).reshape(-1))
+            self.flat_grad[offset : offset + size].copy_(local_tensor(grad).reshape(-1))
             param.grad = None  # the flat copy is the gradient from here on
 
     def norm_weights(self, tp_size: int) -> torch.Tensor | None:
