@@ -104,9 +104,8 @@ class NVMeOptimizer(WrappedOptimizer):
             for key, (path, dtype, shape) in self.files.get(id(param), {}).items():
                 mapped = torch.from_file(str(path), shared=True, size=shape.numel(), dtype=dtype).view(shape)
                 self.mapped[(id(param), key)] = mapped
-                working = (
-                    mapped if mapped.device == local_tensor(param).device else mapped.to(local_tensor(param).device)
-                )
+                device = local_tensor(param).device
+                working = mapped if mapped.device == device else mapped.to(device)
                 self.optimizer.state[param][key] = _like(working, param)
 
     def _page_out(self, page: list[nn.Parameter]) -> None:
