@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 try:  # FSDP2's pluggable collectives (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # older torch: FSDP keeps its own collectives (`supports_custom_collectives` is False)
+except ImportError:  # older torch: FSDP keeps its own collectives (`fsdp.use_ring_collectives` skips them)
     AllGather = ReduceScatter = object  # type: ignore[misc,assignment]
 
 
