@@ -1,90 +1,140 @@
-"""Memory where the logits or the MLP's activations dominate: one fine-tune step's peak resident memory (RSS) and
-step time, with meshkit's fused loss against the loss from the logits, and with tiled MLPs against whole ones.
+"""Memory where the logits or the MLP's activations dominate, measured on the path users run: `meshkit finetune`
+on a saved model and an Axolotl-style config, one process, fp32, on this CPU. Each row is one run; its peak
+resident memory (RSS) and its loss path come from the run's own summary.json (`memory`, `ran`).
 
-- head: a tiny Llama with Llama-3's vocabulary (hidden 64, vocab 131,072) on one 2,048-token row: the logits
-  ([2048, 131072] fp32 = 1.07 GB, and their gradient) are nearly all of the step's memory;
-- mlp: a Llama with a wide MLP (hidden 128, intermediate 2,048) on one 16,384-token row: the MLP's
-  intermediate activations (gate, up and their product per layer) lead the activations.
+- head: a tiny Llama with Llama-3's vocabulary (hidden 64, 2 layers, vocab 131,072) on one 2,048-token completion
+  row — full, LoRA — and DPO on one pair of 1,024-token answers: the logits ([2048, 131072] fp32 = 1.07 GB, and
+  their gradient) are nearly all of the step's memory. Modes: `plain` (fused_loss: off), `fused` (the default).
+- mlp: a Llama with a wide MLP (hidden 128, intermediate 2,048) on one 16,384-token row: the MLP's intermediate
+  activations lead. Modes: `whole`, `tiled` (tiled_mlp: true).
 
-Each mode runs in a fresh process (its peak RSS is the step's, not an earlier run's), one process, fp32, on this
-CPU; the step time is the median of the steps after the first. Prints a table and writes JSON.
+The step time is the run's wall time over its steps (the first, which builds everything, included). Prints a table
+and writes JSON.
 
-    python bench/loss_memory.py [--steps 4] [--out bench/results/loss-memory.json]
+    python bench/loss_memory.py [--steps 3] [--out bench/results/loss-memory.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
-import statistics
+import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+WORDS = ["apple", "river", "stone", "cloud", "garden", "silver", "window", "forest", "candle", "market", "pocket"]
+HEAD = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=131072)  # fmt: skip
+MLP = dict(hidden_size=128, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=1024)  # fmt: skip
 SCENARIOS: dict[str, dict[str, Any]] = {
-    "head": {"model": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=131072), "seq": 2048,
-             "modes": {"logits": {"fused_loss": "off"}, "fused": {"fused_loss": "auto"}}},
-    "mlp": {"model": dict(hidden_size=128, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=1024), "seq": 16384,
-            "modes": {"whole": {}, "tiled": {"tiled_mlp": True}}},
+    "head/full": {"model": HEAD, "seq": 2048, "data": "completion", "keys": {},
+                  "modes": {"plain": {"fused_loss": "off"}, "fused": {}}},
+    "head/lora": {"model": HEAD, "seq": 2048, "data": "completion",
+                  "keys": {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
+                  "modes": {"plain": {"fused_loss": "off"}, "fused": {}}},
+    "head/dpo": {"model": HEAD, "seq": 2048, "data": "pairs", "keys": {"rl": "dpo", "rl_beta": 0.1,
+                 "chat_template": "chatml"}, "modes": {"plain": {"fused_loss": "off"}, "fused": {}}},
+    "mlp/full": {"model": MLP, "seq": 16384, "data": "completion", "keys": {},
+                 "modes": {"whole": {}, "tiled": {"tiled_mlp": True}}},
 }  # fmt: skip
 
 
-def child(scenario: str, mode: str, steps: int) -> dict[str, Any]:
-    """One mode's steps in this (fresh) process: peak RSS, median step time, the losses."""
-    import transformers
+def make_base(out: Path, model: dict[str, Any], seq: int) -> Any:
+    """A Llama of the given widths with a byte-level BPE tokenizer trained on the bench's words."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from meshkit import Engine
+    from meshkit.recipes.tiny_model import make_tokenizer
 
-    spec = SCENARIOS[scenario]
+    tokenizer = make_tokenizer([" ".join(WORDS)] * 50, 320)
+    config = LlamaConfig(**model, max_position_embeddings=seq, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**spec["model"], max_position_embeddings=spec["seq"], tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config)
-    engine = Engine(seed=0, hang_doctor=False, **spec["modes"][mode])
-    model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    generator = torch.Generator().manual_seed(1)
-    seconds, losses = [], []
-    for _ in range(steps):
-        ids = torch.randint(0, config.vocab_size, (1, spec["seq"]), generator=generator)
-        start = time.perf_counter()
-        losses.append(float(engine.train_step({"input_ids": ids, "labels": ids})))
-        seconds.append(time.perf_counter() - start)
-    engine.end()
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # (KiB on Linux)
-    return {"peak_rss_mb": peak_mb, "step_s": statistics.median(seconds[1:] or seconds), "losses": losses}
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return tokenizer
 
 
-def run_mode(scenario: str, mode: str, steps: int) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", scenario, mode, "--steps", str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+def text_of(tokenizer: Any, tokens: int, seed: int) -> str:
+    """Words whose tokens number at most `tokens` (the tokenizer's own count)."""
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(tokens)]
+    low, high = 1, len(words)
+    while low < high:  # the most words that fit
+        middle = (low + high + 1) // 2
+        fits = len(tokenizer(" ".join(words[:middle]), add_special_tokens=False)["input_ids"]) <= tokens
+        low, high = (middle, high) if fits else (low, middle - 1)
+    return " ".join(words[:low])
+
+
+def write_data(root: Path, tokenizer: Any, kind: str, seq: int) -> dict[str, Any]:
+    """One completion row of nearly `seq` tokens, or one pair of answers of nearly `seq / 2` tokens each."""
+    if kind == "completion":
+        path = root / "rows.jsonl"
+        path.write_text(json.dumps({"text": text_of(tokenizer, seq - 8, 1)}) + "\n")
+        return {"path": str(path), "type": "completion"}
+    path = root / "pairs.jsonl"
+    answer = seq // 2 - 16
+    pair = {"conversation": [{"role": "user", "content": "Say the words"}],
+            "chosen": {"role": "assistant", "content": text_of(tokenizer, answer, 2)},
+            "rejected": {"role": "assistant", "content": text_of(tokenizer, answer, 3)}}  # fmt: skip
+    path.write_text(json.dumps(pair) + "\n")
+    return {"path": str(path), "type": "chat_template.default", "field_messages": "conversation"}
+
+
+def run_mode(root: Path, scenario: str, mode: str, steps: int) -> dict[str, Any]:
+    """`meshkit finetune` of one mode; its peak RSS, step time, losses and loss path from summary.json."""
+    spec = SCENARIOS[scenario]
+    base = root / "base"
+    out = root / f"out-{mode}"
+    config = {"base_model": str(base), "datasets": [spec["dataset"]], "sequence_len": spec["seq"],
+              "micro_batch_size": 1, "learning_rate": 1e-3, "max_steps": steps, "optimizer": "adamw_torch",
+              "output_dir": str(out), "generation_samples": 0, "seed": 0,
+              **spec["keys"], **spec["modes"][mode]}  # fmt: skip
+    path = root / f"{mode}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "meshkit.cli", "finetune", str(path)], capture_output=True,
+                          text=True, check=False)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"{scenario}/{mode} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    summary = json.loads((out / "summary.json").read_text())
+    ran = summary["ran"]
+    return {"peak_rss_mb": summary["memory"][0]["peak_rss"] / 1e6, "step_s": summary["wall_s"] / summary["steps"],
+            "losses": summary["losses"], "loss_path": ran["loss"], "tiled_mlp": ran["tiled_mlp"]}  # fmt: skip
+
+
+def run_scenario(scenario: str, steps: int) -> dict[str, dict[str, Any]]:
+    spec = SCENARIOS[scenario]
+    with tempfile.TemporaryDirectory(prefix="loss-memory-") as name:
+        root = Path(name)
+        tokenizer = make_base(root / "base", spec["model"], spec["seq"])
+        spec["dataset"] = write_data(root, tokenizer, spec["data"], spec["seq"])
+        return {mode: run_mode(root, scenario, mode, steps) for mode in spec["modes"]}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", nargs="*", default=None, help="scenarios to run (default: all)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/loss-memory.json"))
-    parser.add_argument("--child", nargs=2, metavar=("SCENARIO", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(*args.child, args.steps)))
-        return 0
     results: dict[str, dict[str, Any]] = {}
-    for scenario, spec in SCENARIOS.items():
-        results[scenario] = {mode: run_mode(scenario, mode, args.steps) for mode in spec["modes"]}
+    for scenario in args.only or SCENARIOS:
+        results[scenario] = run_scenario(scenario, args.steps)
         print(section_rows(scenario, results[scenario]), flush=True)
     data = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "steps": args.steps,
-            "scenarios": {name: {"model": spec["model"], "seq": spec["seq"]} for name, spec in SCENARIOS.items()},
+            "path": "meshkit finetune",
+            "scenarios": {name: {"model": SCENARIOS[name]["model"], "seq": SCENARIOS[name]["seq"]} for name in results},
             "results": results}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=2) + "\n")
@@ -96,10 +146,11 @@ def section_rows(scenario: str, modes: dict[str, dict[str, Any]]) -> str:
     baseline = next(iter(modes.values()))
     rows = []
     for mode, result in modes.items():
-        drift = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], baseline["losses"], strict=True))
+        drift = max(abs(a - b) for a, b in zip(result["losses"], baseline["losses"], strict=True))
         peak, step = result["peak_rss_mb"], result["step_s"]
+        path = result.get("loss_path", "").split(" (")[0]
         rows.append(
-            f"| {scenario} | {mode} | {peak:.0f} MB | {peak / baseline['peak_rss_mb']:.2f} "
+            f"| {scenario} | {mode} | {path} | {peak:.0f} MB | {peak / baseline['peak_rss_mb']:.2f} "
             f"| {step * 1e3:.0f} ms | {step / baseline['step_s']:.2f} | {drift:.1e} |"
         )
     return "\n".join(rows)
@@ -108,9 +159,11 @@ def section_rows(scenario: str, modes: dict[str, dict[str, Any]]) -> str:
 def section(data: dict[str, Any]) -> str:
     """The BENCHMARKS.md table (`bench/report.py`)."""
     head = (
-        f"One process, fp32, {data['steps']} steps per mode, each mode in a fresh process; ratios against the first "
-        "mode of each scenario; loss drift = largest relative difference of a step's loss from it.\n\n"
-        "| scenario | mode | peak RSS | vs first | median step | vs first | loss drift |\n|---|---|---|---|---|---|---|"
+        f"`{data.get('path', 'the Engine')}` on a saved model and config, one process, fp32, {data['steps']} steps per "
+        "mode, each mode its own run; peak RSS and the loss path from the run's summary.json; ratios against the "
+        "first mode of each scenario; loss drift = largest absolute difference of a step's loss from it.\n\n"
+        "| scenario | mode | loss path | peak RSS | vs first | step | vs first | loss drift |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     return "\n".join([head, *(section_rows(name, modes) for name, modes in data["results"].items())])
 

@@ -22,10 +22,12 @@ from meshkit.engine.context import EngineContext
 from meshkit.engine.gradients import GradientSync
 from meshkit.engine.head_sums import head_sums, pipelined_head_step
 from meshkit.engine.pipelined_objective import pipeline_scores, pipelined_objective_step
+from meshkit.engine.preparation import scoring_head
 from meshkit.engine.prepared import EngineError
 from meshkit.engine.sequence_scores import row_scores, scoring_targets
 from meshkit.parallel.fsdp import reshard
 from meshkit.runtime import collectives
+from meshkit.training.fused_head import FusedHead
 from meshkit.training.loss import logits_of
 from meshkit.training.objective import Objective, ObjectiveResult, SequenceScores
 
@@ -66,12 +68,40 @@ class LayoutScorer:
                 stack.enter_context(torch.no_grad())
             if context is not None:
                 stack.enter_context(context())
+            fused = self._fused_head(model)
             with ctx.loss_parallel():
-                logits = logits_of(module(**{**ctx.objects.training_inputs, **inputs}))
-                scores = row_scores(ctx, logits, targets, completion, whole_mask is not None, grad, weighting)
+                with fused.log_probs_of(targets, weighting) if fused is not None else contextlib.nullcontext():
+                    logits = logits_of(module(**{**ctx.objects.training_inputs, **inputs}))
+                per_token = fused.take_log_probs(logits) if fused is not None else None
+                if model is None and grad:
+                    self._record(fused, per_token is not None)
+                whole = whole_mask is not None
+                scores = row_scores(ctx, logits, targets, completion, whole, grad, weighting, per_token)
         if not grad and ctx.placement.zero_stage == 3:
             reshard(module)  # (a forward without backward leaves FSDP's gathered parameters in place)
         return scores
+
+    def _fused_head(self, model: nn.Module | None) -> FusedHead | None:
+        """The head that gives each token's log-prob without the logits: the policy's (`model` None) or a frozen
+        model's (a reference), computed the same way as the policy's."""
+        objects = self.ctx.objects
+        if objects.fused_head is None:
+            return None
+        if model is None:
+            return objects.fused_head
+        if model not in objects.frozen_heads:  # (a model the engine never prepared: learnt once)
+            objects.frozen_heads[model] = scoring_head(model, self.ctx.config)
+        return objects.frozen_heads[model]
+
+    def _record(self, fused: FusedHead | None, ran_fused: bool) -> None:
+        """The policy's scoring path into the run's record (`loss`), as it ran."""
+        objects = self.ctx.objects
+        if fused is not None and ran_fused:
+            objects.loss_path = f"fused per-token log-probs ({fused.describe()})"
+        elif fused is not None:
+            objects.loss_path = "plain (whole logits): the head is split over its vocabulary (tensor parallel)"
+        elif objects.loss_path and objects.loss_path.startswith("fused"):
+            objects.loss_path = "plain (whole logits)"
 
     def head_sums(
         self,

@@ -11,12 +11,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from meshkit.config.schema import RunConfig
 from meshkit.engine.context import EngineComponent, EngineContext, print_once_per_node
 from meshkit.engine.data import prepare_loader
 from meshkit.engine.gradients import GradientSync
 from meshkit.engine.prepared import EngineError
 from meshkit.models.adapters import lora_merges
 from meshkit.models.embeddings import input_embedding
+from meshkit.models.logits_head import logits_head
+from meshkit.models.structure import describe
+from meshkit.parallel.compile import dynamo_counts
 from meshkit.parallel.compose import Parallelized, parallelize, unwrap
 from meshkit.parallel.dataparallel import bare_module
 from meshkit.parallel.pipeline.router_balance import PipelineBalancing
@@ -74,6 +78,9 @@ class Preparation(EngineComponent):
         model = bare_module(model, ctx.config.strategy)
         originals = list(model.named_parameters(remove_duplicate=False))  # tied weights: every name
         merges = lora_merges(model)  # before a pipeline split: the whole model's adapter layers
+        objects.whole_parameters += sum(param.numel() for param in model.parameters())
+        if ctx.config.compile.enabled and objects.compile_counts is None:
+            objects.compile_counts = dynamo_counts()  # (graphs and breaks are counted from here)
         done = parallelize(model, ctx.mesh, ctx.config, ctx.placement.zero_stage)
         now = dict(unwrap(done.model).named_parameters(remove_duplicate=False))
         objects.renamed_params.update(renamed_parameters(originals, now))
@@ -101,6 +108,7 @@ class Preparation(EngineComponent):
             print_once_per_node(ctx.info, done.notice)
         objects.checkpointed.extend(done.checkpointed)
         objects.compiled = done.compiled
+        objects.tiled_mlp = done.tiled_mlp
         if done.partial_over_tp:
             partial = [now[name] for name in done.partial_over_tp if name in now]
             gradients.model_reducers.append(GradientAllReduce(partial, ctx.mesh.group("tp"), average=False))
@@ -177,27 +185,44 @@ class Preparation(EngineComponent):
 
     def _fused_head(self, done: Parallelized) -> FusedHead | None:
         """The head that computes train_step's causal-LM loss from its input and weight (`fused_loss`): where
-        meshkit computes the loss and the model's logits are its head's output as it is."""
-        objects, setting = self.ctx.objects, self.ctx.config.fused_loss
-        if setting == "off" or not objects.causal_lm or objects.loss_fn is not None:
+        meshkit computes the loss and the model's logits are its head's output as it is. What was decided goes
+        into `objects.loss_path` (the run's record); `auto` says in one line why the loss stays plain."""
+        objects, config = self.ctx.objects, self.ctx.config
+        setting = config.fused_loss
+        if objects.loss_fn is not None:
+            objects.loss_path = "the loss_fn given to prepare()"
             return None
-        head = done.own_loss.logits_head if done.own_loss is not None else None
+        if not objects.causal_lm:
+            own = done.structure is not None and done.structure.causal_lm
+            objects.loss_path = "the model's own loss" if own else None
+            return None
+        found = done.logits_head
         reasons = {
-            "the model's logits are not its head's output as it is (scaled or capped after the head), or a sample "
-            "forward could not tell": head is None,
-            f"strategy={self.ctx.config.strategy} runs the model its own way": self.ctx.config.strategy != "auto",
+            "fused_loss: off": setting == "off",
+            f"strategy={config.strategy} runs the model its own way": config.strategy != "auto",
+            (found.why_not if found is not None and found.why_not else "the model's head could not be found"): (
+                found is None or found.name is None
+            ),
         }
         reason = next((text for text, applies in reasons.items() if applies), None)
         if reason is not None:
+            objects.loss_path = f"plain (whole logits): {reason}"
             if setting == "on":
                 raise EngineError(f"fused_loss=on, but {reason}: set fused_loss=auto (or off)")
+            if setting == "auto":
+                print_once_per_node(
+                    self.ctx.info, f"meshkit: fused_loss: the loss is computed from the whole logits: {reason}"
+                )
             return None
-        assert head is not None
+        assert found is not None and found.name is not None
         if not isinstance(done.model, PipelineModel):
-            return FusedHead(unwrap(done.model).get_submodule(head))
-        last = done.model.stages - 1  # (the last stage holds the head; the pipeline's loss takes it)
-        chunks = [chunk for chunk, stage in zip(done.model.chunks, done.model.stage_list, strict=True) if stage == last]
-        return FusedHead(unwrap(chunks[0]).get_submodule(head)) if chunks else None
+            fused: FusedHead | None = FusedHead(unwrap(done.model).get_submodule(found.name))
+        else:
+            last = done.model.stages - 1  # (the last stage holds the head; the pipeline's loss takes it)
+            chunks = [c for c, stage in zip(done.model.chunks, done.model.stage_list, strict=True) if stage == last]
+            fused = FusedHead(unwrap(chunks[0]).get_submodule(found.name)) if chunks else None
+        objects.loss_path = "fused" + (f" ({fused.describe()})" if fused is not None else " (on the last stage)")
+        return fused
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         """`model` laid out like the prepared model (split under tp, sharded under ZeRO-3, weights streamed from
@@ -208,6 +233,10 @@ class Preparation(EngineComponent):
         done = parallelize(model, ctx.mesh, ctx.config, ctx.placement.zero_stage, frozen=True)
         if isinstance(done.model, PipelineModel):
             raise EngineError("a frozen model under pipeline parallel is not supported yet: set pp=1")
+        found = done.logits_head
+        fused = ctx.config.fused_loss != "off" and found is not None and found.name is not None
+        if fused and found is not None and found.name is not None:  # (its log-probs a chunk of tokens at a time)
+            ctx.objects.frozen_heads[done.model] = FusedHead(unwrap(done.model).get_submodule(found.name))
         return done.model.eval()
 
     def _optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
@@ -228,3 +257,11 @@ def _objective_only(output: Any, target: torch.Tensor) -> torch.Tensor:
         "a classification model under pipeline parallel trains through engine.objective_step(batch, objective), "
         "or pass loss_fn= to prepare()"
     )
+
+
+def scoring_head(model: nn.Module, config: RunConfig) -> FusedHead | None:
+    """The head of a model scored beside a fused policy but never prepared (a user's own frozen reference):
+    its per-token log-probs are computed as the policy's are, so that equal weights give equal scores."""
+    bare = unwrap(model)
+    found = logits_head(bare, describe(bare, config.blocks, config.structure))
+    return FusedHead(bare.get_submodule(found.name)) if found.name is not None else None

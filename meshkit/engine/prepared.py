@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from torch import nn
 
@@ -48,6 +49,13 @@ class PreparedObjects:
     balancing: tuple[BalancingLoss | None, Any] = (None, None)
     token_weights: TokenWeights | None = None  # each token's loss weight in train_step's causal-LM loss (EAFT)
     fused_head: FusedHead | None = None  # the head computing train_step's causal-LM loss without the logits
+    # a frozen model scored beside the policy (a reference) -> its head computing log-probs as the policy's does
+    frozen_heads: WeakKeyDictionary[nn.Module, FusedHead | None] = field(default_factory=WeakKeyDictionary)
+    loss_path: str | None = None  # how train_step's loss is computed, in words (fused, or plain and why)
+    tiled_mlp: str | None = None  # the MLPs tiled over the sequence, or why none (None: not asked)
+    compile_counts: tuple[int, int] | None = None  # dynamo's (graphs, graph breaks) when the model was prepared
+    whole_parameters: int = 0  # elements of the trained models' parameters before any split
+    ran_notes: dict[str, str] = field(default_factory=dict)  # a recipe's own entries in the record of what ran
     uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
     # id(prepared model) -> ...
     split_weights: dict[int, SplitWeights] = field(default_factory=dict)  # how tensor parallel stores fused weights

@@ -37,16 +37,20 @@ def row_scores(
     whole: bool,
     grad: bool,
     weighting: bool = False,
+    fused: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> SequenceScores:
     """Per row: the completion's summed log-probs and count (and every real token's, with `whole`; WPO's weight
     with `weighting`), summed over the context-parallel ranks (differentiably when `grad`). Runs inside
-    `loss_parallel` under tp."""
+    `loss_parallel` under tp. `fused`: each token's log-prob (and with `weighting` its log Σ p²) computed without
+    the logits by the fused head, [rows, seq]; `logits` are then not read."""
     rows = targets.shape[0]
-    per_token = -F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    if isinstance(per_token, DTensor):
-        per_token = per_token.full_tensor()
+    per_token, squares = fused if fused is not None else (None, None)
+    if per_token is None:
+        per_token = -F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        if isinstance(per_token, DTensor):
+            per_token = per_token.full_tensor()
     per_token = per_token.view(rows, -1)  # [rows, seq]; ignored targets count 0
     sums = [per_token.masked_fill(~completion, 0).sum(-1)]
     counts = [completion.sum(-1).float()]
@@ -54,7 +58,7 @@ def row_scores(
         sums.append(per_token.sum(-1))
         counts.append((targets != IGNORE_INDEX).sum(-1).float())
     logps, tokens = torch.stack(sums), torch.stack(counts)
-    aligned = _aligned_sums(logits, per_token, completion) if weighting else None
+    aligned = _aligned_sums(logits, per_token, completion, squares) if weighting else None
     if ctx.mesh.size("cp") > 1:  # each cp rank holds two chunks of every row: the whole rows' sums on every cp rank
         group = ctx.mesh.group("cp")
         logps = distributed_autograd.all_reduce(logps, group=group) if grad else collectives.reduce(logps, group, "sum")
@@ -67,10 +71,15 @@ def row_scores(
 
 
 @torch.no_grad()
-def _aligned_sums(logits: torch.Tensor, per_token: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
+def _aligned_sums(
+    logits: torch.Tensor, per_token: torch.Tensor, completion: torch.Tensor, squares: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per row, WPO's sum over completion tokens of log p(token) − log Σ_v p(v)² (TRL's `log_sum_sq_probs`), where
-    log Σ_v p(v)² = logsumexp(2z) − 2·logsumexp(z) over the vocabulary — split over tp when the head is."""
+    log Σ_v p(v)² = logsumexp(2z) − 2·logsumexp(z) over the vocabulary — split over tp when the head is; `squares`:
+    already computed per token (the fused head), the logits not read."""
     rows = per_token.shape[0]
+    if squares is not None:
+        return (per_token.detach() - squares.reshape(rows, -1)).masked_fill(~completion, 0).sum(-1)
     vocab = logits.ndim - 1
     if isinstance(logits, DTensor) and not any(p.is_shard(vocab) for p in logits.placements):
         logits = logits.full_tensor()

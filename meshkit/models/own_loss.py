@@ -8,9 +8,8 @@ sample rows with `labels = input_ids` tells which: the model's loss equals the c
 the labels shifted by one (1), unshifted (0), or neither (None: the loss is the model's own; meshkit keeps it
 where the layout lets the model compute it whole).
 
-The same forward says whether the logits are the head's output as it is (`logits_head`): then the loss can be
-computed from the head's input and weight without the logits (`meshkit.training.fused_head`). A model that scales
-or caps the head's output (Gemma 2's soft-capping, Cohere's logit scale) keeps its logits.
+Whether the logits are the head's output as it is (so that the loss can be computed without them) is learnt from
+how they are made, on real weights or the meta device alike: `models/logits_head.py`.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ class OwnLoss:
     shift: int | None  # labels[:, shift:] are the targets of logits[:, :len - shift]; None: neither 1 nor 0 fits
     own: float  # the model's loss on the sample
     next_token: float  # the cross-entropy of its logits against the labels shifted by one
-    logits_head: str | None = None  # the head module whose output the logits are, unchanged (None: not so)
 
 
 def own_loss(model: nn.Module, structure: ModelStructure) -> OwnLoss | None:
@@ -50,15 +48,10 @@ def own_loss(model: nn.Module, structure: ModelStructure) -> OwnLoss | None:
     generator = torch.Generator().manual_seed(0)
     low = 3 if vocab > 8 else 0  # (clear of the usual pad / bos / eos ids)
     ids = torch.randint(low, vocab, (2, 8), generator=generator).to(param.device)
-    head, head_outputs = _head(model), []
-    hook = head[1].register_forward_hook(lambda module, args, out: head_outputs.append(out)) if head else None
     try:
         output = _forward(model, ids)
     except Exception:  # noqa: BLE001 - a forward that does not run on sample tokens: nothing learnt
         return None
-    finally:
-        if hook is not None:
-            hook.remove()
     loss, logits = getattr(output, "loss", None), getattr(output, "logits", None)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and isinstance(logits, torch.Tensor)):
         return None
@@ -67,25 +60,7 @@ def own_loss(model: nn.Module, structure: ModelStructure) -> OwnLoss | None:
     own = float(loss)
     scores = {shift: _cross_entropy(logits, ids, shift) for shift in (1, 0)}
     fits = [shift for shift, value in scores.items() if abs(value - own) <= TOLERANCE * max(abs(own), 1e-6)]
-    plain_head = head is not None and len(head_outputs) == 1 and _same(head_outputs[0], logits)
-    return OwnLoss(fits[0] if fits else None, own, scores[1], head[0] if head and plain_head else None)
-
-
-def _head(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """(name, module) of the model's output embedding, where it is a plain linear layer."""
-    getter = getattr(model, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    if type(head) is not nn.Linear:  # (a quantized or adapted head computes its output its own way)
-        return None
-    return next(((name, module) for name, module in model.named_modules() if module is head), None)
-
-
-def _same(head_output: Any, logits: torch.Tensor) -> bool:
-    return (
-        isinstance(head_output, torch.Tensor)
-        and head_output.shape == logits.shape
-        and torch.equal(head_output.to(logits.dtype), logits)
-    )
+    return OwnLoss(fits[0] if fits else None, own, scores[1])
 
 
 def _forward(model: nn.Module, ids: torch.Tensor) -> Any:

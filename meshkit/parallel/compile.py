@@ -48,3 +48,11 @@ def apply_compile(model: nn.Module, cfg: CompileConfig, blocks: str | None = Non
             return f"per block ({len(units)} blocks)"
     model.compile(**options)
     return "whole model"
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) dynamo has counted in this process so far: the run's record reads how many
+    came with its own steps."""
+    from torch._dynamo.utils import counters  # (imported only where compile is on)
+
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))

@@ -18,6 +18,7 @@ from meshkit.models.block_flow import carried_between_blocks
 from meshkit.models.facts import has_meta_tensors
 from meshkit.models.gpt import GPT
 from meshkit.models.layer_roles import LayerRoles, layer_roles, sample_forward
+from meshkit.models.logits_head import LogitsHead, logits_head
 from meshkit.models.own_loss import OwnLoss, own_loss
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.models.token_wise import token_wise_mlps
@@ -54,7 +55,9 @@ class Parallelized:
     experts: list[nn.Module] = field(default_factory=list)  # expert banks split over ep (their gradients: edp)
     notice: str | None = None  # one line for the user about how the layout was applied
     own_loss: OwnLoss | None = None  # how the model's own loss reads its labels (learnt on the whole model)
+    logits_head: LogitsHead | None = None  # the head whose output the logits are, or why not (whole model, too)
     compiled: str = "off"  # how torch.compile was applied: off, whole model, per block (N blocks)
+    tiled_mlp: str | None = None  # the MLPs tiled over the sequence, in words, or why none (None: not asked)
     routed_banks: list[nn.Module] = field(default_factory=list)  # expert banks tied into every step's reduction
 
 
@@ -72,9 +75,11 @@ def parallelize(
     pp = mesh.size("pp")
     notice = None
     own = None if frozen else own_loss(model, structure)  # (before any layout changes the forward)
+    head = logits_head(model, structure) if structure.causal_lm else None  # (on the meta device too)
     tiled = token_wise_mlps(model, structure) if config.tiled_mlp and not frozen else ()
+    untiled = "no block MLP computes each token on its own here: the MLPs run whole"
     if config.tiled_mlp and not frozen and not tiled:
-        notice = "meshkit: tiled_mlp: no block MLP computes each token on its own here: the MLPs run whole"
+        notice = f"meshkit: tiled_mlp: {untiled}"
     check_layout_fits(model, structure, mesh.dims, config)
     if mesh.dims.ep > 1 and not structure.moe:
         notice = f"meshkit: parallel.ep={mesh.dims.ep} changes nothing: the model has no mixture-of-experts blocks"
@@ -82,11 +87,12 @@ def parallelize(
         result = _parallelize_one(model, mesh, config, zero_stage, structure, autocast=False)
         result.model, result.notice = apply_dataparallel(result.model, mesh.device)
         autocast_forward(result.model, config.precision, mesh.device.type)  # autocast reaches its replica threads
-        result.own_loss = own
+        result.own_loss, result.logits_head = own, head
         return result
     if pp == 1:
         result = _parallelize_one(model, mesh, config, zero_stage, structure, frozen=frozen, tiled=tiled)
-        result.notice, result.own_loss = result.notice or notice, own
+        result.notice, result.own_loss, result.logits_head = result.notice or notice, own, head
+        result.tiled_mlp = result.tiled_mlp or (f"not applied: {untiled}" if config.tiled_mlp and not frozen else None)
         return result
     carried = (
         carried_between_blocks(model, structure, sample_forward(model, structure, keep_mode=True))
@@ -116,6 +122,8 @@ def parallelize(
         routed_banks=[bank for part in parts for bank in part.routed_banks],
         notice=notice or next((part.notice for part in parts if part.notice), None),
         own_loss=own,
+        logits_head=head,
+        tiled_mlp=next((part.tiled_mlp for part in parts if part.tiled_mlp), None),
         compiled=parts[0].compiled if parts else "off",
     )
 
@@ -166,7 +174,9 @@ def _parallelize_one(
     if mesh.dims.ep > 1:
         ep_mesh, edp_mesh = mesh.expert_dim("ep"), mesh.expert_dim("edp")
         result.experts = apply_expert_parallel(model, ep_mesh, edp_mesh, config.moe.capacity_factor)
-    apply_tiled_mlp(model, tiled, config.tiled_mlp_shards)  # (inside the blocks: checkpointing wraps it)
+    count = apply_tiled_mlp(model, tiled, config.tiled_mlp_shards)  # (inside the blocks: checkpointing wraps it)
+    if count:
+        result.tiled_mlp = f"{count} MLP{'s' * (count != 1)} over slices of the sequence"
     # DDP's and FSDP's reductions need every rank's banks in the graph, also where no token reached them here
     # (a pipeline's or tensor parallel's own all-reduce agrees on the gradients present instead)
     reduced_by_wrapper = zero_stage == 3 or (zero_stage == 0 and mesh.size("tp") == 1)

@@ -189,7 +189,7 @@ def _summary(
 ) -> dict[str, Any]:
     """The loop's rows, then the fine-tune's own."""
     s = job.settings
-    rows = record.rows(engine, engine.mesh.dims.describe())
+    rows = record.rows(engine, engine.mesh.dims.describe(), lambda value: collectives.gather_object(value, group=None))
     # passes over the data the steps made (a step may read more rows than a small packed dataset holds)
     rows["epochs"] = record.step * steps.rows_per_step / max(1, data.row_count)
     return rows | {

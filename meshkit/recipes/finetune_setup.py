@@ -14,6 +14,7 @@ import torch
 from meshkit.core.errors import MeshkitError
 from meshkit.data.chat_templates import template_note
 from meshkit.engine.engine import Engine
+from meshkit.engine.what_ran import note_ran
 from meshkit.models.quantized import parameter_count
 from meshkit.models.structure import describe
 from meshkit.parallel.materialize import reset_adapters
@@ -30,7 +31,7 @@ from meshkit.recipes.hf_base import (
     loaded_as_note,
     weights_file,
 )
-from meshkit.recipes.liger import apply_liger_kernels
+from meshkit.recipes.liger import apply_liger_kernels, liger_asked
 from meshkit.recipes.lora import AdapterExport, apply_lora, bank_dropout_note, old_names_note
 from meshkit.recipes.lora_init import InitialAdapters, PlannedLayer, changes_base, initialise, plan
 from meshkit.recipes.muon import split_for_muon
@@ -102,6 +103,8 @@ def load_base(engine: Engine, job: FinetuneJob) -> tuple[Any, Any, str | None]:
     liger_note = apply_liger_kernels(base, s, engine.device)
     if liger_note:
         engine.print(f"meshkit: {liger_note}")
+    if liger_asked(s):
+        note_ran(engine, "liger", f"not applied: {liger_note}" if liger_note else f"applied: {liger_asked(s)}")
     tokenizer = load_tokenizer(s)
     if s.tokenizer_use_mistral_common and s.eot_tokens:
         engine.print("meshkit: eot_tokens: Mistral's own tokenizer ends each turn with its end of sequence; the names "

@@ -23,6 +23,12 @@ class LigerSettings(Section):
     liger_layer_norm: bool = Field(False, description="Liger's LayerNorm kernel")
 
 
+def liger_asked(settings: LigerSettings) -> str:
+    """The Liger kernels asked for, by key (`liger_rope, liger_rms_norm`); empty when none."""
+    keys = ("rope", "rms_norm", "glu_activation", "layer_norm")
+    return ", ".join(f"liger_{name}" for name in keys if getattr(settings, f"liger_{name}"))
+
+
 def apply_liger_kernels(model: Any, settings: LigerSettings, device: torch.device) -> str | None:
     """Apply the kernels asked for to `model` (a transformers model, before adapters wrap it); returns a notice
     line where they cannot run here, None otherwise."""
@@ -33,8 +39,7 @@ def apply_liger_kernels(model: Any, settings: LigerSettings, device: torch.devic
         "geglu": settings.liger_glu_activation,  # (Liger names the MLP kernel by the model's activation)
         "layer_norm": settings.liger_layer_norm,
     }
-    names = ", ".join(f"liger_{name}" for name in ("rope", "rms_norm", "glu_activation", "layer_norm")
-                      if getattr(settings, f"liger_{name}"))  # fmt: skip
+    names = liger_asked(settings)
     if not names:
         return None
     if device.type != "cuda":

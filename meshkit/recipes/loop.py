@@ -20,6 +20,7 @@ import torch
 
 from meshkit.data.loader import endless
 from meshkit.engine.engine import Engine
+from meshkit.engine.what_ran import one_line, what_ran
 from meshkit.engine.where_it_runs import where_it_runs
 from meshkit.recipes.report import TrainingProgress, plot_losses
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
@@ -105,8 +106,11 @@ class LoopRecord:
     def checkpoint_extra(self) -> dict[str, Any]:
         return {"losses": self.losses, "evals": self.evals, "metrics": self.metrics}
 
-    def rows(self, engine: Engine, layout_description: str) -> dict[str, Any]:
-        """The rows every recipe's summary starts with."""
+    def rows(
+        self, engine: Engine, layout_description: str, every_rank: Callable[[Any], list[Any]] | None = None
+    ) -> dict[str, Any]:
+        """The rows every recipe's summary starts with; `ran`, the record of what ran, gathers every rank's share
+        of the parameters with `every_rank` (a collective), else this rank's."""
         trained = self.step - self.first_step
         rows: dict[str, Any] = {
             "final_loss": self.losses[-1],
@@ -126,6 +130,7 @@ class LoopRecord:
             "zero_stage": engine.zero_stage,
             **where_it_runs(engine),  # device, backend, attention
             "compile": engine.ctx.objects.compiled,  # off, whole model, per block (N blocks)
+            "ran": what_ran(engine, every_rank),
         }
 
 
@@ -147,6 +152,8 @@ def run_steps(engine: Engine, loader: Iterable[Any], scheduler: Any, plan: LoopP
     record. Resumes from `checkpoint.resume`, checkpoints on preemption and at the cadence asked."""
     record = LoopRecord.resumed_from(engine.resume(), plan.tokens_per_step)  # data position, RNG, optimizer, ...
     record.reports_stopping = plan.early_stopping is not None
+    if engine.is_main_worker:
+        print(f"meshkit: runs with {one_line(what_ran(engine, stepped=False))}", flush=True)
     engine.checkpoints.arm_preemption()  # save_checkpoint() ends every step: a signal in step 1 checkpoints too
     batches = endless(loader)
     micro_step = plan.step or engine.train_step

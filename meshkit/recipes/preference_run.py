@@ -131,7 +131,7 @@ def train_preference(
     record = run_steps(engine, loader, scheduler, plan, window)
     base.config.use_cache = True
     outputs = write_outputs(engine, tokenizer, rebuild_whole(job, built))
-    rows = record.rows(engine, engine.mesh.dims.describe())
+    rows = record.rows(engine, engine.mesh.dims.describe(), lambda value: collectives.gather_object(value, group=None))
     summary = rows | {
         "rl": s.rl or ("process_reward_model" if s.process_reward_model else "reward_model"),
         "reference": reference.describe() if reference else None,

@@ -90,9 +90,15 @@ def print_summary(summary: dict[str, Any], run_dir: Path, plot: Path | None) -> 
     table.add_column("", style="bold")
     table.add_column("")
     table.add_row("layout", f"{summary['layout_description']} ({summary['world_size']} ranks)")
+    ran = summary.get("ran", {})
     for name in ("device", "backend", "attention", "compile"):
-        if name in summary:
-            table.add_row(name, summary[name])
+        if name in ran or name in summary:
+            table.add_row(name, str(ran.get(name, summary.get(name))))
+    for key, words in summary.get("ran", {}).items():
+        if key == "parameters":
+            table.add_row("parameters held", parameters_row(words))
+        elif key not in ("attention", "compile"):
+            table.add_row("loss path" if key == "loss" else key.replace("_", " "), str(words))
     table.add_row("zero stage", str(summary["zero_stage"]))
     table.add_row("precision", summary["precision"])
     table.add_row("steps", str(summary["steps"]))
@@ -107,6 +113,15 @@ def print_summary(summary: dict[str, Any], run_dir: Path, plot: Path | None) -> 
     table.add_row("loss plot", str(plot) if plot else "not drawn: pip install 'meshkit[plot]'")
     Console().print(table)
     Console().print(memory_table(summary["memory"]))
+
+
+def parameters_row(shares: list[dict[str, Any]]) -> str:
+    """`50.0 % / 50.0 % of 1,234,567 (tp-split layers: 50.0 % / 50.0 %)`: each rank's share of the parameters."""
+    words = " / ".join(f"{share['share'] * 100:.1f} %" for share in shares) + f" of {shares[0]['whole']:,}"
+    if all("tp_split" in share for share in shares):
+        split = " / ".join(f"{share['tp_held'] / share['tp_split'] * 100:.1f} %" for share in shares)
+        words += f" (tp-split layers: {split})"
+    return words
 
 
 def activations_row(summary: dict[str, Any]) -> str:

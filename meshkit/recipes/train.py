@@ -139,7 +139,7 @@ def _train(engine: Engine, probed: list[Candidate] | None = None) -> dict[str, A
         return [value] if served else collectives.gather_object(value, group=None)
 
     memory = every_rank({**engine.memory_report(), "rank": engine.process_index})  # before the full state below
-    summary = record.rows(engine, layout) | {
+    summary = record.rows(engine, layout, every_rank) | {
         "grad_accum_steps": cfg.grad_accum_steps,
         "parameters": n_params,
         "params_sha256": state_dict_sha256(engine.full_state_dict()),

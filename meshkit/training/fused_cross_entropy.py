@@ -43,7 +43,7 @@ def chunk_tokens(vocab_rows: int, hidden: int, tokens: int, chunk_bytes: int = C
     return max(1, min(tokens, max(chunk_bytes // (4 * max(vocab_rows, 1)), hidden)))
 
 
-def _compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype the head's matrix product runs in: autocast's where it is on, else the hidden states'."""
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
@@ -63,7 +63,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         chunk_bytes: int,
         grad_enabled: bool,
     ) -> torch.Tensor:
-        dtype = _compute_dtype(hidden.device, hidden.dtype)
+        dtype = compute_dtype(hidden.device, hidden.dtype)
         want_hidden, want_weight = (grad_enabled and ctx.needs_input_grad[i] for i in (0, 1))
         want_bias = bias is not None and grad_enabled and ctx.needs_input_grad[2]
         want_any = want_hidden or want_weight or want_bias

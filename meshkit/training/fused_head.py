@@ -15,14 +15,15 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from meshkit.training.fused_cross_entropy import CHUNK_BYTES, VocabShard, fused_linear_cross_entropy
+from meshkit.training.fused_cross_entropy import CHUNK_BYTES, VocabShard, chunk_tokens, fused_linear_cross_entropy
+from meshkit.training.fused_log_probs import fused_token_log_probs
 from meshkit.training.loss import LossError, TokenWeights
 
 
@@ -34,9 +35,18 @@ class FusedHead:
         self.head = head
         self.chunk_bytes = chunk_bytes
         self._original = type(head).forward.__get__(head)  # (the module's own, also when prepared again)
-        self._pending: tuple[torch.Tensor, TokenWeights | None] | None = None
+        # (targets, token weights, what is wanted: "loss" summed, or per-token "log_probs" (+ "squares": WPO's))
+        self._pending: tuple[torch.Tensor, TokenWeights | None, str] | None = None
+        self._squares: deque[torch.Tensor | None] = deque()  # (beside each per-token result, in order)
         self._losses: deque[torch.Tensor] = deque()  # (computed, not yet taken: a pipeline's, in order)
         head.forward = self._forward  # (an instance attribute: hooks still run)
+
+    def describe(self) -> str:
+        """`chunks of 512 tokens over 131,072 vocab rows`: one chunk of the loss at the whole vocabulary (a rank
+        holding 1/tp of the rows takes tp times the tokens per chunk)."""
+        rows, hidden = cast(torch.Tensor, self.head.weight).shape  # (a DTensor's global shape)
+        tokens = chunk_tokens(int(rows), int(hidden), 2**31, self.chunk_bytes)
+        return f"chunks of {tokens:,} tokens over {int(rows):,} vocab rows"
 
     def remove(self) -> None:
         """The head's own forward again."""
@@ -49,11 +59,31 @@ class FusedHead:
         micro-batches pass False: their losses are taken in turn)."""
         if fresh:
             self._losses.clear()
-        self._pending = (targets, weights)
+        self._pending = (targets, weights, "loss")
         try:
             yield
         finally:
             self._pending = None
+
+    @contextlib.contextmanager
+    def log_probs_of(self, targets: torch.Tensor, squares: bool = False) -> Iterator[None]:
+        """The head's next call computes each token's log-probability of its target (0 where -100) without the
+        logits (preference and reward objectives' per-sequence sums), and with `squares` each token's
+        log Σ_v p(v)² (WPO's weights); `take_log_probs` hands them back."""
+        self._losses.clear()
+        self._squares.clear()
+        self._pending = (targets, None, "squares" if squares else "log_probs")
+        try:
+            yield
+        finally:
+            self._pending = None
+
+    def take_log_probs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(per-token log-probs, log Σ p² or None) of the call under `log_probs_of`, shaped like its targets, the
+        log-probs through the model's output `logits` (their stand-in); None: the head ran as itself (the caller
+        reads the logits)."""
+        taken = self.take_loss(logits)
+        return None if taken is None else (taken, self._squares.popleft())
 
     def forget(self) -> None:
         """Drop losses computed but not taken (a step that failed half-way)."""
@@ -74,19 +104,28 @@ class FusedHead:
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._pending is None:
             return self._original(hidden)
-        (targets, weights), self._pending = self._pending, None
+        (targets, weights, wanted), self._pending = self._pending, None
+        per_token = wanted != "loss"
         weight: torch.Tensor = self.head.weight  # type: ignore[assignment]
         bias: torch.Tensor | None = getattr(self.head, "bias", None)
         shard = _vocab_shard(weight)
-        if weights is not None and shard is not None:  # (per-token weights read the whole vocabulary's logits)
+        if (weights is not None or per_token) and shard is not None:  # (these read the whole vocabulary's logits)
             return self._original(hidden)
         local_hidden = _local(hidden)
+        if per_token:
+            log_probs, squares = fused_token_log_probs(
+                local_hidden, _local(weight), targets, None if bias is None else _local(bias), self.chunk_bytes,
+                with_squares=wanted == "squares",
+            )  # fmt: skip
+            self._losses.append(log_probs)
+            self._squares.append(squares)
+            return _stand_in(log_probs.unsqueeze(-1)[..., :0], weight)  # [..., 0]: a view of every token's value
         loss = fused_linear_cross_entropy(
             local_hidden, _local(weight), targets, None if bias is None else _local(bias), weights, shard,
             self.chunk_bytes,
         )  # fmt: skip
         self._losses.append(loss)
-        return _stand_in(loss, local_hidden, weight)
+        return _stand_in(loss.expand(*local_hidden.shape[:-1], 0), weight)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -107,10 +146,9 @@ def _vocab_shard(weight: torch.Tensor) -> VocabShard | None:
     return VocabShard(weight.device_mesh.get_group(), int(offset[0]))
 
 
-def _stand_in(loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> Any:
-    """An empty [..., 0] view of the loss where the logits would be: a DTensor placed as the head's output when
-    its weight is one (tensor parallel's output hook redistributes it)."""
-    empty = loss.expand(*hidden.shape[:-1], 0)
+def _stand_in(empty: torch.Tensor, weight: torch.Tensor) -> Any:
+    """`empty`, a [..., 0] view of what was computed, where the logits would be: a DTensor placed as the head's
+    output when its weight is one (tensor parallel's output hook redistributes it)."""
     if not isinstance(weight, DTensor):
         return empty
     placements = [Shard(empty.dim() - 1) if isinstance(p, Shard) else Replicate() for p in weight.placements]

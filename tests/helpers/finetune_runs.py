@@ -105,8 +105,10 @@ def run_finetune(rank: int, config: str, assignments: list[str]) -> dict[str, An
         "zero_stage",
         "device",
         "attention",
+        "ran",
+        "memory",
     )
-    return {key: summary[key] for key in keep}
+    return {key: summary[key] for key in keep if key in summary}
 
 
 def lora_keys(**extra: Any) -> dict[str, Any]:
