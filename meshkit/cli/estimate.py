@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional, cast
+from typing import Annotated, Any, Optional, cast
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from meshkit.cli.recipe_options import AttentionOpt, CompileOpt, LossOpt, OptimizerStepOpt, WeightsOpt, step_recipe
+from meshkit.cli.config_run import config_run, is_run_config
+from meshkit.cli.recipe_options import OptimizerStepOpt, WeightsOpt, step_recipe
 from meshkit.config.layout import Offload, Recompute
 from meshkit.planning.estimate import (
     Estimate,
@@ -59,6 +60,14 @@ def model_shape(
     return ModelShape(params, layers, hidden, heads, vocab)
 
 
+# what `meshkit estimate` assumes of a run where neither a flag nor a config says
+DEFAULTS: dict[str, Any] = {
+    "seq_len": 2048, "micro_batch": 1, "precision": "bf16", "optimizer": "adam", "zero_stage": 0, "dp": 1, "tp": 1,
+    "pp": 1, "cp": 1, "ep": 1, "activation_checkpointing": "none", "offload": "none", "reference": "none",
+    "compiled": False, "attention": "sdpa", "loss": "plain", "sequence_parallel": None, "trainable_params": None,
+}  # fmt: skip
+
+
 def estimate_command(
     model: ModelArg = None,
     params: ParamsOpt = None,
@@ -66,22 +75,25 @@ def estimate_command(
     hidden: HiddenOpt = None,
     heads: HeadsOpt = None,
     vocab: VocabOpt = None,
-    seq_len: Annotated[int, typer.Option("--seq-len")] = 2048,
-    micro_batch: Annotated[int, typer.Option("--micro-batch")] = 1,
-    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "bf16",
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="default: the config's, else 2048")] = None,
+    micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", help="default: the config's, else 1")] = None,
+    precision: Annotated[Optional[str], typer.Option("--precision", help="fp32, bf16 or fp16")] = None,
     optimizer: Annotated[
-        str, typer.Option("--optimizer", help="adam, adam8bit (8-bit states), adam4bit (torchao's 4-bit states) or sgd")
-    ] = "adam",
-    zero_stage: Annotated[int, typer.Option("--zero-stage")] = 0,
-    dp: Annotated[int, typer.Option("--dp")] = 1,
-    tp: Annotated[int, typer.Option("--tp")] = 1,
-    pp: Annotated[int, typer.Option("--pp")] = 1,
-    cp: Annotated[int, typer.Option("--cp")] = 1,
-    ep: Annotated[int, typer.Option("--ep", help="expert parallel: experts split over this many dp·cp ranks")] = 1,
+        Optional[str],
+        typer.Option("--optimizer", help="adam, adam8bit (8-bit states), adam4bit (torchao's 4-bit states) or sgd"),
+    ] = None,
+    zero_stage: Annotated[Optional[int], typer.Option("--zero-stage")] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp")] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp")] = None,
+    cp: Annotated[Optional[int], typer.Option("--cp")] = None,
+    ep: Annotated[
+        Optional[int], typer.Option("--ep", help="expert parallel: experts split over this many dp·cp ranks")
+    ] = None,
     activation_checkpointing: Annotated[
-        str, typer.Option("--activation-checkpointing", help="none, selective or full")
-    ] = "none",
-    offload: Annotated[str, typer.Option("--offload", help="none, cpu or nvme")] = "none",
+        Optional[str], typer.Option("--activation-checkpointing", help="none, selective or full")
+    ] = None,
+    offload: Annotated[Optional[str], typer.Option("--offload", help="none, cpu or nvme")] = None,
     ps_servers: Annotated[
         int, typer.Option("--ps-servers", help="parameter server: this many servers, --dp workers (0 = off)")
     ] = 0,
@@ -90,73 +102,119 @@ def estimate_command(
         typer.Option("--runtime-gb", help="held outside tensors: CUDA context, workspaces (default 0)"),
     ] = 0.0,
     reference: Annotated[
-        str,
+        Optional[str],
         typer.Option(
             "--reference",
             help="preference training's reference model: copy (a frozen copy), adapters (LoRA's base), "
             "precomputed, or none",
         ),
-    ] = "none",
-    compiled: CompileOpt = False,
-    attention: AttentionOpt = "sdpa",
-    loss: LossOpt = "plain",
+    ] = None,
+    compiled: Annotated[
+        Optional[bool],
+        typer.Option("--compile/--no-compile", help="torch.compile (inductor): pointwise results recomputed"),
+    ] = None,
+    attention: Annotated[
+        Optional[str], typer.Option("--attention", help="sdpa, flash_attention_2, ... or eager")
+    ] = None,
+    loss: Annotated[
+        Optional[str], typer.Option("--loss", help="plain (the whole logits) or fused (a chunk at a time)")
+    ] = None,
     optimizer_step: OptimizerStepOpt = "foreach",
     weights: WeightsOpt = "autocast",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Memory per device (GB = 10^9 bytes): params, grads, optimizer, activations, buffers, with formulas."""
+    """Memory per device (GB = 10^9 bytes): params, grads, optimizer, activations, buffers, with formulas. Given a
+    run's config (a meshkit or fine-tune YAML), the run that config starts: its layout, precision, sequence,
+    micro-batch, adapter and loss (flags override them)."""
+    given = {"seq_len": seq_len, "micro_batch": micro_batch, "precision": precision, "optimizer": optimizer,
+             "zero_stage": zero_stage, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+             "activation_checkpointing": activation_checkpointing, "offload": offload, "reference": reference,
+             "compiled": compiled, "attention": attention, "loss": loss}  # fmt: skip
+    run = config_run(model) if model is not None and is_run_config(model) and model.is_file() else None
+    if run is not None:
+        v, sources = run.merged(given, DEFAULTS)
+        shape = run.shape
+    else:
+        v = {name: given.get(name) if given.get(name) is not None else default for name, default in DEFAULTS.items()}
+        sources = {name: "flag" if given.get(name) is not None else "default" for name in DEFAULTS}
+        shape = model_shape(model, params, layers, hidden, heads, vocab)
     for name, value, choices in (
-        ("--precision", precision, ("fp32", "bf16", "fp16")),
-        ("--optimizer", optimizer, ("adam", "adam8bit", "adam4bit", "sgd")),
-        ("--activation-checkpointing", activation_checkpointing, ("none", "selective", "full")),
-        ("--offload", offload, ("none", "cpu", "nvme")),
-        ("--reference", reference, ("none", "copy", "adapters", "precomputed")),
+        ("--precision", v["precision"], ("fp32", "bf16", "fp16")),
+        ("--optimizer", v["optimizer"], ("adam", "adam8bit", "adam4bit", "sgd")),
+        ("--activation-checkpointing", v["activation_checkpointing"], ("none", "selective", "full")),
+        ("--offload", v["offload"], ("none", "cpu", "nvme")),
+        ("--reference", v["reference"], ("none", "copy", "adapters", "precomputed")),
     ):
         if value not in choices:
             raise EstimateError(f"{name} {value}: choose {', '.join(choices)}")
-    recipe = step_recipe(compiled, attention, loss, optimizer_step, weights)
-    shape = model_shape(model, params, layers, hidden, heads, vocab)  # (the choices were checked above)
+    recipe = step_recipe(v["compiled"], v["attention"], v["loss"], optimizer_step, weights)
     if ps_servers:
         _parameter_server(
-            shape, ps_servers, dp, seq_len, micro_batch, precision, optimizer, activation_checkpointing, as_json
-        )
+            shape, ps_servers, v["dp"], v["seq_len"], v["micro_batch"], v["precision"], v["optimizer"],
+            v["activation_checkpointing"], as_json,
+        )  # fmt: skip
         return
     estimate = estimate_memory(
         shape,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        precision=cast(Precision, precision),
-        optimizer=cast(Optimizer, optimizer),
-        zero_stage=zero_stage,
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        activation_checkpointing=cast(Recompute, activation_checkpointing),
-        offload=cast(Offload, offload),
+        seq_len=v["seq_len"],
+        micro_batch=v["micro_batch"],
+        precision=cast(Precision, v["precision"]),
+        optimizer=cast(Optimizer, v["optimizer"]),
+        zero_stage=v["zero_stage"],
+        dp=v["dp"],
+        tp=v["tp"],
+        pp=v["pp"],
+        cp=v["cp"],
+        activation_checkpointing=cast(Recompute, v["activation_checkpointing"]),
+        offload=cast(Offload, v["offload"]),
+        sequence_parallel=v["sequence_parallel"],
         runtime_gb=runtime_gb,
-        ep=ep,
-        reference=cast(Reference, reference),
+        ep=v["ep"],
+        reference=cast(Reference, v["reference"]),
         recipe=recipe,
+        trainable_params=v["trainable_params"],
     )
     if as_json:
-        print(json.dumps(estimate.as_json(), indent=2))
+        out = estimate.as_json()
+        out["run"] = {name: {"value": v[name], "from": sources[name]} for name in DEFAULTS}
+        print(json.dumps(out, indent=2))
         return
-    Console().print(
-        _table(
-            f"memory per device (dp={dp} tp={tp} pp={pp} cp={cp}{f' ep={ep}' if ep > 1 else ''}, "
-            f"ZeRO-{zero_stage}, {precision}; {recipe.describe()})",
-            estimate,
+    console = Console()
+    if run is not None:
+        console.print(
+            f"the run {run.path} starts ({run.recipe}); flags override: {_from_flags(sources)}", highlight=False
         )
-    )
+    console.print(_table(_title(v, recipe), estimate))
     if shape.expert_params:
-        held = f"each rank holds 1/{ep} of the experts" if ep > 1 else "every rank holds every expert (--ep: split)"
-        Console().print(
+        ep_size = v["ep"]
+        held = (
+            f"each rank holds 1/{ep_size} of the experts"
+            if ep_size > 1
+            else "every rank holds every expert (--ep: split)"
+        )
+        console.print(
             f"mixture of experts: {_count(shape.params)} parameters, {_count(shape.active_params)} active per token "
             f"({shape.active_expert_fraction:.0%} of the {_count(shape.expert_params)} in experts); {held}",
             highlight=False,
             soft_wrap=True,
         )
+
+
+def _from_flags(sources: dict[str, str]) -> str:
+    flags = [name.replace("_", "-") for name, source in sources.items() if source == "flag"]
+    return ", ".join(flags) if flags else "none given"
+
+
+def _title(v: dict[str, Any], recipe: Any) -> str:
+    """`memory per device — dp=2 tp=2 pp=1 cp=1, ZeRO-0, fp32, seq 128 × micro-batch 8; plain loss, eager, sdpa`."""
+    layout = f"dp={v['dp']} tp={v['tp']} pp={v['pp']} cp={v['cp']}" + (f" ep={v['ep']}" if v["ep"] > 1 else "")
+    sp = ", sequence parallel" if v["sequence_parallel"] and v["tp"] > 1 else ""
+    adapters = f", {_count(v['trainable_params'])} trained (adapters)" if v["trainable_params"] else ""
+    recompute = f", recompute {v['activation_checkpointing']}" if v["activation_checkpointing"] != "none" else ""
+    return (
+        f"memory per device: {layout}{sp}, ZeRO-{v['zero_stage']}, {v['precision']}, seq {v['seq_len']} × "
+        f"micro-batch {v['micro_batch']}{adapters}{recompute}; {recipe.describe()}"
+    )
 
 
 def _count(n: float) -> str:

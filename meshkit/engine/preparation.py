@@ -20,6 +20,7 @@ from meshkit.models.adapters import lora_merges
 from meshkit.models.embeddings import input_embedding
 from meshkit.models.logits_head import logits_head
 from meshkit.models.structure import describe
+from meshkit.parallel.applied import check_tensor_parallel_split
 from meshkit.parallel.compile import dynamo_counts
 from meshkit.parallel.compose import Parallelized, parallelize, unwrap
 from meshkit.parallel.dataparallel import bare_module
@@ -82,6 +83,10 @@ class Preparation(EngineComponent):
         if ctx.config.compile.enabled and objects.compile_counts is None:
             objects.compile_counts = dynamo_counts()  # (graphs and breaks are counted from here)
         done = parallelize(model, ctx.mesh, ctx.config, ctx.placement.zero_stage)
+        family = done.structure.family if done.structure else None
+        split_notice = check_tensor_parallel_split(done.model, ctx.mesh.size("tp"), family or type(model).__name__)
+        if split_notice:
+            print_once_per_node(ctx.info, split_notice)
         now = dict(unwrap(done.model).named_parameters(remove_duplicate=False))
         objects.renamed_params.update(renamed_parameters(originals, now))
         objects.logits_sharded |= done.logits_sharded
@@ -190,7 +195,8 @@ class Preparation(EngineComponent):
         objects, config = self.ctx.objects, self.ctx.config
         setting = config.fused_loss
         if objects.loss_fn is not None:
-            objects.loss_path = "the loss_fn given to prepare()"
+            name = getattr(objects.loss_fn, "__name__", type(objects.loss_fn).__name__)
+            objects.loss_path = f"plain (whole logits): loss_fn={name} given to prepare() reads the logits"
             return None
         if not objects.causal_lm:
             own = done.structure is not None and done.structure.causal_lm

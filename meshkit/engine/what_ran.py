@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshkit.engine.where_it_runs import attention_words
+from meshkit.parallel.applied import held_elements
 from meshkit.parallel.compile import dynamo_counts
-from meshkit.runtime.dtensors import local_tensor
 
 if TYPE_CHECKING:
     from meshkit.engine.engine import Engine
@@ -58,29 +58,12 @@ def one_line(record: dict[str, Any]) -> str:
 def parameters_held(objects: PreparedObjects) -> dict[str, Any]:
     """Elements of the model's parameters this rank stores, against the whole model's (`whole`), and the same for
     the parameters split over tensor parallel (`tp_split`: elements of the split layers, `tp_held`: this rank's)."""
-    held = tp_split = tp_held = 0
-    for model in objects.models:
-        for param in model.parameters():
-            local = local_tensor(param).numel()
-            held += local
-            if _split_over(param, "tp"):
-                tp_split, tp_held = tp_split + param.numel(), tp_held + local
-    whole = objects.whole_parameters or held
+    counts = held_elements(objects.models, "tp")
+    held, whole = counts["held"], objects.whole_parameters or counts["held"]
     row: dict[str, Any] = {"held": held, "whole": whole, "share": round(held / whole, 4) if whole else 1.0}
-    if tp_split:
-        row |= {"tp_split": tp_split, "tp_held": tp_held}
+    if counts["split"]:
+        row |= {"tp_split": counts["split"], "tp_held": counts["split_held"]}
     return row
-
-
-def _split_over(param: Any, dim: str) -> bool:
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(param, DTensor):
-        return False
-    names = param.device_mesh.mesh_dim_names or ()
-    return any(
-        name == dim and isinstance(placement, Shard) for name, placement in zip(names, param.placements, strict=False)
-    )
 
 
 def compile_words(compiled: str, counts: tuple[int, int] | None) -> str:

@@ -30,6 +30,9 @@ _SAME_VALUES = {
     torch.Tensor.reshape, torch.Tensor.__getitem__, torch.Tensor.clone, torch.Tensor.detach, torch.Tensor.bfloat16,
     torch.Tensor.half, torch.Tensor.double, torch.Tensor.view_as, torch.Tensor.reshape_as,
 }  # fmt: skip
+# scalings that keep the values where the other operand is exactly 1 (a config's `logits_scaling: 1.0`)
+_SCALINGS = {torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__truediv__, torch.Tensor.mul,
+             torch.Tensor.div, torch.mul, torch.div}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,14 @@ class _FollowHeadOutput(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         result = func(*args, **(kwargs or {}))
-        if func in _SAME_VALUES and args and self.holds(args[0]) and isinstance(result, torch.Tensor):
+        if not (args and isinstance(result, torch.Tensor)):
+            return result
+        if func in _SAME_VALUES and self.holds(args[0]):
             self.same.append(result)
+        elif func in _SCALINGS and len(args) == 2 and any(self.holds(a) for a in args):
+            other = args[1] if self.holds(args[0]) else args[0]
+            if isinstance(other, (int, float)) and other == 1:
+                self.same.append(result)
         return result
 
 

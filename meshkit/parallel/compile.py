@@ -24,13 +24,22 @@ def compiles_blocks(cfg: CompileConfig, hooked: bool) -> bool:
     return cfg.regional if cfg.regional is not None else hooked
 
 
-def apply_compile(model: nn.Module, cfg: CompileConfig, blocks: str | None = None, hooked: bool = False) -> str:
+def apply_compile(
+    model: nn.Module,
+    cfg: CompileConfig,
+    blocks: str | None = None,
+    hooked: bool = False,
+    eager_head: str | None = None,
+) -> str:
     """Compile in place (`nn.Module.compile`), so parameter names and state-dict keys stay unchanged; returns how
-    (`off`, `whole model`, `per block (N blocks)`).
+    (`off`, `whole model`, `whole model but its head`, `per block (N blocks)`).
 
     Regional compilation compiles one block and reuses the code for its identical siblings: much shorter
     compile times than the whole model, at nearly the same speed. Chosen by the layout (`hooked`), a model
-    without a list of repeated blocks is compiled whole.
+    without a list of repeated blocks is compiled whole. `eager_head`: the head that computes the fused loss
+    (a chunk loop dynamo should not trace): a whole-model compile leaves it, and the forward that calls it, out
+    of the graph by construction — every module beside the path to it is compiled whole — instead of breaking
+    the graph at it on every step.
     """
     if not cfg.enabled:
         return "off"
@@ -46,8 +55,24 @@ def apply_compile(model: nn.Module, cfg: CompileConfig, blocks: str | None = Non
             for _, block in units:
                 block.compile(**options)
             return f"per block ({len(units)} blocks)"
+    if eager_head:
+        compiled = _compile_around(model, eager_head, options)
+        return f"whole model but its head ({compiled} part{'s' * (compiled != 1)} compiled; the fused loss eager)"
     model.compile(**options)
     return "whole model"
+
+
+def _compile_around(model: nn.Module, path: str, options: dict[str, Any]) -> int:
+    """Compile every child beside the path to `path` (e.g. `lm_head`: the decoder `model` compiled, the head and
+    the wrapper's own forward eager); returns how many were compiled."""
+    module, count = model, 0
+    for name in path.split("."):
+        for child_name, child in module.named_children():
+            if child_name != name and any(True for _ in child.parameters()):
+                child.compile(**options)
+                count += 1
+        module = module.get_submodule(name)
+    return count
 
 
 def dynamo_counts() -> tuple[int, int]:

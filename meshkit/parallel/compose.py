@@ -90,7 +90,10 @@ def parallelize(
         result.own_loss, result.logits_head = own, head
         return result
     if pp == 1:
-        result = _parallelize_one(model, mesh, config, zero_stage, structure, frozen=frozen, tiled=tiled)
+        eager = head.name if head is not None and config.fused_loss != "off" and config.strategy == "auto" else None
+        result = _parallelize_one(
+            model, mesh, config, zero_stage, structure, frozen=frozen, tiled=tiled, eager_head=eager
+        )
         result.notice, result.own_loss, result.logits_head = result.notice or notice, own, head
         result.tiled_mlp = result.tiled_mlp or (f"not applied: {untiled}" if config.tiled_mlp and not frozen else None)
         return result
@@ -146,6 +149,7 @@ def _parallelize_one(
     frozen: bool = False,
     roles: LayerRoles | None = None,
     tiled: tuple[str, ...] = (),
+    eager_head: str | None = None,
 ) -> Parallelized:
     sharding = config.sharding
     on_meta = has_meta_tensors(model)
@@ -186,7 +190,8 @@ def _parallelize_one(
         result.checkpointed = apply_activation_checkpointing(
             model, config.activation_checkpointing, config.activation_offload, mesh.device, structure.blocks
         )
-    result.compiled = apply_compile(model, config.compile, structure.blocks, zero_stage == 3 or tp > 1 or in_pipeline)
+    hooked = zero_stage == 3 or tp > 1 or in_pipeline
+    result.compiled = apply_compile(model, config.compile, structure.blocks, hooked, eager_head)
     if zero_stage == 3:
         model = apply_fsdp(model, mesh, sharding, config.precision, structure.blocks, result.experts)
     if on_meta:

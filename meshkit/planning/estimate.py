@@ -142,6 +142,7 @@ def estimate_memory(
     ep: int = 1,
     reference: Reference = "none",
     recipe: StepRecipe | None = None,
+    trainable_params: float | None = None,
 ) -> Estimate:
     """Per-device GB (10^9 bytes) for params, grads, optimizer, activations, buffers and the runtime, with
     formulas. `runtime_gb` is what the process holds outside tensors (measured: torch's kernels and the
@@ -152,7 +153,9 @@ def estimate_memory(
     no optimizer state); "adapters" (LoRA's base with adapters off) and "precomputed" add nothing — pass the
     micro-batch in rows (a pair is two). `zero3_unit_mb`: ZeRO-3 groups small blocks into units of
     that many MB (`sharding.unit_mb`). `recipe`: how the step runs (attention kernel, compile, loss, optimizer
-    step, how 16-bit weights are kept; `step_recipe.py`): by default as meshkit's Engine runs an eager step."""
+    step, how 16-bit weights are kept; `step_recipe.py`): by default as meshkit's Engine runs an eager step.
+    `trainable_params`: the parameters that train where not all do (LoRA's adapters over a frozen base): only they
+    get gradients and optimizer states."""
     _check_layout(model, zero_stage, dp, tp, pp, cp, ep)
     recipe = recipe or StepRecipe()
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
@@ -165,22 +168,30 @@ def estimate_memory(
     def sharded(stage: int) -> float:  # parameters left per rank when ZeRO stage `stage` shards them
         return dense / shards + experts / (shards // ep) if zero_stage >= stage else local
 
+    trained = local if trainable_params is None else trainable_params / (tp * pp)  # (adapters: a rank's share)
+
+    def trained_sharded(stage: int) -> float:  # trained parameters per rank under ZeRO stage `stage`
+        if trainable_params is None:
+            return sharded(stage)
+        return trained / shards if zero_stage >= stage else trained
+
     nd = f"Nd={shards}"
     psi = f"Ψ/(tp·pp)={local:.4g}"
     if model.expert_params:
         psi = f"(Ψdense/(tp·pp) + Ψexperts/(ep·pp))={local:.4g}"
         nd += f", experts over Nd/ep={shards // ep}"
     params = weight_b * sharded(3)
-    grads = grad_b * sharded(2)
-    optim = optim_b * sharded(1)
+    grads = grad_b * trained_sharded(2)
+    optim = optim_b * trained_sharded(1)
+    psi_t = psi if trainable_params is None else f"Ψtrained/(tp·pp)={trained:.4g} (adapters)"
     lines = [
         Line("params", params / GB, f"{weight_b}·{psi}" + (f"/{nd} (ZeRO-3)" if zero_stage >= 3 else "")),
-        Line("grads", grads / GB, f"{grad_b}·{psi}" + (f"/{nd} (ZeRO-2+)" if zero_stage >= 2 else ""), "step"),
+        Line("grads", grads / GB, f"{grad_b}·{psi_t}" + (f"/{nd} (ZeRO-2+)" if zero_stage >= 2 else ""), "step"),
     ]
     if offload != "none":
         lines.append(Line("optimizer", 0.0, f"{optim_b}·Ψ' offloaded to {offload}: {optim / GB:.3g} GB off device"))
     else:
-        lines.append(Line("optimizer", optim / GB, f"{optim_b}·{psi}" + (f"/{nd} (ZeRO-1+)" if zero_stage else "")))
+        lines.append(Line("optimizer", optim / GB, f"{optim_b}·{psi_t}" + (f"/{nd} (ZeRO-1+)" if zero_stage else "")))
     if reference == "copy":
         lines.append(
             Line(
@@ -204,9 +215,9 @@ def estimate_memory(
         )
     # (offloaded: the step runs where the states are)
     foreach = recipe.optimizer_step == "foreach" and optimizer == "adam" and offload == "none"
-    temporaries = 4 * sharded(1) if foreach else 0.0
+    temporaries = 4 * trained_sharded(1) if foreach else 0.0
     lines.append(Line("optimizer step", temporaries / GB, _step_formula(recipe, optimizer, temporaries), "step"))
-    full_grads = grad_b * local
+    full_grads = grad_b * trained
     bucket = full_grads if zero_stage == 0 and not gradient_as_bucket_view else 0.0
     if zero_stage == 2 and shards > 1:  # buckets in flight during backward, each within one rank's chunk
         bucket = BUCKETS_IN_FLIGHT * min(zero_bucket_mb * 1e6, grads)

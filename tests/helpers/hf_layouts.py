@@ -249,8 +249,9 @@ GROUPS = {
     # split with its heads under tp; StableLM: partial rotary, LayerNorm, q/k/v biases; Granite: its multipliers)
     "olmo2-stablelm-granite": {"olmo2": list(MATRIX), "stablelm": list(MATRIX), "granite": list(MATRIX)},
     # OPT registers its final norm before its layers and flattens tokens in its MLP (SP refuses); GPT-J's fc_in/
-    # fc_out/out_proj; Falcon computes attention itself (cp refuses at its first forward) and its blocks return
-    # tuples; Nemotron's LayerNorm1P runs on sequence shards under SP
+    # fc_out/out_proj; Falcon's attention goes through transformers' attention functions (transformers 5.25; it
+    # computed attention itself before, which cp refused) and its blocks return tuples; Nemotron's LayerNorm1P runs
+    # on sequence shards under SP
     "opt-gptj-falcon-nemotron": {
         "opt": [*MATRIX, "tp2_sp"],
         "gptj": list(MATRIX),
@@ -266,7 +267,6 @@ TESTED = {family: layouts for group in GROUPS.values() for family, layouts in gr
 # (family, layout) -> the words of meshkit's one-line refusal; every other cell must match the reference
 REFUSED: dict[tuple[str, str], str] = {
     ("opt", "tp2_sp"): "by the model, so they cannot be split on the sequence: set tensor_parallel.sequence_parallel",
-    ("falcon", "cp2"): "computes attention itself, not through transformers' attention functions",
     ("bloom", "cp2"): "BloomForCausalLM.forward takes none that meshkit knows",  # (positions by ALiBi)
 }
 COLUMNS = {

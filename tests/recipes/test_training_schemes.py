@@ -50,7 +50,8 @@ def _stack() -> torch.nn.Sequential:
 
 def test_parameters_left_out_of_steps_move_as_if_frozen() -> None:
     """The engine's mechanism under LISA against Axolotl's (requires_grad off): AdamW with weight decay and a
-    clip norm, three steps, the resting layer changing after the first — bit-equal."""
+    clip norm, three steps, the resting layer changing after the first — equal to the last bit or two (the clip
+    norm is summed in another order on some CPUs: 6e-8 seen)."""
     frozen_way = _stack()
     batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(step)) for step in range(3)]
     resting = [1, 0, 0]  # the layer left out at each step
@@ -73,7 +74,7 @@ def test_parameters_left_out_of_steps_move_as_if_frozen() -> None:
             optimizer.step()
             optimizer.zero_grad()
     for (name, mine), theirs in zip(model.named_parameters(), frozen_way.parameters(), strict=True):
-        assert torch.equal(mine, theirs), name
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_a_relora_restart_merges_restarts_and_prunes_without_changing_the_function() -> None:
@@ -153,8 +154,8 @@ def test_lisa_trains_only_the_drawn_blocks_and_zero3_equals_one_process(tmp_path
     assert not torch.equal(base["model.embed_tokens.weight"], trained["model.embed_tokens.weight"])
     zero3 = _run(tmp_path, config, "zero3", 2, "zero_stage=3")
     torch.testing.assert_close(torch.tensor(zero3["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
-    for name, tensor in _merged(zero3).items():
-        torch.testing.assert_close(tensor, trained[name], rtol=1e-4, atol=1e-6, msg=name)
+    for name, tensor in _merged(zero3).items():  # (AdamW turns a gradient's last-bit rounding into ~lr·1e-4)
+        torch.testing.assert_close(tensor, trained[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.sweep)])  # (tp, pp too: test-full)

@@ -211,12 +211,16 @@ class LocalHeads:
     context parallel selects) still reach it. The model's config, and what an export writes, keep whole counts."""
 
     def __init__(self, config: Any, heads: dict[str, int]) -> None:
-        object.__setattr__(self, "_config", config)
-        object.__setattr__(self, "_heads", heads)
+        # (kept in the instance's __dict__ and read from it: dynamo traces that, not type.__getattribute__, so a
+        # compiled block reads its config without a graph break)
+        self.__dict__["_config"] = config
+        self.__dict__["_heads"] = heads
 
     def __getattr__(self, name: str) -> Any:
-        heads = object.__getattribute__(self, "_heads")
-        return heads[name] if name in heads else getattr(object.__getattribute__(self, "_config"), name)
+        heads, config = self.__dict__.get("_heads"), self.__dict__.get("_config")
+        if heads is None or config is None:  # (a copy being made: not set up yet)
+            raise AttributeError(name)
+        return heads[name] if name in heads else getattr(config, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(object.__getattribute__(self, "_config"), name, value)
+        setattr(self.__dict__["_config"], name, value)
