@@ -7,11 +7,13 @@ resident memory (RSS) and its loss path come from the run's own summary.json (`m
   their gradient) are nearly all of the step's memory. Modes: `plain` (fused_loss: off), `fused` (the default).
 - mlp: a Llama with a wide MLP (hidden 128, intermediate 2,048) on one 16,384-token row: the MLP's intermediate
   activations lead. Modes: `whole`, `tiled` (tiled_mlp: true).
+- neftune: the same model on a 2,048-token row with and without NEFTune's noise (neftune_noise_alpha: 5): what it
+  costs, and that the run's record says it ran (its losses differ by the noise, as they should).
 
-The step time is the run's wall time over its steps (the first, which builds everything, included). Prints a table
-and writes JSON.
+The step time is the median of the steps after the first (from the run's metrics.jsonl). Prints a table and writes
+JSON.
 
-    python bench/loss_memory.py [--steps 3] [--out bench/results/loss-memory.json]
+    python bench/loss_memory.py [--steps 4] [--only head/dpo ...] [--out bench/results/loss-memory.json]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +49,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                  "chat_template": "chatml"}, "modes": {"plain": {"fused_loss": "off"}, "fused": {}}},
     "mlp/full": {"model": MLP, "seq": 16384, "data": "completion", "keys": {},
                  "modes": {"whole": {}, "tiled": {"tiled_mlp": True}}},
+    "neftune/full": {"model": MLP, "seq": 2048, "data": "completion", "keys": {},
+                     "modes": {"off": {}, "alpha 5": {"neftune_noise_alpha": 5.0}}},
 }  # fmt: skip
 
 
@@ -99,7 +104,7 @@ def run_mode(root: Path, scenario: str, mode: str, steps: int) -> dict[str, Any]
     out = root / f"out-{mode}"
     config = {"base_model": str(base), "datasets": [spec["dataset"]], "sequence_len": spec["seq"],
               "micro_batch_size": 1, "learning_rate": 1e-3, "max_steps": steps, "optimizer": "adamw_torch",
-              "output_dir": str(out), "generation_samples": 0, "seed": 0,
+              "output_dir": str(out), "generation_samples": 0, "seed": 0, "logging_steps": 1,
               **spec["keys"], **spec["modes"][mode]}  # fmt: skip
     path = root / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -108,9 +113,12 @@ def run_mode(root: Path, scenario: str, mode: str, steps: int) -> dict[str, Any]
     if done.returncode != 0:
         raise RuntimeError(f"{scenario}/{mode} failed:\n{done.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
+    times = [json.loads(line)["time"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]  # (the steps after the first)
     ran = summary["ran"]
-    return {"peak_rss_mb": summary["memory"][0]["peak_rss"] / 1e6, "step_s": summary["wall_s"] / summary["steps"],
-            "losses": summary["losses"], "loss_path": ran["loss"], "tiled_mlp": ran["tiled_mlp"]}  # fmt: skip
+    return {"peak_rss_mb": summary["memory"][0]["peak_rss"] / 1e6, "step_s": statistics.median(steps),
+            "losses": summary["losses"], "loss_path": ran["loss"], "tiled_mlp": ran["tiled_mlp"],
+            "neftune": ran["neftune"]}  # fmt: skip
 
 
 def run_scenario(scenario: str, steps: int) -> dict[str, dict[str, Any]]:
@@ -124,7 +132,7 @@ def run_scenario(scenario: str, steps: int) -> dict[str, dict[str, Any]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", nargs="*", default=None, help="scenarios to run (default: all)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/loss-memory.json"))
     args = parser.parse_args()
@@ -148,7 +156,9 @@ def section_rows(scenario: str, modes: dict[str, dict[str, Any]]) -> str:
     for mode, result in modes.items():
         drift = max(abs(a - b) for a, b in zip(result["losses"], baseline["losses"], strict=True))
         peak, step = result["peak_rss_mb"], result["step_s"]
-        path = result.get("loss_path", "").split(" (")[0]
+        path = result.get("loss_path", "").split(" (")[0].split(":")[0]
+        others = [f"{key} {result[key]}" for key in ("tiled_mlp", "neftune") if result.get(key, "off") != "off"]
+        path = ", ".join([path, *(other.split(" over ")[0].replace("_", " ") for other in others)])
         rows.append(
             f"| {scenario} | {mode} | {path} | {peak:.0f} MB | {peak / baseline['peak_rss_mb']:.2f} "
             f"| {step * 1e3:.0f} ms | {step / baseline['step_s']:.2f} | {drift:.1e} |"
@@ -160,9 +170,10 @@ def section(data: dict[str, Any]) -> str:
     """The BENCHMARKS.md table (`bench/report.py`)."""
     head = (
         f"`{data.get('path', 'the Engine')}` on a saved model and config, one process, fp32, {data['steps']} steps per "
-        "mode, each mode its own run; peak RSS and the loss path from the run's summary.json; ratios against the "
+        "mode, each mode its own run; peak RSS and the loss path from the run's summary.json, the median step after "
+        "the first; ratios against the "
         "first mode of each scenario; loss drift = largest absolute difference of a step's loss from it.\n\n"
-        "| scenario | mode | loss path | peak RSS | vs first | step | vs first | loss drift |\n"
+        "| scenario | mode | what ran | peak RSS | vs first | step | vs first | loss drift |\n"
         "|---|---|---|---|---|---|---|---|"
     )
     return "\n".join([head, *(section_rows(name, modes) for name, modes in data["results"].items())])

@@ -185,22 +185,41 @@ def run_cell(model_type: str, layout: str, expected: Expected | None) -> dict[st
                 part = {k: v[engine.dp_rank * local : (engine.dp_rank + 1) * local] for k, v in batch.items()}
                 losses.append(engine.train_step(part).item())
             state = engine.full_state_dict()
+            applied = applied_words(engine)
         except MeshkitError as error:
             return {"status": "refused", "reason": str(error).strip().splitlines()[0][:300]}
     finally:
         engine.end()
     if expected is None:
-        return {"status": "done"}
+        return {"status": "done", "applied": applied}
     want_losses, want_state, tolerance = expected
     loss_error = _loss_error(losses, want_losses)
     missing = sorted(set(want_state) ^ set(state))
     worst, weight_error = _weight_errors(state, want_state)
     ok = not missing and loss_error <= tolerance and weight_error <= tolerance
     result = {"status": "ok" if ok else "mismatch", "loss_error": loss_error, "weight_error": weight_error,
-              "worst": worst, "tolerance": tolerance}  # fmt: skip
+              "worst": worst, "tolerance": tolerance, "applied": applied}  # fmt: skip
     if missing:
         result["reason"] = f"state dict keys differ: {missing[:3]}"
+    if ok and "NOT the" in applied:  # (the numbers match, but the layout asked for is not what ran)
+        result["status"], result["reason"] = "not applied", applied
     return result
+
+
+def applied_words(engine: Any) -> str:
+    """What the run's own record says was applied: tp's split (each rank's share of the split layers, and their
+    share of the model), the sequence a block saw (SP, cp), and each rank's share of the parameters."""
+    from meshkit.engine.what_ran import what_ran
+
+    ran = what_ran(engine)
+    held = ran["parameters"][0]
+    words = [f"rank holds {held['share']:.0%} of the parameters"]
+    if "tp_split" in held:
+        split, model = held["tp_held"] / held["tp_split"], held["tp_split"] / held["whole"]
+        words.append(f"tp: {split:.0%} of the split layers ({model:.0%} of the model)")
+    if "sequence" in ran:
+        words.append(ran["sequence"])
+    return "; ".join(words)
 
 
 def worker(model_type: str, layouts: list[str], rank: int, port: int, out: Path) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 COLUMNS = {"ddp2": "DDP", "zero3_2": "ZeRO-3", "tp2": "tp 2", "tp2_sp": "tp 2 + SP", "cp2": "cp 2", "pp2": "pp 2",
            "ep2": "ep 2"}  # fmt: skip
-MARKS = {"ok": "✓", "mismatch": "✗ mismatch", "crash": "crash", "hang": "timeout"}
+MARKS = {"ok": "✓", "mismatch": "✗ mismatch", "not applied": "✗ not applied", "crash": "crash", "hang": "timeout"}
 BEGIN, END = "<!-- zoo table: bench/zoo.py --render -->", "<!-- end of zoo table -->"
 
 
@@ -17,8 +17,9 @@ def counts(data: dict[str, Any]) -> dict[str, int]:
     built = {name: entry for name, entry in types.items() if entry.get("builds")}
     cells = [cell for entry in built.values() for cell in entry["cells"].values()]
     out = {"types": len(types), "built": len(built), "cells": len(cells)}
-    for status in ("ok", "refused", "mismatch", "crash", "hang"):
+    for status in ("ok", "refused", "mismatch", "not applied", "crash", "hang"):
         out[status] = sum(cell["status"] == status for cell in cells)
+    out["read_back"] = sum(cell["status"] == "ok" and "applied" in cell for cell in cells)
     out["every_layout"] = sum(
         bool(entry["cells"]) and all(cell["status"] == "ok" for cell in entry["cells"].values())
         for entry in built.values()
@@ -31,8 +32,9 @@ def summary(data: dict[str, Any]) -> str:
     share = n["ok"] / n["cells"] if n["cells"] else 0.0
     return (
         f"{n['built']} of {n['types']} causal-LM types build a tiny model; {n['every_layout']} train in every "
-        f"layout; cells: {n['ok']} ✓ ({share:.0%}), {n['refused']} refused, {n['mismatch']} mismatch, "
-        f"{n['crash']} crash, {n['hang']} timeout (transformers {data.get('transformers', '?')})"
+        f"layout; cells: {n['ok']} ✓ ({share:.0%}; {n['read_back']} of them with the layout read back from the run's "
+        f"record), {n['refused']} refused, {n['mismatch']} mismatch, {n['not applied']} not applied, {n['crash']} "
+        f"crash, {n['hang']} timeout (transformers {data.get('transformers', '?')})"
     )
 
 

@@ -28,7 +28,8 @@ def test_the_zoo_table_counts_cells_and_numbers_each_reason(tmp_path) -> None:
     data = {
         "transformers": "5.0",
         "types": {
-            "llama": {"builds": True, "moe": False, "cells": {"tp2": {"status": "ok"}, "cp2": {"status": "ok"}}},
+            "llama": {"builds": True, "moe": False, "cells": {"tp2": {"status": "ok", "applied": "tp: 50%"},
+                                                              "cp2": {"status": "ok"}}},
             "bloom": {"builds": True, "moe": False,
                       "cells": {"tp2": {"status": "ok"}, "cp2": {"status": "refused", "reason": "no positions"}}},
             "mamba": {"builds": True, "moe": False,
@@ -37,7 +38,7 @@ def test_the_zoo_table_counts_cells_and_numbers_each_reason(tmp_path) -> None:
         },
     }  # fmt: skip
     assert counts(data) == {"types": 4, "built": 3, "cells": 6, "ok": 3, "refused": 2, "mismatch": 0, "crash": 0,
-                            "hang": 1, "every_layout": 1}  # fmt: skip
+                            "hang": 1, "every_layout": 1, "not applied": 0, "read_back": 1}  # fmt: skip
     table = render(data)
     assert "| bloom | not run | not run | ✓ | not run | refused [1] | not run | — |" in table
     assert "| mamba | not run | not run | timeout [2] |" in table and "1. no positions" in table

@@ -119,6 +119,8 @@ def objective_micro_step(
 ) -> ObjectiveResult:
     """One micro-step: the objective's loss, backward weighted by its example count over every rank; returns
     the result with `loss` the mean over every rank's examples of this micro-step."""
+    if ctx.objects.pipeline is not None:  # (the record: these read the last stage's whole logits)
+        ctx.objects.loss_path = "plain (whole logits): a pipeline's objective reads its last stage's logits"
     if ctx.objects.pipeline is not None and objective.reads_head:
         return pipelined_head_step(ctx, objective, batch, gradients, LayoutScorer(ctx))  # type: ignore[arg-type]
     if ctx.objects.pipeline is not None:

@@ -30,6 +30,7 @@ from meshkit.parallel.pipeline.stages import PipelineModel
 from meshkit.parallel.pipeline.tied import TiedAcrossStages
 from meshkit.parallel.replicate import GradientAllReduce
 from meshkit.parallel.routed import UnreachedBanks
+from meshkit.parallel.sequence_seen import watch_sequence
 from meshkit.parallel.tensor.consistency import WholeGradientsAgree
 from meshkit.parallel.zero.sharding import rebind_params, renamed_parameters, shard_optimizer
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
@@ -114,6 +115,10 @@ class Preparation(EngineComponent):
         objects.checkpointed.extend(done.checkpointed)
         objects.compiled = done.compiled
         objects.tiled_mlp = done.tiled_mlp
+        tp, cp = ctx.mesh.size("tp"), ctx.mesh.size("cp")
+        if (tp > 1 or cp > 1) and not isinstance(done.model, PipelineModel):  # (the record: the sequence a block sees)
+            shards = tp if tp > 1 and ctx.config.tensor_parallel.sequence_parallel else 1
+            objects.sequence_seen = watch_sequence(unwrap(done.model), ctx.config.blocks, cp, shards)
         if done.partial_over_tp:
             partial = [now[name] for name in done.partial_over_tp if name in now]
             gradients.model_reducers.append(GradientAllReduce(partial, ctx.mesh.group("tp"), average=False))

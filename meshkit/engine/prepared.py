@@ -15,6 +15,7 @@ from meshkit.data.loader import ShardedLoader
 from meshkit.models.adapters import LoraMerge
 from meshkit.parallel.activation import CheckpointedBlock
 from meshkit.parallel.pipeline.schedule import PipelineRunner
+from meshkit.parallel.sequence_seen import SequenceSeen
 from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
 from meshkit.training.fused_head import FusedHead
@@ -56,6 +57,8 @@ class PreparedObjects:
     compile_counts: tuple[int, int] | None = None  # dynamo's (graphs, graph breaks) when the model was prepared
     whole_parameters: int = 0  # elements of the trained models' parameters before any split
     ran_notes: dict[str, str] = field(default_factory=dict)  # a recipe's own entries in the record of what ran
+    start_rss: int = 0  # resident bytes when the engine started (torch loaded, process group up)
+    sequence_seen: SequenceSeen | None = None  # the sequence the first block saw (tp, cp), for the record
     uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
     # id(prepared model) -> ...
     split_weights: dict[int, SplitWeights] = field(default_factory=dict)  # how tensor parallel stores fused weights

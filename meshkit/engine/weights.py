@@ -70,9 +70,11 @@ class Weights(EngineComponent):
         return sorted(set(tensors) - set(held))
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds now for `params`, `grads` and `optimizer` state, and its `rss`/`peak_rss`."""
+        """Bytes this rank holds now for `params`, `grads` and `optimizer` state, its `rss`/`peak_rss`, and the
+        resident size when the engine started (`start_rss`: what the run added is `peak_rss - start_rss`)."""
         objects = self.ctx.objects
-        return memory_report(objects.models, [opt.optimizer for opt in objects.optimizers])
+        report = memory_report(objects.models, [opt.optimizer for opt in objects.optimizers])
+        return report | {"start_rss": objects.start_rss}
 
     def activation_report(self) -> ActivationReport:
         """Measure the activations kept for backward by the step(s) run inside `with` (bytes on this rank):

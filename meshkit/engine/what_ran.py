@@ -38,6 +38,9 @@ def what_ran(
         "neftune": f"noise alpha {config.neftune_noise_alpha:g}" if config.neftune_noise_alpha is not None else "off",
         "allocator": allocator_in_use(),
     }
+    seen = objects.sequence_seen.words() if objects.sequence_seen is not None else None
+    if seen is not None:
+        record["sequence"] = seen
     record |= objects.ran_notes
     shares = every_rank(held) if every_rank is not None else [held]
     record["parameters"] = shares

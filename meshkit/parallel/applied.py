@@ -49,7 +49,7 @@ def check_tensor_parallel_split(model: nn.Module, tp: int, family: str | None) -
     if counts["split"] == 0:
         raise LayoutNotApplied(
             f"tp={tp} split no layer of {family or 'the model'}: every rank would hold all {counts['held']:,} "
-            "parameters and compute the same thing; set tp=1 (data parallel uses those ranks), or name the "
+            "parameters and compute the same thing; use tp=1 (data parallel uses those ranks), or name the "
             "layers to split in tensor_parallel.plan"
         )
     share = counts["split"] / max(1, counts["whole"])

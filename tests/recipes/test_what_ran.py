@@ -56,3 +56,13 @@ def test_the_record_names_recomputation_tiled_mlps_neftune_and_each_ranks_parame
     shares = ran["parameters"]
     assert len(shares) == 2 and all(0.4 < share["share"] < 0.6 for share in shares)  # (ZeRO-3: about half each)
     assert sum(share["held"] for share in shares) >= shares[0]["whole"]
+
+
+def test_a_compiled_finetune_with_the_fused_loss_breaks_no_graph(tmp_path, material) -> None:
+    keys = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+    compiled = _run(tmp_path, material, "compiled", **keys)
+    eager = _run(tmp_path, material, "eager")
+    assert compiled["ran"]["loss"].startswith("fused (chunks of")
+    words = compiled["ran"]["compile"]
+    assert words.startswith("whole model but its head") and words.endswith(", 0 graph breaks"), words
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
