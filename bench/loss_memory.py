@@ -112,11 +112,16 @@ def run_mode(root: Path, scenario: str, mode: str, steps: int) -> dict[str, Any]
                           text=True, check=False)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"{scenario}/{mode} failed:\n{done.stderr[-3000:]}")
+    estimate = subprocess.run([sys.executable, "-m", "meshkit.cli", "estimate", str(path), "--json"],
+                              capture_output=True, text=True, check=False)  # fmt: skip
+    estimated = json.loads(estimate.stdout)["total_gb"] * 1e3 if estimate.returncode == 0 else None
     summary = json.loads((out / "summary.json").read_text())
     times = [json.loads(line)["time"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]  # (the steps after the first)
     ran = summary["ran"]
-    return {"peak_rss_mb": summary["memory"][0]["peak_rss"] / 1e6, "step_s": statistics.median(steps),
+    memory = summary["memory"][0]
+    return {"peak_rss_mb": memory["peak_rss"] / 1e6, "step_s": statistics.median(steps),
+            "added_mb": (memory["peak_rss"] - memory["start_rss"]) / 1e6, "estimate_mb": estimated,
             "losses": summary["losses"], "loss_path": ran["loss"], "tiled_mlp": ran["tiled_mlp"],
             "neftune": ran["neftune"]}  # fmt: skip
 
@@ -159,9 +164,11 @@ def section_rows(scenario: str, modes: dict[str, dict[str, Any]]) -> str:
         path = result.get("loss_path", "").split(" (")[0].split(":")[0]
         others = [f"{key} {result[key]}" for key in ("tiled_mlp", "neftune") if result.get(key, "off") != "off"]
         path = ", ".join([path, *(other.split(" over ")[0].replace("_", " ") for other in others)])
+        added, estimate = result.get("added_mb"), result.get("estimate_mb")
+        versus = f"{added:.0f} / {estimate:.0f} MB = {added / estimate:.2f}" if added and estimate else "—"
         rows.append(
             f"| {scenario} | {mode} | {path} | {peak:.0f} MB | {peak / baseline['peak_rss_mb']:.2f} "
-            f"| {step * 1e3:.0f} ms | {step / baseline['step_s']:.2f} | {drift:.1e} |"
+            f"| {step * 1e3:.0f} ms | {step / baseline['step_s']:.2f} | {drift:.1e} | {versus} |"
         )
     return "\n".join(rows)
 
@@ -172,9 +179,11 @@ def section(data: dict[str, Any]) -> str:
         f"`{data.get('path', 'the Engine')}` on a saved model and config, one process, fp32, {data['steps']} steps per "
         "mode, each mode its own run; peak RSS and the loss path from the run's summary.json, the median step after "
         "the first; ratios against the "
-        "first mode of each scenario; loss drift = largest absolute difference of a step's loss from it.\n\n"
-        "| scenario | mode | what ran | peak RSS | vs first | step | vs first | loss drift |\n"
-        "|---|---|---|---|---|---|---|---|"
+        "first mode of each scenario; loss drift = largest absolute difference of a step's loss from it; added / "
+        "estimate = the peak RSS over the RSS when prepare() began (libraries and data loaded, no model tensor yet) "
+        "against `meshkit estimate CONFIG` of the same file.\n\n"
+        "| scenario | mode | what ran | peak RSS | vs first | step | vs first | loss drift | added / estimate |\n"
+        "|---|---|---|---|---|---|---|---|---|"
     )
     return "\n".join([head, *(section_rows(name, modes) for name, modes in data["results"].items())])
 

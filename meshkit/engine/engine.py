@@ -42,7 +42,6 @@ from meshkit.parallel.dataparallel import WrappedModelWarning  # noqa: F401 - re
 from meshkit.paramserver.run import ParameterServerRun
 from meshkit.runtime.hang_doctor import HangDoctor, watched
 from meshkit.runtime.host_memory import ResidentGuard
-from meshkit.runtime.memory import current_rss_bytes
 from meshkit.runtime.mesh import ParallelMesh, ProcessInfo, select_device, start_process_group, stop_process_group
 from meshkit.runtime.preemption import Preempted, PreemptionWatch
 from meshkit.runtime.tracking import TrackerSet, check_trackers
@@ -175,7 +174,7 @@ class Engine:
             placement=placement,
             gradient_state=gradient_state,
             scaler=scaler,
-            objects=PreparedObjects(start_rss=current_rss_bytes()),  # (torch and the process group up)
+            objects=PreparedObjects(),
             trackers=self._trackers(config_, placement),
             preemption=PreemptionWatch(config_.checkpoint.preempt_signal, self.info.world_size),
             hang_doctor=doctor,

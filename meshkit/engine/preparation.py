@@ -33,6 +33,7 @@ from meshkit.parallel.routed import UnreachedBanks
 from meshkit.parallel.sequence_seen import watch_sequence
 from meshkit.parallel.tensor.consistency import WholeGradientsAgree
 from meshkit.parallel.zero.sharding import rebind_params, renamed_parameters, shard_optimizer
+from meshkit.runtime.memory import current_rss_bytes
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
 from meshkit.training.fused_head import FusedHead
 from meshkit.training.loss import CausalLMLoss, LossFn
@@ -51,6 +52,7 @@ class Preparation(EngineComponent):
         if loss_fn is not None:
             self.ctx.objects.loss_fn = loss_fn
         registry = self.ctx.objects
+        registry.start_rss = registry.start_rss or current_rss_bytes()  # (what the run's tensors add comes on top)
         prepared: dict[int, Any] = {}
         for index, obj in enumerate(objects):
             if isinstance(obj, nn.Module):

@@ -71,7 +71,8 @@ class Weights(EngineComponent):
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now for `params`, `grads` and `optimizer` state, its `rss`/`peak_rss`, and the
-        resident size when the engine started (`start_rss`: what the run added is `peak_rss - start_rss`)."""
+        resident size when `prepare` was first called (`start_rss`: what the run's tensors added is at most
+        `peak_rss - start_rss`)."""
         objects = self.ctx.objects
         report = memory_report(objects.models, [opt.optimizer for opt in objects.optimizers])
         return report | {"start_rss": objects.start_rss}

@@ -57,7 +57,7 @@ def apply_compile(
             return f"per block ({len(units)} blocks)"
     if eager_head:
         compiled = _compile_around(model, eager_head, options)
-        return f"whole model but its head ({compiled} part{'s' * (compiled != 1)} compiled; the fused loss eager)"
+        return f"whole model but its head ({compiled} part{'s' * (compiled != 1)} compiled; the head eager)"
     model.compile(**options)
     return "whole model"
 

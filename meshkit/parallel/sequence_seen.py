@@ -58,7 +58,7 @@ def watch_sequence(model: nn.Module, blocks_path: str | None, cp: int, tp_shards
     def on_block(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         hidden = args[0] if args else kwargs.get("hidden_states")
         if seen.block is None and isinstance(hidden, torch.Tensor) and hidden.dim() >= 3:
-            seen.block = int(local_tensor(hidden).shape[-2])
+            seen.block = int(local_tensor(hidden).shape[1])  # [batch, seq, ...] (hyper-connections: streams after)
             block_hook.remove()
 
     model_hook = model.register_forward_pre_hook(on_model, with_kwargs=True)

@@ -31,6 +31,20 @@ def acts_per_token(module: nn.Module) -> bool:
     return bool(params) and all(param.dim() == 1 for param in params)
 
 
+class EveryInputSequenceParallel(SequenceParallel):
+    """torch's SequenceParallel for a per-token module that takes more than one input shaped like its first (Ergo's
+    residual gate: the branch and the residual): every such input is taken as this rank's sequence shard, where
+    torch's own hands the module its first input only."""
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding: Any, mod: nn.Module, inputs: Any, device_mesh: DeviceMesh) -> Any:
+        first = inputs[0]
+        prepare = SequenceParallel._prepare_input_fn
+        shaped = [isinstance(value, torch.Tensor) and value.shape == first.shape for value in inputs]
+        return tuple(prepare(sequence_sharding, mod, (value,), device_mesh) if same else value
+                     for value, same in zip(inputs, shaped, strict=True))  # fmt: skip
+
+
 def _owners(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     """The modules under `module` that hold its parameters themselves: the module, or the norms of a container
     (LongCat-Flash's two input norms in one `ModuleList`), each called on its own."""
@@ -78,7 +92,7 @@ def apply_sequence_parallel(
                 require_sequence_shape(child, names[id(child)])  # (first: OPT flattens the tokens before fc1)
             elif acts_per_token(child):
                 for path, norm in _owners(child, f"{structure.blocks}.{index}.{name}"):
-                    parallelize_module(norm, mesh, SequenceParallel(use_local_output=True))
+                    parallelize_module(norm, mesh, EveryInputSequenceParallel(use_local_output=True))
                     require_sequence_shape(norm, path)
     for name, region in split_regions(model, structure, split_modules):
         region.register_forward_pre_hook(_gather_input(mesh), with_kwargs=True)
