@@ -121,7 +121,7 @@ def run_mode(root: Path, scenario: str, mode: str, steps: int) -> dict[str, Any]
     ran = summary["ran"]
     memory = summary["memory"][0]
     return {"peak_rss_mb": memory["peak_rss"] / 1e6, "step_s": statistics.median(steps),
-            "added_mb": (memory["peak_rss"] - memory["start_rss"]) / 1e6, "estimate_mb": estimated,
+            "added_mb": (memory["train_peak_rss"] - memory["start_rss"]) / 1e6, "estimate_mb": estimated,
             "losses": summary["losses"], "loss_path": ran["loss"], "tiled_mlp": ran["tiled_mlp"],
             "neftune": ran["neftune"]}  # fmt: skip
 
@@ -180,7 +180,7 @@ def section(data: dict[str, Any]) -> str:
         "mode, each mode its own run; peak RSS and the loss path from the run's summary.json, the median step after "
         "the first; ratios against the "
         "first mode of each scenario; loss drift = largest absolute difference of a step's loss from it; added / "
-        "estimate = the peak RSS over the RSS when prepare() began (libraries and data loaded, no model tensor yet) "
+        "estimate = the training loop's peak RSS over the RSS when prepare() began (libraries and data loaded) "
         "against `meshkit estimate CONFIG` of the same file.\n\n"
         "| scenario | mode | what ran | peak RSS | vs first | step | vs first | loss drift | added / estimate |\n"
         "|---|---|---|---|---|---|---|---|---|"

@@ -58,6 +58,7 @@ class PreparedObjects:
     whole_parameters: int = 0  # elements of the trained models' parameters before any split
     ran_notes: dict[str, str] = field(default_factory=dict)  # a recipe's own entries in the record of what ran
     start_rss: int = 0  # resident bytes when prepare() was first called (libraries, data; no model tensor yet)
+    train_peak_rss: int = 0  # the peak resident bytes when the training loop ended (before exports)
     sequence_seen: SequenceSeen | None = None  # the sequence the first block saw (tp, cp), for the record
     uneven: tuple[int, int] | None = None  # (this rank's samples, all ranks') under per-rank batch sizes
     # id(prepared model) -> ...

@@ -71,11 +71,12 @@ class Weights(EngineComponent):
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now for `params`, `grads` and `optimizer` state, its `rss`/`peak_rss`, and the
-        resident size when `prepare` was first called (`start_rss`: what the run's tensors added is at most
-        `peak_rss - start_rss`)."""
+        resident size when `prepare` was first called (`start_rss`) and the peak when the training loop ended
+        (`train_peak_rss`, before any export): what the training step's tensors added is at most
+        `train_peak_rss - start_rss`."""
         objects = self.ctx.objects
         report = memory_report(objects.models, [opt.optimizer for opt in objects.optimizers])
-        return report | {"start_rss": objects.start_rss}
+        return report | {"start_rss": objects.start_rss, "train_peak_rss": objects.train_peak_rss or report["peak_rss"]}
 
     def activation_report(self) -> ActivationReport:
         """Measure the activations kept for backward by the step(s) run inside `with` (bytes on this rank):

@@ -49,9 +49,13 @@ class StepRecipe:
         return ", ".join(parts)
 
 
-def loss_bytes(tokens: float, vocab: int | None, hidden: int | None, tp: int, loss: LossKind) -> tuple[float, str]:
-    """(bytes, formula) the loss holds while it runs backward: fp32 log-probabilities, their gradient and the
-    logits' gradient, for every token (plain) or for one chunk of tokens (fused: `fused_cross_entropy`)."""
+def loss_bytes(
+    tokens: float, vocab: int | None, hidden: int | None, tp: int, loss: LossKind, logits_element: int = 4
+) -> tuple[float, str]:
+    """(bytes, formula) the loss holds while it runs backward. Plain: the logits the model returned (alive until
+    backward ends, `logits_element` bytes each: 2 under 16-bit autocast) and three fp32 tensors of their size
+    (log-probabilities, their gradient, the logits' gradient). Fused (`fused_cross_entropy`): one chunk of tokens'
+    three, and the fp32 weight gradient the forward computes for backward (V/tp·h)."""
     if not vocab:
         return 0.0, ""
     rows = vocab / tp
@@ -59,5 +63,10 @@ def loss_bytes(tokens: float, vocab: int | None, hidden: int | None, tp: int, lo
         from meshkit.training.fused_cross_entropy import chunk_tokens  # (as `keeps_scores`: no torch up front)
 
         chunk = chunk_tokens(int(rows), hidden or 1, max(1, int(tokens)))
-        return 3 * 4 * rows * chunk, f" + fused loss: 3·4·V/tp for {chunk} tokens"
-    return 3 * 4 * rows * tokens, " + loss: 3·s·b·4·V/tp (log-probs, their gradient, the logits' gradient)"
+        return (3 * 4 * rows * chunk + 4 * rows * (hidden or 0), f" + fused loss: 3·4·V/tp for {chunk} tokens"
+                " + 4·V/tp·h (the head's weight gradient, from forward to backward)")  # fmt: skip
+    per_token = logits_element + 3 * 4
+    return per_token * rows * tokens, (
+        f" + loss: s·b·{per_token}·V/tp (the logits ({logits_element} B), fp32 log-probs, their gradient, the "
+        "logits' gradient)"
+    )

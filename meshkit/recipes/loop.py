@@ -24,6 +24,7 @@ from meshkit.engine.what_ran import one_line, what_ran
 from meshkit.engine.where_it_runs import where_it_runs
 from meshkit.recipes.report import TrainingProgress, plot_losses
 from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
+from meshkit.runtime.memory import peak_rss_bytes
 
 
 class StepLoss(Protocol):
@@ -185,6 +186,7 @@ def run_steps(engine: Engine, loader: Iterable[Any], scheduler: Any, plan: LoopP
         )
     engine.wait_for_checkpoint()
     record.wall_s = time.perf_counter() - start
+    engine.ctx.objects.train_peak_rss = peak_rss_bytes()  # (the training's peak, before evaluation and exports)
     if plan.evaluate is not None and (not record.evals or record.evals[-1]["step"] != record.step):
         record.evals.append({"step": record.step, **plan.evaluate()})
     record.activations = activations.as_dict() if activations is not None else None

@@ -82,15 +82,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 total += losses.sum()
                 if grad_logits is None:
                     continue
-                grad_logits = grad_logits.to(dtype)
-                if grad_hidden is not None:
-                    grad_hidden[rows] = grad_logits @ w
-                if grad_weight is not None and dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits.t(), h[rows])  # in place: no product the size of the weight
-                elif grad_weight is not None:
-                    grad_weight += grad_logits.t() @ h[rows]
-                if grad_bias is not None:
-                    grad_bias += grad_logits.float().sum(0)
+                add_chunk_gradients(grad_logits.to(dtype), h, w, rows, (grad_hidden, grad_weight, grad_bias))
             if grad_hidden is not None and shard is not None:
                 dist.all_reduce(grad_hidden, group=shard.group)  # each rank's vocab rows gave a part
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
@@ -105,6 +97,26 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         )
         # (ctx keeps them: zero-bubble schedules run this backward twice, for the input then for the weights)
         return (*grads, None, None, None, None, None)
+
+
+def add_chunk_gradients(
+    grad_logits: torch.Tensor,  # [chunk, vocab rows], in the compute dtype
+    h: torch.Tensor,  # [tokens, hidden]
+    w: torch.Tensor,  # [vocab rows, hidden]
+    rows: slice,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """One chunk's share of the fp32 gradients of the hidden states (its rows), the weight and the bias, from the
+    gradient of its logits: the two products a plain head's backward runs, the weight's added in place."""
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_hidden is not None:
+        grad_hidden[rows] = grad_logits @ w
+    if grad_weight is not None and grad_logits.dtype == torch.float32:
+        grad_weight.addmm_(grad_logits.t(), h[rows])  # in place: no product the size of the weight
+    elif grad_weight is not None:
+        grad_weight += grad_logits.t() @ h[rows]
+    if grad_bias is not None:
+        grad_bias += grad_logits.float().sum(0)
 
 
 def _chunk_losses(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from meshkit.training.fused_cross_entropy import CHUNK_BYTES, chunk_tokens, compute_dtype
+from meshkit.training.fused_cross_entropy import CHUNK_BYTES, add_chunk_gradients, chunk_tokens, compute_dtype
 from meshkit.training.loss import IGNORE_INDEX
 
 
@@ -72,15 +72,7 @@ class _FusedTokenLogProbs(torch.autograd.Function):
                 # d log p(target) / d logits = one-hot(target) - softmax; times the token's incoming gradient
                 grad_logits = logits.sub_(lse[rows].unsqueeze(1)).exp_().mul_(-scale[rows].unsqueeze(1))
                 grad_logits.scatter_add_(1, index[rows].unsqueeze(1), scale[rows].unsqueeze(1))
-                grad_logits = grad_logits.to(dtype)
-                if grad_hidden is not None:
-                    grad_hidden[rows] = grad_logits @ w
-                if grad_weight is not None and dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits.t(), h[rows])  # in place: no product the size of the weight
-                elif grad_weight is not None:
-                    grad_weight += grad_logits.t() @ h[rows]
-                if grad_bias is not None:
-                    grad_bias += grad_logits.float().sum(0)
+                add_chunk_gradients(grad_logits.to(dtype), h, w, rows, (grad_hidden, grad_weight, grad_bias))
         grads = (grad_hidden, grad_weight, grad_bias)
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         cast = tuple(None if g is None else g.to(d) for g, d in zip(grads, dtypes, strict=True))
