@@ -117,6 +117,8 @@ def _layout_values(config: Any) -> dict[str, Any]:
         "offload": config.sharding.offload,
         "compiled": config.compile.enabled,
         "sequence_parallel": config.tensor_parallel.sequence_parallel if dims.tp > 1 else None,
+        # sequences per optimizer step, as the planner counts them
+        "global_batch": config.train.global_micro_batch(dims.dp) * config.grad_accum_steps,
     }
 
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional, cast, get_args
+from typing import Annotated, Any, Optional, cast, get_args
 
 import typer
 import yaml
 from rich.console import Console
 from rich.table import Table
 
+from meshkit.cli.config_run import config_run, is_run_config
 from meshkit.cli.estimate import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
-from meshkit.cli.recipe_options import AttentionOpt, CompileOpt, LossOpt, OptimizerStepOpt, WeightsOpt, step_recipe
+from meshkit.cli.recipe_options import OptimizerStepOpt, WeightsOpt, step_recipe
 from meshkit.cli.tp_plan_view import print_tensor_parallel
 from meshkit.planning.estimate import Optimizer, Precision, Reference
 from meshkit.planning.estimate_ps import advice
@@ -32,6 +33,11 @@ from meshkit.planning.plan import (
 
 # CUDA context, NCCL's buffers and the allocator's workspaces on a GPU: an allowance (1-3 GB is usual), stated
 RUNTIME_ALLOWANCE_GB = 2.0
+# what `meshkit plan` assumes of a run where neither a flag nor a config says
+PLAN_DEFAULTS: dict[str, Any] = {
+    "seq_len": 2048, "global_batch": 64, "precision": "bf16", "optimizer": "adam", "reference": "none",
+    "compiled": False, "attention": "sdpa", "loss": "plain",
+}  # fmt: skip
 
 
 def plan_command(
@@ -56,12 +62,16 @@ def plan_command(
     inter_node: Annotated[
         Optional[str], typer.Option("--inter-node", help=f"{', '.join(INTER_LINKS)} (default: the device's)")
     ] = None,
-    seq_len: Annotated[int, typer.Option("--seq-len")] = 2048,
-    global_batch: Annotated[int, typer.Option("--global-batch", help="sequences per optimizer step")] = 64,
-    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "bf16",
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="default: the config's, else 2048")] = None,
+    global_batch: Annotated[
+        Optional[int],
+        typer.Option("--global-batch", help="sequences per optimizer step (default: the config's, else 64)"),
+    ] = None,
+    precision: Annotated[Optional[str], typer.Option("--precision", help="fp32, bf16 or fp16")] = None,
     optimizer: Annotated[
-        str, typer.Option("--optimizer", help="adam, adam8bit (8-bit states), adam4bit (torchao's 4-bit states) or sgd")
-    ] = "adam",
+        Optional[str],
+        typer.Option("--optimizer", help="adam, adam8bit (8-bit states), adam4bit (torchao's 4-bit states) or sgd"),
+    ] = None,
     top: Annotated[int, typer.Option("--top", help="layouts shown")] = 8,
     stragglers: Annotated[
         bool,
@@ -97,19 +107,33 @@ def plan_command(
         bool, typer.Option("--explain", help="each memory term of the first layout (or of the smallest, if none fits)")
     ] = False,
     reference: Annotated[
-        str,
+        Optional[str],
         typer.Option("--reference", help="preference training's reference: copy, adapters, precomputed or none"),
-    ] = "none",
-    compiled: CompileOpt = False,
-    attention: AttentionOpt = "sdpa",
-    loss: LossOpt = "plain",
+    ] = None,
+    compiled: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile (inductor)")] = None,
+    attention: Annotated[
+        Optional[str], typer.Option("--attention", help="sdpa, flash_attention_2, ... or eager")
+    ] = None,
+    loss: Annotated[Optional[str], typer.Option("--loss", help="plain (the whole logits) or fused")] = None,
     optimizer_step: OptimizerStepOpt = "foreach",
     weights: WeightsOpt = "autocast",
 ) -> None:
     """The layouts that fit, fastest first: predicted step time, tokens/s, MFU, memory, communication, bubble."""
     if probe:
         raise typer.Exit(_probe(model, gpus_per_node))
-    shape = model_shape(model, params, layers, hidden, heads, vocab)
+    given = {"seq_len": seq_len, "global_batch": global_batch, "precision": precision, "optimizer": optimizer,
+             "reference": reference, "compiled": compiled, "attention": attention, "loss": loss}  # fmt: skip
+    run = config_run(model) if model is not None and is_run_config(model) and model.is_file() else None
+    if run is not None:  # the run that config starts: its sequence, batch, precision and recipe (flags override)
+        v, _ = run.merged(given, PLAN_DEFAULTS)
+        shape = run.shape
+    else:
+        v = {
+            name: given.get(name) if given.get(name) is not None else default for name, default in PLAN_DEFAULTS.items()
+        }
+        shape = model_shape(model, params, layers, hidden, heads, vocab)
+    seq_len, global_batch, precision, optimizer = v["seq_len"], v["global_batch"], v["precision"], v["optimizer"]
+    reference, compiled, attention, loss = v["reference"], v["compiled"], v["attention"], v["loss"]
     if gpu is not None and profile is not None:
         raise PlanError("--gpu and --profile both name the device: give one")
     device = load_profile(profile) if profile is not None else preset(gpu or "a100")

@@ -10,14 +10,6 @@ import typer
 from meshkit.planning.estimate import EstimateError
 from meshkit.planning.step_recipe import LossKind, OptimizerStep, StepRecipe, WeightsKept
 
-CompileOpt = Annotated[
-    bool, typer.Option("--compile", help="torch.compile (inductor): pointwise results recomputed, not kept")
-]
-AttentionOpt = Annotated[
-    str,
-    typer.Option("--attention", help="sdpa, flash_attention_2, ... (a log-sum-exp per head) or eager (the scores)"),
-]
-LossOpt = Annotated[str, typer.Option("--loss", help="plain (the whole logits) or fused (a chunk at a time)")]
 OptimizerStepOpt = Annotated[
     str, typer.Option("--optimizer-step", help="foreach (torch's default: a temporary per state) or fused")
 ]

@@ -46,3 +46,15 @@ def test_a_lora_finetune_config_counts_the_adapters_and_the_fused_loss(tmp_path,
     assert 0 < trained < 20_000  # (r=4 adapters on a 39k-parameter base)
     full = _run(str(write_config(tmp_path / "full.yaml", material)))
     assert full["trainable_params"]["value"] is None and full["dp"]["value"] == 1
+
+
+def test_plan_reads_a_finetune_config_as_the_run_it_starts(tmp_path, material) -> None:
+    from tests.helpers.finetune_runs import write_config
+
+    config = write_config(tmp_path / "full.yaml", material, gradient_accumulation_steps=4)
+    done = meshkit("plan", str(config), "--gpus-per-node", "2", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    layouts = json.loads(done.stdout)
+    assert layouts and all(row["dp"] * row["microbatches"] >= 1 for row in layouts)
+    flagged = meshkit("plan", str(config), "--gpus-per-node", "2", "--seq-len", "64", "--json")
+    assert json.loads(flagged.stdout)[0]["tokens_per_s"] != layouts[0]["tokens_per_s"]  # (the flag overrides)
