@@ -203,7 +203,9 @@ class Preparation(EngineComponent):
         setting = config.fused_loss
         if objects.loss_fn is not None:
             name = getattr(objects.loss_fn, "__name__", type(objects.loss_fn).__name__)
-            objects.loss_path = f"plain (whole logits): loss_fn={name} given to prepare() reads the logits"
+            given = f"loss_fn={name} given to prepare()"
+            lm = done.structure is not None and done.structure.causal_lm
+            objects.loss_path = f"plain (whole logits): {given} reads the logits" if lm else given
             return None
         if not objects.causal_lm:
             own = done.structure is not None and done.structure.causal_lm
@@ -247,8 +249,7 @@ class Preparation(EngineComponent):
         if isinstance(done.model, PipelineModel):
             raise EngineError("a frozen model under pipeline parallel is not supported yet: set pp=1")
         found = done.logits_head
-        fused = ctx.config.fused_loss != "off" and found is not None and found.name is not None
-        if fused and found is not None and found.name is not None:  # (its log-probs a chunk of tokens at a time)
+        if ctx.config.fused_loss != "off" and found is not None and found.name is not None:  # (log-probs in chunks)
             ctx.objects.frozen_heads[done.model] = FusedHead(unwrap(done.model).get_submodule(found.name))
         return done.model.eval()
 
