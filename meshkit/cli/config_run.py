@@ -141,3 +141,15 @@ def _adapter_parameters(job: Any) -> float:
 
     model = apply_lora(build_meta_model(job.settings), job.settings)
     return float(sum(param.numel() for param in model.parameters() if param.requires_grad))
+
+
+def run_values(
+    model: Path | None, given: dict[str, Any], defaults: dict[str, Any]
+) -> tuple[ConfigRun | None, dict[str, Any], dict[str, str]]:
+    """(the run `model` configures, or None where it is no run config; each value: the flag where given, else the
+    config's, else the default; where each came from)."""
+    run = config_run(model) if model is not None and is_run_config(model) and model.is_file() else None
+    if run is not None:
+        return run, *run.merged(given, defaults)
+    values = {name: given[name] if given.get(name) is not None else default for name, default in defaults.items()}
+    return None, values, {name: "flag" if given.get(name) is not None else "default" for name in defaults}

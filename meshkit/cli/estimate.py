@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from meshkit.cli.config_run import config_run, is_run_config
-from meshkit.cli.recipe_options import OptimizerStepOpt, WeightsOpt, step_recipe
+from meshkit.cli.config_run import run_values
+from meshkit.cli.recipe_options import AttentionOpt, CompileOpt, LossOpt, OptimizerStepOpt, WeightsOpt, step_recipe
 from meshkit.config.layout import Offload, Recompute
 from meshkit.planning.estimate import (
     Estimate,
@@ -109,16 +109,9 @@ def estimate_command(
             "precomputed, or none",
         ),
     ] = None,
-    compiled: Annotated[
-        Optional[bool],
-        typer.Option("--compile/--no-compile", help="torch.compile (inductor): pointwise results recomputed"),
-    ] = None,
-    attention: Annotated[
-        Optional[str], typer.Option("--attention", help="sdpa, flash_attention_2, ... or eager")
-    ] = None,
-    loss: Annotated[
-        Optional[str], typer.Option("--loss", help="plain (the whole logits) or fused (a chunk at a time)")
-    ] = None,
+    compiled: CompileOpt = None,
+    attention: AttentionOpt = None,
+    loss: LossOpt = None,
     optimizer_step: OptimizerStepOpt = "foreach",
     weights: WeightsOpt = "autocast",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
@@ -130,14 +123,8 @@ def estimate_command(
              "zero_stage": zero_stage, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
              "activation_checkpointing": activation_checkpointing, "offload": offload, "reference": reference,
              "compiled": compiled, "attention": attention, "loss": loss}  # fmt: skip
-    run = config_run(model) if model is not None and is_run_config(model) and model.is_file() else None
-    if run is not None:
-        v, sources = run.merged(given, DEFAULTS)
-        shape = run.shape
-    else:
-        v = {name: given.get(name) if given.get(name) is not None else default for name, default in DEFAULTS.items()}
-        sources = {name: "flag" if given.get(name) is not None else "default" for name in DEFAULTS}
-        shape = model_shape(model, params, layers, hidden, heads, vocab)
+    run, v, sources = run_values(model, given, DEFAULTS)
+    shape = run.shape if run is not None else model_shape(model, params, layers, hidden, heads, vocab)
     for name, value, choices in (
         ("--precision", v["precision"], ("fp32", "bf16", "fp16")),
         ("--optimizer", v["optimizer"], ("adam", "adam8bit", "adam4bit", "sgd")),

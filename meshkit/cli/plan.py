@@ -11,9 +11,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from meshkit.cli.config_run import config_run, is_run_config
+from meshkit.cli.config_run import run_values
 from meshkit.cli.estimate import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
-from meshkit.cli.recipe_options import OptimizerStepOpt, WeightsOpt, step_recipe
+from meshkit.cli.recipe_options import AttentionOpt, CompileOpt, LossOpt, OptimizerStepOpt, WeightsOpt, step_recipe
 from meshkit.cli.tp_plan_view import print_tensor_parallel
 from meshkit.planning.estimate import Optimizer, Precision, Reference
 from meshkit.planning.estimate_ps import advice
@@ -110,11 +110,9 @@ def plan_command(
         Optional[str],
         typer.Option("--reference", help="preference training's reference: copy, adapters, precomputed or none"),
     ] = None,
-    compiled: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile (inductor)")] = None,
-    attention: Annotated[
-        Optional[str], typer.Option("--attention", help="sdpa, flash_attention_2, ... or eager")
-    ] = None,
-    loss: Annotated[Optional[str], typer.Option("--loss", help="plain (the whole logits) or fused")] = None,
+    compiled: CompileOpt = None,
+    attention: AttentionOpt = None,
+    loss: LossOpt = None,
     optimizer_step: OptimizerStepOpt = "foreach",
     weights: WeightsOpt = "autocast",
 ) -> None:
@@ -123,15 +121,9 @@ def plan_command(
         raise typer.Exit(_probe(model, gpus_per_node))
     given = {"seq_len": seq_len, "global_batch": global_batch, "precision": precision, "optimizer": optimizer,
              "reference": reference, "compiled": compiled, "attention": attention, "loss": loss}  # fmt: skip
-    run = config_run(model) if model is not None and is_run_config(model) and model.is_file() else None
-    if run is not None:  # the run that config starts: its sequence, batch, precision and recipe (flags override)
-        v, _ = run.merged(given, PLAN_DEFAULTS)
-        shape = run.shape
-    else:
-        v = {
-            name: given.get(name) if given.get(name) is not None else default for name, default in PLAN_DEFAULTS.items()
-        }
-        shape = model_shape(model, params, layers, hidden, heads, vocab)
+    # the run a config starts: its sequence, batch, precision and recipe (flags override)
+    run, v, _ = run_values(model, given, PLAN_DEFAULTS)
+    shape = run.shape if run is not None else model_shape(model, params, layers, hidden, heads, vocab)
     seq_len, global_batch, precision, optimizer = v["seq_len"], v["global_batch"], v["precision"], v["optimizer"]
     reference, compiled, attention, loss = v["reference"], v["compiled"], v["attention"], v["loss"]
     if gpu is not None and profile is not None:

@@ -3,13 +3,23 @@ beyond the model and the layout (`meshkit.planning.step_recipe`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, cast, get_args
+from typing import Annotated, Optional, cast, get_args
 
 import typer
 
 from meshkit.planning.estimate import EstimateError
 from meshkit.planning.step_recipe import LossKind, OptimizerStep, StepRecipe, WeightsKept
 
+# where a flag overrides a run's config, None = not given (the config's value, else the default)
+CompileOpt = Annotated[
+    Optional[bool],
+    typer.Option("--compile/--no-compile", help="torch.compile (inductor): pointwise results recomputed, not kept"),
+]
+AttentionOpt = Annotated[
+    Optional[str],
+    typer.Option("--attention", help="sdpa, flash_attention_2, ... (a log-sum-exp per head) or eager (the scores)"),
+]
+LossOpt = Annotated[Optional[str], typer.Option("--loss", help="plain (the whole logits) or fused (a chunk at a time)")]
 OptimizerStepOpt = Annotated[
     str, typer.Option("--optimizer-step", help="foreach (torch's default: a temporary per state) or fused")
 ]

@@ -126,7 +126,8 @@ def parallelize(
         notice=notice or next((part.notice for part in parts if part.notice), None),
         own_loss=own,
         logits_head=head,
-        tiled_mlp=next((part.tiled_mlp for part in parts if part.tiled_mlp), None),
+        tiled_mlp=next((part.tiled_mlp for part in parts if part.tiled_mlp), None)
+        or (f"not applied: {untiled}" if config.tiled_mlp and not frozen else None),
         compiled=parts[0].compiled if parts else "off",
     )
 
