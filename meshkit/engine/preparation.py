@@ -209,7 +209,11 @@ class Preparation(EngineComponent):
             return None
         if not objects.causal_lm:
             own = done.structure is not None and done.structure.causal_lm
-            objects.loss_path = "the model's own loss" if own else None
+            classifier = done.structure.classifier if done.structure is not None else None
+            scores = f"from the scores of its classification head {classifier} (no vocabulary to chunk)"
+            objects.loss_path = "the model's own loss" if own else scores if classifier else None
+            if classifier and setting == "on":
+                raise EngineError(f"fused_loss=on, but the loss is {objects.loss_path}: set fused_loss=auto (or off)")
             return None
         found = done.logits_head
         reasons = {

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshkit.engine.ran_optimizer import offload_words, optimizer_words, quantized_words
 from meshkit.engine.where_it_runs import attention_words
 from meshkit.parallel.applied import held_elements
 from meshkit.parallel.compile import dynamo_counts
@@ -38,6 +39,14 @@ def what_ran(
         "neftune": f"noise alpha {config.neftune_noise_alpha:g}" if config.neftune_noise_alpha is not None else "off",
         "allocator": allocator_in_use(),
     }
+    if objects.optimizers:
+        record["optimizer"] = optimizer_words(objects.optimizers[0], stepped)
+    if objects.models:
+        optimizer = objects.optimizers[0] if objects.optimizers else None
+        record["offload"] = offload_words(objects.models[-1], optimizer, config.sharding.offload)
+        quantized = quantized_words(objects.models[-1])
+        if quantized is not None:
+            record["quantized_base"] = quantized
     seen = objects.sequence_seen.words() if objects.sequence_seen is not None else None
     if seen is not None:
         record["sequence"] = seen
@@ -54,8 +63,9 @@ def note_ran(engine: Engine, key: str, words: str) -> None:
 
 def one_line(record: dict[str, Any]) -> str:
     """`loss fused (...), compile off, recomputation none, allocator tcmalloc` for a banner."""
-    keys = ("loss", "compile", "recomputation", "tiled_mlp", "neftune", "liger", "allocator")
-    return ", ".join(f"{key.replace('_', ' ')} {record[key]}" for key in keys if key in record)
+    keys = ("loss", "compile", "recomputation", "tiled_mlp", "neftune", "liger", "optimizer", "offload", "allocator")
+    shown = [key for key in keys if key in record and not (key == "offload" and record[key] == "none")]
+    return ", ".join(f"{key.replace('_', ' ')} {record[key]}" for key in shown)
 
 
 def parameters_held(objects: PreparedObjects) -> dict[str, Any]:

@@ -51,7 +51,9 @@ def _token_wise(module: nn.Module) -> bool:
     if width is None:
         return False
     generator = torch.Generator().manual_seed(0)
-    sample = torch.randn(1, SAMPLE_TOKENS, width, generator=generator).to(weight.device, weight.dtype)
+    # a quantized base layer's weight is packed integers: the sample takes the floating-point parameters' dtype
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    sample = torch.randn(1, SAMPLE_TOKENS, width, generator=generator).to(weight.device, dtype)
     try:
         with torch.no_grad():
             whole = module(sample)
