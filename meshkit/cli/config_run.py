@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from meshkit.planning.estimate import EstimateError, ModelShape
+from meshkit.planning.estimate import CPU_RUNTIME_GB, EstimateError, ModelShape
 
 PRECISIONS = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
@@ -103,7 +103,8 @@ def _layout_values(config: Any) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         dims = replace(dims, zero_stage=effective_zero_stage(config.sharding, dims))
     shards = dims.dp_shard if dims.zero_stage == 3 and dims.dp_shard > 1 else dims.dp
-    return {
+    on_cpu = {"runtime_gb": CPU_RUNTIME_GB} if runs_on_cpu(config.device) else {}
+    return on_cpu | {
         "dp": shards,
         "tp": dims.tp,
         "pp": dims.pp,
@@ -116,10 +117,20 @@ def _layout_values(config: Any) -> dict[str, Any]:
         "activation_checkpointing": config.activation_checkpointing.mode,
         "offload": config.sharding.offload,
         "compiled": config.compile.enabled,
+        "tiled_mlp": config.tiled_mlp,
         "sequence_parallel": config.tensor_parallel.sequence_parallel if dims.tp > 1 else None,
         # sequences per optimizer step, as the planner counts them
         "global_batch": config.train.global_micro_batch(dims.dp) * config.grad_accum_steps,
     }
+
+
+def runs_on_cpu(device: str) -> bool:
+    """The config's run is on CPU ranks: `device: cpu`, or `auto` on a host without a GPU (as it starts here)."""
+    if device == "cpu":
+        return True
+    import torch
+
+    return device == "auto" and not torch.cuda.is_available()
 
 
 def _optimizer_kind(name: str) -> str:

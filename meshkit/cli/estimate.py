@@ -11,7 +11,15 @@ from rich.console import Console
 from rich.table import Table
 
 from meshkit.cli.config_run import run_values
-from meshkit.cli.recipe_options import AttentionOpt, CompileOpt, LossOpt, OptimizerStepOpt, WeightsOpt, step_recipe
+from meshkit.cli.recipe_options import (
+    AttentionOpt,
+    CompileOpt,
+    LossOpt,
+    OptimizerStepOpt,
+    TiledMlpOpt,
+    WeightsOpt,
+    step_recipe,
+)
 from meshkit.config.layout import Offload, Recompute
 from meshkit.planning.estimate import (
     Estimate,
@@ -65,7 +73,10 @@ DEFAULTS: dict[str, Any] = {
     "seq_len": 2048, "micro_batch": 1, "precision": "bf16", "optimizer": "adam", "zero_stage": 0, "dp": 1, "tp": 1,
     "pp": 1, "cp": 1, "ep": 1, "activation_checkpointing": "none", "offload": "none", "reference": "none",
     "compiled": False, "attention": "sdpa", "loss": "plain", "sequence_parallel": None, "trainable_params": None,
+    "runtime_gb": 0.0, "tiled_mlp": False,
 }  # fmt: skip
+
+CPU_RUNTIME = "a CPU rank's runtime outside tensors (torch's kernels, gloo, the loop's objects; measured)"
 
 
 def estimate_command(
@@ -98,9 +109,13 @@ def estimate_command(
         int, typer.Option("--ps-servers", help="parameter server: this many servers, --dp workers (0 = off)")
     ] = 0,
     runtime_gb: Annotated[
-        float,
-        typer.Option("--runtime-gb", help="held outside tensors: CUDA context, workspaces (default 0)"),
-    ] = 0.0,
+        Optional[float],
+        typer.Option(
+            "--runtime-gb",
+            help="held outside tensors: CUDA context, workspaces (default 0; a config's run on CPU ranks: "
+            "torch's measured CPU runtime)",
+        ),
+    ] = None,
     reference: Annotated[
         Optional[str],
         typer.Option(
@@ -112,6 +127,7 @@ def estimate_command(
     compiled: CompileOpt = None,
     attention: AttentionOpt = None,
     loss: LossOpt = None,
+    tiled_mlp: TiledMlpOpt = None,
     optimizer_step: OptimizerStepOpt = "foreach",
     weights: WeightsOpt = "autocast",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
@@ -122,7 +138,8 @@ def estimate_command(
     given = {"seq_len": seq_len, "micro_batch": micro_batch, "precision": precision, "optimizer": optimizer,
              "zero_stage": zero_stage, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
              "activation_checkpointing": activation_checkpointing, "offload": offload, "reference": reference,
-             "compiled": compiled, "attention": attention, "loss": loss}  # fmt: skip
+             "compiled": compiled, "attention": attention, "loss": loss, "runtime_gb": runtime_gb,
+             "tiled_mlp": tiled_mlp}  # fmt: skip
     run, v, sources = run_values(model, given, DEFAULTS)
     shape = run.shape if run is not None else model_shape(model, params, layers, hidden, heads, vocab)
     for name, value, choices in (
@@ -134,7 +151,7 @@ def estimate_command(
     ):
         if value not in choices:
             raise EstimateError(f"{name} {value}: choose {', '.join(choices)}")
-    recipe = step_recipe(v["compiled"], v["attention"], v["loss"], optimizer_step, weights)
+    recipe = step_recipe(v["compiled"], v["attention"], v["loss"], optimizer_step, weights, v["tiled_mlp"])
     if ps_servers:
         _parameter_server(
             shape, ps_servers, v["dp"], v["seq_len"], v["micro_batch"], v["precision"], v["optimizer"],
@@ -155,7 +172,8 @@ def estimate_command(
         activation_checkpointing=cast(Recompute, v["activation_checkpointing"]),
         offload=cast(Offload, v["offload"]),
         sequence_parallel=v["sequence_parallel"],
-        runtime_gb=runtime_gb,
+        runtime_gb=v["runtime_gb"],
+        runtime_words="given" if sources["runtime_gb"] == "flag" else CPU_RUNTIME,
         ep=v["ep"],
         reference=cast(Reference, v["reference"]),
         recipe=recipe,

@@ -13,7 +13,15 @@ from rich.table import Table
 
 from meshkit.cli.config_run import run_values
 from meshkit.cli.estimate import HeadsOpt, HiddenOpt, LayersOpt, ModelArg, ParamsOpt, VocabOpt, model_shape
-from meshkit.cli.recipe_options import AttentionOpt, CompileOpt, LossOpt, OptimizerStepOpt, WeightsOpt, step_recipe
+from meshkit.cli.recipe_options import (
+    AttentionOpt,
+    CompileOpt,
+    LossOpt,
+    OptimizerStepOpt,
+    TiledMlpOpt,
+    WeightsOpt,
+    step_recipe,
+)
 from meshkit.cli.tp_plan_view import print_tensor_parallel
 from meshkit.planning.estimate import Optimizer, Precision, Reference
 from meshkit.planning.estimate_ps import advice
@@ -36,7 +44,7 @@ RUNTIME_ALLOWANCE_GB = 2.0
 # what `meshkit plan` assumes of a run where neither a flag nor a config says
 PLAN_DEFAULTS: dict[str, Any] = {
     "seq_len": 2048, "global_batch": 64, "precision": "bf16", "optimizer": "adam", "reference": "none",
-    "compiled": False, "attention": "sdpa", "loss": "plain",
+    "compiled": False, "attention": "sdpa", "loss": "plain", "tiled_mlp": False,
 }  # fmt: skip
 
 
@@ -113,6 +121,7 @@ def plan_command(
     compiled: CompileOpt = None,
     attention: AttentionOpt = None,
     loss: LossOpt = None,
+    tiled_mlp: TiledMlpOpt = None,
     optimizer_step: OptimizerStepOpt = "foreach",
     weights: WeightsOpt = "autocast",
 ) -> None:
@@ -120,7 +129,8 @@ def plan_command(
     if probe:
         raise typer.Exit(_probe(model, gpus_per_node))
     given = {"seq_len": seq_len, "global_batch": global_batch, "precision": precision, "optimizer": optimizer,
-             "reference": reference, "compiled": compiled, "attention": attention, "loss": loss}  # fmt: skip
+             "reference": reference, "compiled": compiled, "attention": attention, "loss": loss,
+             "tiled_mlp": tiled_mlp}  # fmt: skip
     # the run a config starts: its sequence, batch, precision and recipe (flags override)
     run, v, _ = run_values(model, given, PLAN_DEFAULTS)
     shape = run.shape if run is not None else model_shape(model, params, layers, hidden, heads, vocab)
@@ -137,11 +147,12 @@ def plan_command(
         raise PlanError(f"--precision {precision!r} is not one the planner knows: fp32, bf16 or fp16")
     if reference not in get_args(Reference):
         raise PlanError(f"--reference {reference!r}: choose copy, adapters, precomputed or none")
+    recipe = step_recipe(compiled, attention, loss, optimizer_step, weights, v["tiled_mlp"])
     only = LayoutFilter.of(strategy, tp=tp, pp=pp, cp=cp, activation_checkpointing=recompute, offload=offload)
     result = plan(
         shape, cluster, seq_len=seq_len, global_batch=global_batch, precision=cast(Precision, precision),
         optimizer=cast(Optimizer, optimizer), only=only, runtime_gb=runtime_gb, host_mem_gb=host_mem_gb,
-        reference=cast(Reference, reference), recipe=step_recipe(compiled, attention, loss, optimizer_step, weights),
+        reference=cast(Reference, reference), recipe=recipe,
     )  # fmt: skip
     if explain:
         chosen = result.fitting[0] if result.fitting else result.smallest

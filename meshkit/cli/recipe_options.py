@@ -20,6 +20,10 @@ AttentionOpt = Annotated[
     typer.Option("--attention", help="sdpa, flash_attention_2, ... (a log-sum-exp per head) or eager (the scores)"),
 ]
 LossOpt = Annotated[Optional[str], typer.Option("--loss", help="plain (the whole logits) or fused (a chunk at a time)")]
+TiledMlpOpt = Annotated[
+    Optional[bool],
+    typer.Option("--tiled-mlp/--no-tiled-mlp", help="tiled_mlp: each MLP over slices of the sequence, recomputed"),
+]
 OptimizerStepOpt = Annotated[
     str, typer.Option("--optimizer-step", help="foreach (torch's default: a temporary per state) or fused")
 ]
@@ -33,7 +37,9 @@ WeightsOpt = Annotated[
 ]
 
 
-def step_recipe(compiled: bool, attention: str, loss: str, optimizer_step: str, weights: str) -> StepRecipe:
+def step_recipe(
+    compiled: bool, attention: str, loss: str, optimizer_step: str, weights: str, tiled_mlp: bool = False
+) -> StepRecipe:
     """The recipe the options give; a value outside a choice is a one-line error."""
     for name, value, choices in (
         ("--loss", loss, get_args(LossKind)),
@@ -48,4 +54,5 @@ def step_recipe(compiled: bool, attention: str, loss: str, optimizer_step: str, 
         loss=cast(LossKind, loss),
         optimizer_step=cast(OptimizerStep, optimizer_step),
         weights=cast(WeightsKept, weights),
+        tiled_mlp=tiled_mlp,
     )

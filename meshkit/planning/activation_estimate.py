@@ -49,6 +49,7 @@ def decoder_layer_activation_bytes(
     fused_attention: bool = True,
     experts: tuple[int, int] | None = None,
     compiled: bool = False,
+    tiled_mlp: bool = False,
 ) -> float:
     """Bytes one pre-norm decoder layer (RMSNorm, attention with `kv_width` = kv heads × head_dim, gated MLP of
     width `ffn`, or `experts` = (top_k, expert width)) saves for backward, per the tensors autograd keeps,
@@ -61,17 +62,19 @@ def decoder_layer_activation_bytes(
     the residual stream stays fp32: its copies add 14h bytes. `compiled` (torch.compile's inductor, a dense layer):
     pointwise results are recomputed in backward, so a layer keeps the two norms' inputs (fp32 under autocast), the
     projections' normalised inputs (2h), q, k, v and the attention output (2h + 2·kv_width), the MLP's gate, up and
-    product (3·ffn): on an H200 the 1.1 B model's peaks agree within 5 % (`step_recipe.py`)."""
+    product (3·ffn): on an H200 the 1.1 B model's peaks agree within 5 % (`step_recipe.py`). `tiled_mlp`: a dense
+    MLP keeps only its input (the norm's output, counted with the norms); one slice's intermediates are counted
+    once per step (`tiled_mlp_slice_bytes`)."""
     if recompute == "full":
         return s * b * h * (4 if autocast else element) / (tp if sp else 1)
-    mlp = experts[0] * (4 * experts[1] + 2 * h) if experts else 4 * ffn
+    mlp = experts[0] * (4 * experts[1] + 2 * h) if experts else 0 if tiled_mlp else 4 * ffn
     split = 2 * h + 2 * kv_width + (0 if experts else mlp)
     whole = 6 * h + (mlp if experts else 0)  # (experts: whole under tp, as meshkit keeps the banks)
     # fused: a fp32 log-sum-exp per head (in elements of `element` bytes); eager: probabilities, k/v repeated
     scores = 4 * a / element if fused_attention or recompute == "selective" else a * s + 2 * (h - kv_width)
     stream = 14 * h if autocast else 0  # (the residual stream: sequence-sharded under SP, whole without)
     if compiled and not experts:
-        split = 2 * h + 2 * kv_width + 3 * ffn
+        split = 2 * h + 2 * kv_width + (0 if tiled_mlp else 3 * ffn)
         whole = 2 * h + (0 if autocast else 2 * h)  # (the norms' inputs: fp32 in `stream` under autocast)
         stream = 8 * h if autocast else 0
     per_token = element * (whole / (tp if sp else 1) + (split + scores) / tp) + stream / (tp if sp else 1) + 8
@@ -91,7 +94,7 @@ def _per_layer(
         fused = model.fused_attention and not recipe.keeps_scores
         layout: dict[str, Any] = {"element": element, "autocast": autocast, "tp": tp, "sp": sp, "recompute": recompute}
         kernel: dict[str, Any] = {"fused_attention": fused, "compiled": recipe.compiled}
-        dense = decoder_layer_activation_bytes(**shape, ffn=model.ffn, **layout, **kernel)
+        dense = decoder_layer_activation_bytes(**shape, ffn=model.ffn, **layout, **kernel, tiled_mlp=recipe.tiled_mlp)
         routed = (model.top_k or 1, model.expert_ffn or model.ffn) if model.moe_layers else None
         moe = decoder_layer_activation_bytes(**shape, ffn=model.ffn, **layout, **kernel, experts=routed)
         return float((dense * (model.layers - model.moe_layers) + moe * model.moe_layers) / model.layers)
@@ -99,6 +102,35 @@ def _per_layer(
         s=s, b=b, h=model.hidden, a=model.heads, element=element, tp=tp, sp=sp, recompute=recompute, dropout=dropout,
         scores_kept=recipe.keeps_scores or not model.fused_attention,
     )  # fmt: skip
+
+
+MIN_SLICE_TOKENS = 1024  # (as `meshkit.parallel.tiled_mlp` slices: max(hidden, 1024) tokens)
+
+
+def backward_working_line(
+    model: Any, seq_len: int, micro_batch: int, precision: str, tp: int, cp: int, recompute: Recompute,
+    recipe: StepRecipe,
+) -> tuple[float, str]:  # fmt: skip
+    """(bytes, formula) of backward's working set (`backward_working_bytes`) at the run's shapes; none under full
+    recomputation (the recomputed layer's line holds it) or where the widths are unknown."""
+    if model.hidden is None or recompute == "full":
+        return 0.0, ""
+    element = 4 if precision == "fp32" else 2
+    tiled = recipe.tiled_mlp and model.ffn is not None and model.moe_layers < model.layers
+    bytes_ = backward_working_bytes(model, seq_len / cp, micro_batch, element, tp, tiled)
+    if tiled:
+        return bytes_, f"one MLP slice recomputed in backward: b·max(h, {MIN_SLICE_TOKENS})·6·ffn/tp"
+    return bytes_, "the gradients of one layer's two widest tensors in backward: sb·2·ffn/tp"
+
+
+def backward_working_bytes(model: Any, s: float, b: int, element: int, tp: int, tiled_mlp: bool) -> float:
+    """What backward holds beyond the saved activations while it runs through one layer's MLP: the gradients of
+    its two widest tensors (measured with a live-tensor count on transformers' Llama MLP: 2·ffn per token). Under
+    tiled MLPs: one slice of max(h, 1024) tokens recomputed — its gate, activation, up and product and those two."""
+    width = model.ffn or 4 * (model.hidden or 0)
+    if tiled_mlp and model.ffn is not None:
+        return b * min(s, max(model.hidden or 0, MIN_SLICE_TOKENS)) * 6 * width * element / tp
+    return b * s * 2 * width * element / tp
 
 
 def recomputed_layer_bytes(
@@ -159,9 +191,11 @@ def activation_line(
     }[recompute]
     if model.ffn is not None and not dropout and recompute != "full":
         mlp = f"{model.top_k}·(4·{model.expert_ffn} + 2h) routed" if model.moe_layers else f"4·ffn={4 * model.ffn}"
+        mlp = "0·ffn (tiled MLP)" if recipe.tiled_mlp and not model.moe_layers else mlp
         kernel = "a·s probabilities" if scores_kept else "lse"
         if recipe.compiled and not model.moe_layers:
-            term = f"sb·{element}·(4h + 2·kv + 3·ffn={3 * model.ffn}) + {kernel}, compiled"
+            ffn = "0·ffn (tiled MLP)" if recipe.tiled_mlp else f"3·ffn={3 * model.ffn}"
+            term = f"sb·{element}·(4h + 2·kv + {ffn}) + {kernel}, compiled"
             term += " + 8h bytes (fp32 norm inputs)" if autocast else ""
         else:
             term = f"sb·{element}·(8h + 2·kv + {mlp}) + {kernel}" + (" + 14h bytes (fp32 residual)" if autocast else "")

@@ -28,6 +28,7 @@ from meshkit.config.layout import Offload, Recompute
 from meshkit.parallel.zero import BUCKETS_IN_FLIGHT
 from meshkit.planning.activation_estimate import (  # noqa: F401 - layer_activation_bytes re-exported
     activation_line,
+    backward_working_line,
     decoder_layer_activation_bytes,
     layer_activation_bytes,
     recomputed_layer_bytes,
@@ -47,6 +48,13 @@ Optimizer = Literal["adam", "adam8bit", "adam4bit", "sgd"]
 
 
 Phase = Literal["always", "backward", "step", "slack"]
+
+
+# What a CPU rank's resident memory grows by on its first steps outside its tensors (torch's autograd engine and
+# kernel caches, gloo's buffers, the training loop's own objects): measured as the peak RSS over the RSS at
+# prepare() less the estimated tensors, `meshkit train` on examples/demo.yaml at world 1, 2 (dp, tp) and 4:
+# 33-42 MB (BENCHMARKS.md, "estimate of a config").
+CPU_RUNTIME_GB = 0.040
 
 
 @dataclass(frozen=True)
@@ -139,14 +147,15 @@ def estimate_memory(
     zero_bucket_mb: float = 25.0,
     zero3_unit_mb: float = 25.0,
     runtime_gb: float = 0.0,
+    runtime_words: str = "given",
     ep: int = 1,
     reference: Reference = "none",
     recipe: StepRecipe | None = None,
     trainable_params: float | None = None,
 ) -> Estimate:
     """Per-device GB (10^9 bytes) for params, grads, optimizer, activations, buffers and the runtime, with
-    formulas. `runtime_gb` is what the process holds outside tensors (measured: torch's kernels and the
-    distributed runtime on a CPU rank, 17-23 MB; on a GPU the CUDA context and library workspaces).
+    formulas. `runtime_gb` is what the process holds outside tensors (on a CPU rank `CPU_RUNTIME_GB`; on a GPU
+    the CUDA context and library workspaces), `runtime_words` where that figure came from.
     A mixture of experts keeps its routed experts whole under tp; `ep` splits them, and ZeRO-3 shards each
     rank's experts over the dp·cp/ep ranks that hold the same ones. `reference` (preference training): "copy" adds
     a frozen copy of the weights laid out like the policy's (split by tp/pp, sharded under ZeRO-3; no gradients,
@@ -206,6 +215,11 @@ def estimate_memory(
         model, seq_len, micro_batch, precision, tp, pp, cp, sp, activation_checkpointing, dropout, zero_stage, recipe
     )
     lines.append(Line("activations", activations / GB, formula, "backward"))
+    working, working_formula = backward_working_line(
+        model, seq_len, micro_batch, precision, tp, cp, activation_checkpointing, recipe
+    )
+    if working:
+        lines.append(Line("backward working set", working / GB, working_formula, "backward"))
     if mixed and recipe.weights == "autocast" and zero_stage < 3:
         lines.append(_autocast_copies(model, local, tp, activation_checkpointing))
     if activation_checkpointing == "full":
@@ -223,7 +237,9 @@ def estimate_memory(
         bucket = BUCKETS_IN_FLIGHT * min(zero_bucket_mb * 1e6, grads)
     unit = model.zero3_unit_params(tp, weight_b, zero3_unit_mb)
     lines.append(_buffers(model, zero_stage, dp, cp, tp, 2 if mixed else 4, bucket, ep, unit))
-    lines.append(Line("runtime", runtime_gb, "given" if runtime_gb else "not counted (runtime_gb / --runtime-gb)"))
+    lines.append(
+        Line("runtime", runtime_gb, runtime_words if runtime_gb else "not counted (runtime_gb / --runtime-gb)")
+    )
     kept = pp == 1 and shards > 1 and (zero_stage == 1 or zero_stage == 0 and gradient_as_bucket_view)
     host = optim / GB if offload == "cpu" else 0.0
     estimate = Estimate(lines, grads_meet_activations=kept, host_gb=host)

@@ -27,6 +27,8 @@ class StepRecipe:
     one temporary the size of its states' moment; fused (and for-loop) steps none. `weights`: autocast = fp32
     weights cast to 16 bits in each forward (meshkit's Engine: 4+4+8 bytes per parameter and 2 more for the copies);
     master = 16-bit weights with an fp32 master copy in the optimizer (DeepSpeed, Megatron: 2+2+12).
+    `tiled_mlp`: each dense MLP runs under checkpointing over slices of the sequence (about h tokens each, as
+    `tiled_mlp_shards` defaults): it keeps only its input, and backward recomputes one slice at a time.
     `allocator_allowance`: the share added for the caching allocator's rounding and kernel workspaces."""
 
     attention: str = "sdpa"
@@ -34,6 +36,7 @@ class StepRecipe:
     loss: LossKind = "plain"
     optimizer_step: OptimizerStep = "foreach"
     weights: WeightsKept = "autocast"
+    tiled_mlp: bool = False
     allocator_allowance: float = 0.02
 
     @property
@@ -46,6 +49,7 @@ class StepRecipe:
     def describe(self) -> str:
         parts = [f"attention {self.attention}", "compiled" if self.compiled else "eager"]
         parts += [f"{self.loss} loss", f"{self.optimizer_step} optimizer step", f"{self.weights} weights"]
+        parts += ["tiled MLPs"] if self.tiled_mlp else []
         return ", ".join(parts)
 
 
@@ -55,7 +59,8 @@ def loss_bytes(
     """(bytes, formula) the loss holds while it runs backward. Plain: the logits the model returned (alive until
     backward ends, `logits_element` bytes each: 2 under 16-bit autocast) and three fp32 tensors of their size
     (log-probabilities, their gradient, the logits' gradient). Fused (`fused_cross_entropy`): one chunk of tokens'
-    three, and the fp32 weight gradient the forward computes for backward (V/tp·h)."""
+    fp32 logits (their softmax and gradient computed in place; under 16-bit compute the product before its cast
+    too), and the fp32 weight gradient the forward computes for backward (V/tp·h)."""
     if not vocab:
         return 0.0, ""
     rows = vocab / tp
@@ -63,8 +68,10 @@ def loss_bytes(
         from meshkit.training.fused_cross_entropy import chunk_tokens  # (as `keeps_scores`: no torch up front)
 
         chunk = chunk_tokens(int(rows), hidden or 1, max(1, int(tokens)))
-        return (3 * 4 * rows * chunk + 4 * rows * (hidden or 0), f" + fused loss: 3·4·V/tp for {chunk} tokens"
-                " + 4·V/tp·h (the head's weight gradient, from forward to backward)")  # fmt: skip
+        per_logit = 4 + (2 if logits_element == 2 else 0)  # (16-bit: the product before its fp32 cast)
+        return (per_logit * rows * chunk + 4 * rows * (hidden or 0), f" + fused loss: {per_logit}·V/tp for {chunk}"
+                " tokens (their fp32 logits, turned into their gradient in place) + 4·V/tp·h (the head's weight "
+                "gradient, from forward to backward)")  # fmt: skip
     per_token = logits_element + 3 * 4
     return per_token * rows * tokens, (
         f" + loss: s·b·{per_token}·V/tp (the logits ({logits_element} B), fp32 log-probs, their gradient, the "

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from meshkit.training.loss import IGNORE_INDEX, TokenWeights
 
-CHUNK_BYTES = 64 * 2**20  # fp32 logits held at once per chunk (its softmax doubles it)
+CHUNK_BYTES = 64 * 2**20  # fp32 logits held at once per chunk (turned into their softmax and gradient in place)
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             step = chunk_tokens(weight.shape[0], hidden.shape[1], hidden.shape[0], chunk_bytes)
             for begin in range(0, hidden.shape[0], step):
                 rows = slice(begin, begin + step)
-                logits = F.linear(h[rows], w, b).float()  # [chunk, vocab rows]
+                logits = F.linear(h[rows], w, b).float()  # [chunk, vocab rows]; becomes its gradient in place
                 losses, grad_logits = _chunk_losses(logits, targets[rows], token_weights, shard, want_any)
+                del logits  # (one chunk's logits alive at a time: the next chunk's take their place)
                 total += losses.sum()
-                if grad_logits is None:
-                    continue
-                add_chunk_gradients(grad_logits.to(dtype), h, w, rows, (grad_hidden, grad_weight, grad_bias))
+                if grad_logits is not None:
+                    add_chunk_gradients(grad_logits.to(dtype), h, w, rows, (grad_hidden, grad_weight, grad_bias))
+                del grad_logits
             if grad_hidden is not None and shard is not None:
                 dist.all_reduce(grad_hidden, group=shard.group)  # each rank's vocab rows gave a part
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
@@ -136,7 +137,9 @@ def _chunk_losses(
     row_max = logits.detach().amax(dim=1)
     if shard is not None:
         dist.all_reduce(row_max, dist.ReduceOp.MAX, group=shard.group)
-    probabilities = torch.exp(logits - row_max.unsqueeze(1))
+    # in place where nothing reads the logits again (per-token weights do): one chunk-sized buffer, not three
+    shifted = logits.sub_(row_max.unsqueeze(1)) if token_weights is None else logits - row_max.unsqueeze(1)
+    probabilities = shifted.exp_()
     sums = probabilities.sum(dim=1)
     if shard is not None:
         reduced = torch.stack((sums, target_logits))
@@ -145,7 +148,7 @@ def _chunk_losses(
     scale = counted.float()
     if token_weights is not None:
         with torch.no_grad():
-            scale = scale * token_weights(logits, targets)
+            scale = scale * token_weights(logits, targets)  # (logits left whole for them above)
     losses = (torch.log(sums) + row_max - target_logits) * scale
     if not want_gradient:
         return losses, None

@@ -49,6 +49,7 @@ class _FusedTokenLogProbs(torch.autograd.Function):
                 log_probs[rows] = (picked - lse[rows]) * counted[rows]
                 if with_squares:  # log Σ_v p(v)² = logsumexp(2z) − 2·logsumexp(z) (WPO's weights)
                     squares[rows] = torch.logsumexp(logits.mul_(2), dim=1) - 2 * lse[rows]
+                del logits, picked  # (the next chunk's logits take their place rather than join them)
         ctx.save_for_backward(hidden, weight, bias, index, counted, lse)
         ctx.dtype, ctx.step = dtype, step
         ctx.mark_non_differentiable(squares)
@@ -73,6 +74,7 @@ class _FusedTokenLogProbs(torch.autograd.Function):
                 grad_logits = logits.sub_(lse[rows].unsqueeze(1)).exp_().mul_(-scale[rows].unsqueeze(1))
                 grad_logits.scatter_add_(1, index[rows].unsqueeze(1), scale[rows].unsqueeze(1))
                 add_chunk_gradients(grad_logits.to(dtype), h, w, rows, (grad_hidden, grad_weight, grad_bias))
+                del logits, grad_logits  # (one chunk's logits alive at a time)
         grads = (grad_hidden, grad_weight, grad_bias)
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         cast = tuple(None if g is None else g.to(d) for g, d in zip(grads, dtypes, strict=True))
