@@ -160,6 +160,7 @@ def activation_line(
     dropout: bool,
     zero_stage: int = 0,
     recipe: StepRecipe | None = None,
+    head_trained: bool = True,
 ) -> tuple[float, str]:
     """(bytes, formula) of the activations a rank holds at its peak, the loss's backward included. Under bf16/fp16
     the weights of ZeRO 0-2 stay fp32 and autocast casts them, so the residual stream is fp32; ZeRO-3 gathers bf16
@@ -179,7 +180,9 @@ def activation_line(
     else:
         ring = 0.0
     in_flight_layers = model.layers  # first stage: pp micro-batches of L/pp layers
-    loss, loss_formula = loss_bytes(s * micro_batch, model.vocab, model.hidden, tp, recipe.loss, element)
+    loss, loss_formula = loss_bytes(
+        s * micro_batch, model.vocab, model.hidden, tp, recipe.loss, element, head_trained
+    )
     total = per_layer * in_flight_layers + (loss if pp == 1 else 0.0) + ring
     scores_kept = recipe.keeps_scores or not model.fused_attention
     term = {

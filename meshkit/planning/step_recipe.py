@@ -54,13 +54,20 @@ class StepRecipe:
 
 
 def loss_bytes(
-    tokens: float, vocab: int | None, hidden: int | None, tp: int, loss: LossKind, logits_element: int = 4
+    tokens: float,
+    vocab: int | None,
+    hidden: int | None,
+    tp: int,
+    loss: LossKind,
+    logits_element: int = 4,
+    head_trained: bool = True,
 ) -> tuple[float, str]:
     """(bytes, formula) the loss holds while it runs backward. Plain: the logits the model returned (alive until
     backward ends, `logits_element` bytes each: 2 under 16-bit autocast) and three fp32 tensors of their size
     (log-probabilities, their gradient, the logits' gradient). Fused (`fused_cross_entropy`): one chunk of tokens'
     fp32 logits (their softmax and gradient computed in place; under 16-bit compute the product before its cast
-    too), and the fp32 weight gradient the forward computes for backward (V/tp·h)."""
+    too), and the fp32 weight gradient the forward computes for backward (V/tp·h) where the head trains (not under
+    adapters: `head_trained=False`)."""
     if not vocab:
         return 0.0, ""
     rows = vocab / tp
@@ -69,9 +76,10 @@ def loss_bytes(
 
         chunk = chunk_tokens(int(rows), hidden or 1, max(1, int(tokens)))
         per_logit = 4 + (2 if logits_element == 2 else 0)  # (16-bit: the product before its fp32 cast)
-        return (per_logit * rows * chunk + 4 * rows * (hidden or 0), f" + fused loss: {per_logit}·V/tp for {chunk}"
-                " tokens (their fp32 logits, turned into their gradient in place) + 4·V/tp·h (the head's weight "
-                "gradient, from forward to backward)")  # fmt: skip
+        weight_grad = 4 * rows * (hidden or 0) if head_trained else 0.0
+        head = " + 4·V/tp·h (the head's weight gradient, from forward to backward)" if head_trained else ""
+        return (per_logit * rows * chunk + weight_grad, f" + fused loss: {per_logit}·V/tp for {chunk} tokens (their"
+                f" fp32 logits, turned into their gradient in place){head}")  # fmt: skip
     per_token = logits_element + 3 * 4
     return per_token * rows * tokens, (
         f" + loss: s·b·{per_token}·V/tp (the logits ({logits_element} B), fp32 log-probs, their gradient, the "
