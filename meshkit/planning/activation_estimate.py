@@ -180,9 +180,7 @@ def activation_line(
     else:
         ring = 0.0
     in_flight_layers = model.layers  # first stage: pp micro-batches of L/pp layers
-    loss, loss_formula = loss_bytes(
-        s * micro_batch, model.vocab, model.hidden, tp, recipe.loss, element, head_trained
-    )
+    loss, loss_formula = loss_bytes(s * micro_batch, model.vocab, model.hidden, tp, recipe.loss, element, head_trained)
     total = per_layer * in_flight_layers + (loss if pp == 1 else 0.0) + ring
     scores_kept = recipe.keeps_scores or not model.fused_attention
     term = {
