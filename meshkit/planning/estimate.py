@@ -211,10 +211,11 @@ def estimate_memory(
         )  # noqa: E501
     elif reference != "none":
         lines.append(Line("reference", 0.0, f"{reference}: no second copy of the weights"))
+    head_trained = trainable_params is None  # (adapters: the head is frozen)
     activations, formula = activation_line(
         model, seq_len, micro_batch, precision, tp, pp, cp, sp, activation_checkpointing, dropout, zero_stage, recipe,
-        head_trained=trainable_params is None,  # (adapters: the head is frozen)
-    )
+        head_trained,
+    )  # fmt: skip
     lines.append(Line("activations", activations / GB, formula, "backward"))
     working, working_formula = backward_working_line(
         model, seq_len, micro_batch, precision, tp, cp, activation_checkpointing, recipe
