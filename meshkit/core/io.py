@@ -99,7 +99,27 @@ def write_atomically(path: Path, tensors: dict[str, torch.Tensor] | None = None,
         tmp.write_text(text or "")
     with tmp.open("rb") as handle:
         os.fsync(handle.fileno())
+    follow_umask(tmp)
     os.replace(tmp, path)
+
+
+def follow_umask(path: str | os.PathLike[str]) -> None:
+    """Give a file written through a private route (safetensors writes 0600, `mkstemp` creates 0600) the mode an
+    ordinary file gets under the process's umask (0644 under 022), so the people and services it is for can read
+    it."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    try:  # (Linux says it without changing it)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
 
 
 class ShardStream:

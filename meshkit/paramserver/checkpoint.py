@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from meshkit.checkpoint.extras import rng_state
 from meshkit.checkpoint.storage import META, CheckpointError, rank_file, write_json, write_manifest
+from meshkit.core.io import follow_umask
 
 STRATEGY = "parameter_server"
 
@@ -55,6 +56,7 @@ def write_server_shard(
                 scalars.setdefault(name, {})[key] = _jsonable(value)
     path = directory / shard_file(rank)
     save_file(tensors, str(path))
+    follow_umask(path)
     groups = [{k: _jsonable(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     record = {
         "role": "server",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,29 @@ def test_save_model_and_offline_export_give_the_full_weights(saved, tmp_path, na
 def test_export_of_a_missing_checkpoint_is_one_line(tmp_path) -> None:
     proc = meshkit("export", str(tmp_path / "nothing"), str(tmp_path / "out"))
     assert proc.returncode == 2 and "no such checkpoint directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_exported_weights_and_checkpoints_follow_the_umask(saved, tmp_path) -> None:
+    """Weights are for other people and services too: 0644 under umask 022, as every other file meshkit writes
+    (safetensors writes 0600 on its own)."""
+    root, _ = saved
+    umask = os.umask(0o022)
+    os.umask(umask)
+    expected = 0o666 & ~umask
+    files = [path for path in root.rglob("*") if path.is_file()]
+    assert any(path.suffix == ".safetensors" for path in files)
+    wrong = {str(path.relative_to(root)): oct(path.stat().st_mode & 0o777) for path in files
+             if path.stat().st_mode & 0o777 != expected}  # fmt: skip
+    assert not wrong, f"not {oct(expected)}: {wrong}"
+
+
+def test_an_atomic_write_takes_the_umasks_mode(tmp_path) -> None:
+    from meshkit.core.io import write_atomically
+
+    umask = os.umask(0o022)
+    try:
+        write_atomically(tmp_path / "w.safetensors", tensors={"w": torch.zeros(2)})
+        write_atomically(tmp_path / "w.json", text="{}")
+    finally:
+        os.umask(umask)
+    assert {oct(path.stat().st_mode & 0o777) for path in tmp_path.iterdir()} == {"0o644"}

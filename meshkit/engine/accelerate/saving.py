@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from meshkit.checkpoint.storage import MANIFEST, UnknownFilesWarning
 from meshkit.core.errors import MeshkitError
+from meshkit.core.io import follow_umask
 from meshkit.runtime.collectives import broadcast_object
 
 
@@ -49,6 +50,7 @@ def save_object(obj: Any, f: Any, safe_serialization: bool) -> None:
     os.close(handle)
     try:
         write(temporary)
+        follow_umask(temporary)
         os.replace(temporary, target)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
