@@ -34,6 +34,7 @@ from meshkit.checkpoint.storage import (
     file_entries,
     load_tensors,
     rank_file,
+    read_record,
     save_tensors,
     stored_shapes,
     verify,
@@ -232,11 +233,11 @@ class Checkpointer:
         problem = collectives.broadcast_object(problem, src=0, group=self.group)
         if problem:
             raise CheckpointError(problem)
-        meta = json.loads((directory / META).read_text())
+        meta = read_record(directory, META, ("format",))
         if meta.get("format") != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint {directory} has format {meta.get('format')}, expected {FORMAT_VERSION}")
         mine = directory / rank_file(self.rank)
-        rank_data = json.loads(mine.read_text()) if mine.is_file() else None
+        rank_data = read_record(directory, mine.name, ("rng",)) if mine.is_file() else None
         shapes = stored_shapes(directory)
         state = self.state()
 

@@ -91,9 +91,53 @@ def write_manifest(directory: Path, known: dict[str, dict[str, Any]] | None = No
     """Record every file's size and checksum (`known`: entries other ranks computed), then fsync the directory."""
     names = sorted(p.name for p in directory.iterdir() if p.is_file() and written_by_save(p.name))
     known = {name: entry for name, entry in (known or {}).items() if name in names}
-    files = {**known, **file_entries(directory, [name for name in names if name not in known])}
-    write_json(directory / MANIFEST, {"format": FORMAT_VERSION, "files": dict(sorted(files.items()))})
+    files = dict(sorted({**known, **file_entries(directory, [name for name in names if name not in known])}.items()))
+    write_json(directory / MANIFEST, {"format": FORMAT_VERSION, "files": files, "checksum": _entries_checksum(files)})
     fsync_dir(directory)
+
+
+def _entries_checksum(files: Any) -> str:
+    """The manifest's own checksum, of its entries: a damaged manifest is told apart from a damaged file."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def manifest_entries(directory: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's entries (name -> size, sha256), or a one-line CheckpointError naming the manifest where it
+    is unreadable or damaged: a field missing or misnamed, a value of the wrong kind, entries that do not match the
+    manifest's own checksum (checkpoints written before it had one are checked entry by entry)."""
+    path = directory / MANIFEST
+    damaged = f"checkpoint {directory}: {MANIFEST} is damaged"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} is unreadable ({err})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{damaged}: it has no 'files' table")
+    unknown = sorted(set(manifest) - {"format", "files", "checksum"})
+    if unknown:
+        raise CheckpointError(f"{damaged}: it has a field it never writes ({unknown[0]!r})")
+    files = manifest["files"]
+    if "checksum" in manifest and manifest["checksum"] != _entries_checksum(files):
+        raise CheckpointError(f"{damaged}: its entries do not match its own checksum")
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or set(entry) != {"size", "sha256"}:
+            raise CheckpointError(f"{damaged}: the entry of {name} is not a size and a sha256")
+        if not isinstance(entry["size"], int) or not isinstance(entry["sha256"], str):
+            raise CheckpointError(f"{damaged}: the entry of {name} has a size or sha256 of the wrong kind")
+    return files
+
+
+def read_record(directory: Path, name: str, fields: tuple[str, ...]) -> dict[str, Any]:
+    """A JSON record of the checkpoint (meta.json, a rank's file) with the fields a load reads, or a one-line
+    CheckpointError naming that file."""
+    try:
+        record = json.loads((directory / name).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {directory}: {name} is unreadable ({err})") from None
+    missing = [field for field in fields if not isinstance(record, dict) or field not in record]
+    if missing:
+        raise CheckpointError(f"checkpoint {directory}: {name} is damaged: it has no {missing[0]!r}")
+    return record
 
 
 def verify(directory: Path) -> None:
@@ -102,11 +146,7 @@ def verify(directory: Path) -> None:
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}: it was not completely written")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError) as err:
-        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} is unreadable ({err})") from None
+    files = manifest_entries(directory)
     for name, expected in files.items():
         path = directory / name
         if not path.is_file():

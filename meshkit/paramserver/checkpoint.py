@@ -11,7 +11,6 @@ Files (covered by the manifest, so `latest`/`verify` treat them like every other
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from meshkit.checkpoint.extras import rng_state
-from meshkit.checkpoint.storage import META, CheckpointError, rank_file, write_json, write_manifest
+from meshkit.checkpoint.storage import META, CheckpointError, rank_file, read_record, write_json, write_manifest
 from meshkit.core.io import follow_umask
 
 STRATEGY = "parameter_server"
@@ -81,7 +80,7 @@ def write_meta(directory: Path, meta: dict[str, Any]) -> None:
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
-    meta = json.loads((directory / META).read_text())
+    meta = read_record(directory, META, ("format",))
     if meta.get("strategy") != STRATEGY:
         raise CheckpointError(
             f"checkpoint {directory} was not saved by a parameter-server run: load it with the layout that saved "
@@ -94,7 +93,7 @@ def _records(directory: Path, role: str) -> list[tuple[int, dict[str, Any]]]:
     """(rank, record) of every rank file of `role`, in rank order."""
     found = []
     for path in sorted(directory.glob("rank-*.json")):
-        record = json.loads(path.read_text())
+        record = read_record(directory, path.name, ("role",))
         if record.get("role") == role:
             found.append((int(path.stem.split("-")[1]), record))
     return found

@@ -75,6 +75,44 @@ def test_load_state_refuses_files_that_do_not_match_the_manifest(tmp_path) -> No
             engine.load_state(saved)
 
 
+MANIFEST_DAMAGE = {
+    "a key of an entry": lambda text: text.replace('"sha256"', '"sh`256"', 1),
+    "a size's key": lambda text: text.replace('"size"', '"rize"', 1),
+    "a digit of a checksum": lambda text: text,  # (done in the test: one digit of meta.json's entry)
+    "the files table's key": lambda text: text.replace('"files"', '"filez"', 1),
+    "its own checksum's key": lambda text: text.replace('"checksum"', '"checksun"', 1),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(MANIFEST_DAMAGE))
+def test_a_damaged_manifest_is_refused_in_one_line_naming_the_manifest(tmp_path, damage) -> None:
+    engine, _ = _engine(tmp_path)
+    with engine:
+        _train(engine, 1)
+        saved = engine.save_state(tmp_path / "one")
+        manifest = saved / "manifest.json"
+        text = manifest.read_text()
+        if damage == "a digit of a checksum":  # one hex digit of meta.json's checksum changed: meta.json is fine
+            start = text.index('"sha256": "', text.index('"meta.json"')) + len('"sha256": "')
+            text = text[:start] + ("0" if text[start] != "0" else "1") + text[start + 1 :]
+        else:
+            text = MANIFEST_DAMAGE[damage](text)
+        assert text != manifest.read_text()
+        manifest.write_text(text)
+        with pytest.raises(CheckpointError) as refused:
+            engine.load_state(saved)
+    message = str(refused.value)
+    assert "manifest.json is damaged" in message and "\n" not in message, message
+
+
+def test_a_rank_record_without_its_field_is_refused_naming_it(tmp_path) -> None:
+    from meshkit.checkpoint.storage import read_record
+
+    (tmp_path / "rank-00000.json").write_text('{"rnq": {}}')
+    with pytest.raises(CheckpointError, match=r"rank-00000.json is damaged: it has no 'rng'"):
+        read_record(tmp_path, "rank-00000.json", ("rng",))
+
+
 def test_resume_from_a_path_that_does_not_exist_names_it(tmp_path) -> None:
     missing = tmp_path / "nowhere" / "step-000100"
     engine, _ = _engine(tmp_path, resume=str(missing))
