@@ -17,7 +17,7 @@ from meshkit.checkpoint.storage import META, CheckpointError, fsync_dir
 from meshkit.core.io import plain_numbers
 from meshkit.engine.context import EngineComponent, EngineContext, print_once_per_node
 from meshkit.runtime import collectives
-from meshkit.runtime.preemption import LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE, Preempted, announce
+from meshkit.runtime.preemption import LAUNCHER_STATE_ENV, Preempted, announce
 
 
 class Checkpoints(EngineComponent):
@@ -207,15 +207,16 @@ class Checkpoints(EngineComponent):
         saved = root / step_dir_name(step)
         if preempted:
             self.checkpointer.wait()
+            stop = Preempted(step, watch.signal_name)
             print_once_per_node(
                 self.ctx.info,
                 f"meshkit: {watch.signal_name} received: checkpoint {saved} committed at step {step}; exiting with "
-                f"code {PREEMPTED_EXIT_CODE} (run the job again with checkpoint.resume=auto to continue)",
+                f"code {stop.code} (run the job again with checkpoint.resume=auto to continue)",
                 flush=True,
             )
             if self.ctx.info.local_rank == 0:
                 announce(os.environ.get(LAUNCHER_STATE_ENV), step, saved, watch.signal_name)
-            raise Preempted(step, watch.signal_name)
+            raise stop
         return saved
 
     def resume(self) -> dict[str, Any] | None:

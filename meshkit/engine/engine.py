@@ -319,5 +319,12 @@ class Engine:
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        # A preemption stop is agreed by every rank: they leave together, as after a normal end.
-        self.end(wait_for_peers=exc_type is None or issubclass(exc_type, Preempted))
+        if exc_type is None or not issubclass(exc_type, Preempted):
+            self.end(wait_for_peers=exc_type is None)
+            return
+        # A preemption stop is agreed by every rank: they leave together, as after a normal end — unless the
+        # launcher, told the checkpoint is committed, already stops the peers: then leave without them.
+        try:
+            self.end(wait_for_peers=True)
+        except RuntimeError:
+            self.end(wait_for_peers=False)

@@ -65,6 +65,19 @@ class LaunchPlan:
     flag_labels: Mapping[str, str] = field(default_factory=dict)
     allocator: str | None = "auto"  # the CPU workers' allocator (`runtime/host_memory.py`); None: malloc as is
 
+    @property
+    def agent_signals(self) -> str:
+        """The signals torch's agent turns into a stop of every worker (its `signals_to_handle`): the preemption
+        signal and Ctrl-C's SIGINT are handled by the launcher itself (`_PreemptionHandler`), so they are left
+        out."""
+        return ",".join(name for name in _TORCH_HANDLED_SIGNALS if name not in self.launcher_signals)
+
+    @property
+    def launcher_signals(self) -> tuple[str, ...]:
+        """The signals the launcher handles itself: the preemption signal, and SIGINT (Ctrl-C) as that signal —
+        a checkpoint where checkpoints are on, one line, exit 130; none when preemption is off."""
+        return () if self.preempt_signal == "none" else tuple(dict.fromkeys((self.preempt_signal, "SIGINT")))
+
     @classmethod
     def from_config(cls, config: RunConfig, **kwargs: Any) -> LaunchPlan:
         return cls(
@@ -94,9 +107,8 @@ class LaunchPlan:
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             ENV_STORE_BIND: "" if addresses.bind == WILDCARD else addresses.bind,
             LAUNCHER_PID_ENV: str(os.getpid()),
-            # torch's agent turns these signals into a stop of every worker; the preemption signal is
-            # handled by the launcher itself (`_PreemptionHandler`), so it is left out.
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(s for s in _TORCH_HANDLED_SIGNALS if s != self.preempt_signal),
+            # (the agent's signals, for a torch whose LaunchConfig has no `signals_to_handle`: it reads this)
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": self.agent_signals,
         }
         # The workers' own connections use the interface of the address this node advertises (on one node:
         # loopback), not the one gloo would pick from the hostname (`interfaces.py`).

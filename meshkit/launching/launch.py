@@ -100,7 +100,7 @@ def _signal_handler(signum: int | None, handler: Any) -> Iterator[None]:
         signal.signal(signum, previous)
 
 
-def _agent_config(settings: LaunchSettings, run_id: str, endpoint: str, local_addr: str) -> LaunchConfig:
+def _agent_config(settings: LaunchSettings, run_id: str, endpoint: str, local_addr: str, signals: str) -> LaunchConfig:
     numa = None
     if torch.cuda.is_available():
         from torch.numa.binding import AffinityMode, NumaOptions
@@ -122,6 +122,7 @@ def _agent_config(settings: LaunchSettings, run_id: str, endpoint: str, local_ad
         "logs_specs": DefaultLogsSpecs(),
         "numa_options": numa,
         "local_addr": local_addr,
+        "signals_to_handle": signals,  # (launch_agent puts it in TORCHELASTIC_SIGNALS_TO_HANDLE for the agent)
     }
     names = {f.name for f in dataclasses.fields(LaunchConfig)}
     if "shutdown_timeout" in names:  # after the preemption checkpoint the workers only have to exit
@@ -141,7 +142,7 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
     run_id = os.environ.get(RUN_ID_ENV, "meshkit")
     addresses = node_addresses(settings)
     store, host, port = open_rendezvous_store(settings, plan.port)
-    config = _agent_config(settings, run_id, f"{host}:{port}", addresses.advertise)
+    config = _agent_config(settings, run_id, f"{host}:{port}", addresses.advertise, plan.agent_signals)
     preempt = signal_number(plan.preempt_signal)
     log = plan.log_dir / f"launch-node{settings.node_rank}.log" if plan.log_dir is not None else None
     with contextlib.ExitStack() as stack:  # unwound in reverse: the stderr filter goes last, the store after it
@@ -149,7 +150,9 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
         supervisor = stack.enter_context(WorkerSupervisor(settings.stop_grace_s, preempt))
         roster = stack.enter_context(NodeRoster(host, port, run_id, settings.node_rank, settings.nnodes))
         stack.enter_context(_environment({**plan.worker_env(addresses), **supervisor.worker_env()}))
-        stack.enter_context(_signal_handler(preempt, _PreemptionHandler(supervisor, settings.shutdown_grace_s)))
+        handler = _PreemptionHandler(supervisor, settings.shutdown_grace_s)
+        for name in plan.launcher_signals:
+            stack.enter_context(_signal_handler(signal_number(name), handler))
         lost: list[LostWorker] = []
         one_node = settings.nnodes == 1
         worker_port = functools.partial(quiet_port, addresses.bind) if one_node else None
@@ -160,13 +163,13 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
             launch_agent(config, sys.executable, target.worker_args())
         except ChildFailedError as err:
             if supervisor.preemption_announced() is not None:
-                return _report_preemption(supervisor, plan.preempt_signal)
+                return _report_preemption(supervisor, _stopped_by(supervisor, plan.preempt_signal))
             line, code = failure_report(err.failures, settings.max_restarts, supervisor, oom_kills_at_start=oom_kills)
             print(f"meshkit launch: {line}", file=sys.stderr, flush=True)
             return code
         except SignalException as err:
-            if preempt is not None and err.sigval == preempt:
-                return _report_preemption(supervisor, plan.preempt_signal)
+            if preempt is not None and err.sigval == preempt or err.sigval == supervisor.stopped_by:
+                return _report_preemption(supervisor, _stopped_by(supervisor, plan.preempt_signal))
             print(f"meshkit launch: stopped by {err.sigval.name}", file=sys.stderr, flush=True)
             return 128 + int(err.sigval)
         except RendezvousTimeoutError:
@@ -195,16 +198,23 @@ def launch(target: LaunchTarget, plan: LaunchPlan) -> int:
     return 0
 
 
+def _stopped_by(supervisor: WorkerSupervisor, preempt_signal: str) -> str:
+    """The name of the signal that began the shutdown: Ctrl-C's SIGINT, or the preemption signal."""
+    return signal.Signals(supervisor.stopped_by).name if supervisor.stopped_by is not None else preempt_signal
+
+
 def _report_preemption(supervisor: WorkerSupervisor, signal_name: str) -> int:
     announced = supervisor.preemption_announced()
+    interrupted = signal_name == "SIGINT"  # Ctrl-C: the shell's code for it, 130, not "try again later"
     if announced is not None:
+        how = "interrupted (SIGINT)" if interrupted else f"preempted by {signal_name}"
         print(
-            f"meshkit launch: preempted by {signal_name}: checkpoint {announced.get('checkpoint')} committed at step "
+            f"meshkit launch: {how}: checkpoint {announced.get('checkpoint')} committed at step "
             f"{announced.get('step')}; run the same command again to resume from it (checkpoint.resume=auto)",
             file=sys.stderr,
             flush=True,
         )
-        return PREEMPTED_EXIT_CODE
+        return 128 + signal.SIGINT if interrupted else PREEMPTED_EXIT_CODE
     print(
         f"meshkit launch: stopped by {signal_name} before a checkpoint was written (the script never reached "
         "engine.save_checkpoint() within launch.shutdown_grace_s, or does not call it)",

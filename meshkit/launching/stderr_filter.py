@@ -22,6 +22,11 @@ from typing import BinaryIO
 
 _CPP_LOG = re.compile(rb"^\[[WEIF]\d{4} [\d:.]+ [\w.]+:\d+\] ")  # glog-style: [W1123 20:18:15.916 socket.cpp:1028]
 _NATIVE_STACK = (b"Exception raised from ", b"frame #", b"<omitting python frames>")
+# torch's agent narrating a stop the launcher began and says in its own line (a preemption, Ctrl-C, a failure)
+_AGENT_STOPPING = re.compile(
+    rb"^[WI]\d{4} [\d:.]+ +\d+ \S*torch/distributed/elastic/\S+\] "
+    rb"(Received \d+ death signal, shutting down workers|Sending process \d+ closing signal \w+)"
+)
 # Third-party lines that tell the user nothing, by the logger that writes them and how they start: bitsandbytes
 # looks for an optional CPU kernel at import (every rank, every fine-tune) and works without it.
 THIRD_PARTY_NOISE = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community"}
@@ -30,7 +35,7 @@ _THIRD_PARTY = tuple(start.encode() for start in THIRD_PARTY_NOISE.values())
 
 def is_noise(line: bytes, in_stack: bool) -> tuple[bool, bool]:
     """(drop this line, a native stack continues after it)."""
-    if (_CPP_LOG.match(line) and b"[c10d]" in line) or line.startswith(_THIRD_PARTY):
+    if (_CPP_LOG.match(line) and b"[c10d]" in line) or line.startswith(_THIRD_PARTY) or _AGENT_STOPPING.match(line):
         return True, False
     if line.startswith(_NATIVE_STACK):
         return True, True
@@ -83,7 +88,7 @@ def _channel(terminal: int) -> tuple[int, int]:
         return os.pipe()
 
 
-_MAYBE_NOISE = (b"[", b"Exception raised", b"frame #", b"<omitting", *_THIRD_PARTY)
+_MAYBE_NOISE = (b"[", b"W1", b"I1", b"W0", b"I0", b"Exception raised", b"frame #", b"<omitting", *_THIRD_PARTY)
 
 
 def _pump(read_end: int, terminal: int, log: _LazyLog) -> None:

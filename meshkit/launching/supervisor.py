@@ -78,6 +78,7 @@ class WorkerSupervisor:
         self.exits: dict[int, WorkerExit] = {}
         self.killed: set[int] = set()  # pids this supervisor SIGKILLed after the grace
         self._signalled = threading.Event()  # the preemption signal arrived: the workers are stopping
+        self.stopped_by: int | None = None  # the signal that began the shutdown (the preemption signal, or SIGINT)
         self._announcement: dict[str, Any] | None = None
         self._stop_deadline: float | None = None
         self._agent_stopped = False
@@ -118,15 +119,17 @@ class WorkerSupervisor:
             return None
 
     def begin_shutdown(self, signum: int, grace_s: float) -> bool:
-        """The launcher got the preemption signal. The first time: pass it on to the workers and return True
-        (the agent goes on watching them); afterwards False: the agent must stop now."""
+        """The launcher got the preemption signal (or Ctrl-C's SIGINT). The first time: pass the preemption
+        signal on to the workers and return True (the agent goes on watching them); afterwards False: the agent
+        must stop now."""
         if self._signalled.is_set():
             return False
         self._signalled.set()
+        self.stopped_by = signum
         self._stop_deadline = time.monotonic() + grace_s
         for pid in sorted(self._alive):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+                os.kill(pid, self.preempt_signal or signum)
         return True
 
     def tolerated(self, pid: int) -> bool:

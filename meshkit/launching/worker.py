@@ -32,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from meshkit.core.errors import MeshkitError
 from meshkit.launching.stores import host_worker_store
 from meshkit.launching.supervisor import FAILED_PREFIX
-from meshkit.runtime.preemption import LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE
+from meshkit.runtime.preemption import INTERRUPTED_EXIT_CODE, LAUNCHER_STATE_ENV, PREEMPTED_EXIT_CODE
 
 LAUNCHER_PID_ENV = "MESHKIT_LAUNCHER_PID"
 LAUNCH_LOG_ENV = "MESHKIT_LAUNCHER_LOG"  # the launcher's log file for this node (not a config key)
@@ -77,9 +77,9 @@ def run_user_program(run: Callable[[], Any]) -> None:
             if stop.code not in (0, None, PREEMPTED_EXIT_CODE):
                 note_failure()
             raise
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C (twice, where checkpoints are on): the launcher says so in one line
             note_failure()
-            raise
+            exit_now(INTERRUPTED_EXIT_CODE)
         except BaseException as err:
             note_failure()
             write_error_file(err)

@@ -1,5 +1,6 @@
-"""Graceful preemption in the workers: on the preemption signal, every rank checkpoints at the same step and
-exits with `PREEMPTED_EXIT_CODE`.
+"""Graceful preemption in the workers: on the preemption signal (or Ctrl-C's SIGINT), every rank checkpoints at
+the same step and exits with `PREEMPTED_EXIT_CODE` (130 after Ctrl-C outside `meshkit launch`); a second Ctrl-C
+stops at once (KeyboardInterrupt).
 
 Schedulers announce the end of a job with a signal and kill it a grace period later (SLURM `--signal`,
 Kubernetes SIGTERM then SIGKILL after `terminationGracePeriodSeconds`). The handler only notes the signal.
@@ -32,11 +33,17 @@ TOLERATED_PREFIX = "tolerated-"  # + pid: a worker whose loss the job survives (
 ANNOUNCE_PAUSE_S = 1.0  # time the launcher gets to see the announcement before the workers exit
 
 
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # Ctrl-C, as shells report it
+
+
 class Preempted(SystemExit):
-    """Ends the process with PREEMPTED_EXIT_CODE once the preemption checkpoint is committed."""
+    """Ends the process once the preemption checkpoint is committed: with PREEMPTED_EXIT_CODE, or 130 after
+    Ctrl-C outside `meshkit launch` (under it the launcher reports Ctrl-C's code itself)."""
 
     def __init__(self, step: int, signal_name: str) -> None:
-        super().__init__(PREEMPTED_EXIT_CODE)
+        launched = bool(os.environ.get(LAUNCHER_STATE_ENV))
+        interrupted = signal_name == "SIGINT" and not launched
+        super().__init__(INTERRUPTED_EXIT_CODE if interrupted else PREEMPTED_EXIT_CODE)
         self.step = step
         self.signal_name = signal_name
 
@@ -56,8 +63,9 @@ class PreemptionWatch:
         self.signum = signal_number(signal_name)
         self.world_size = world_size
         self._received = threading.Event()
+        self._interrupted = False  # Ctrl-C came once: a second one stops at once
         self._armed = False
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
         self._group: dist.ProcessGroup | None = None
 
     @property
@@ -79,10 +87,16 @@ class PreemptionWatch:
             return
         if self.world_size > 1 and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # never shared with the checkpoint's background writes
-        self._previous = signal.signal(self.signum, self._note)
+        for signum in dict.fromkeys((self.signum, signal.SIGINT)):  # Ctrl-C stops at a step as the signal does
+            self._previous[signum] = signal.signal(signum, self._note)
         self._armed = True
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self._interrupted:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now (under `meshkit launch`: quietly, 130)
+        if not self._received.is_set():
+            self.signal_name = signal.Signals(signum).name  # (what the messages name)
+        self._interrupted = self._interrupted or signum == signal.SIGINT
         self._received.set()
 
     def agreed(self) -> bool:
@@ -97,7 +111,8 @@ class PreemptionWatch:
     def disarm(self) -> None:
         """Give the signal its previous handler back (the engine ends)."""
         if self._armed and threading.current_thread() is threading.main_thread():
-            signal.signal(self.signum, self._previous)  # type: ignore[arg-type]
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
         self._armed = False
 
 

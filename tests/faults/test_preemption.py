@@ -53,3 +53,32 @@ def test_a_loop_that_checkpoints_every_step_can_take_the_signal_from_its_first_s
     finally:
         engine.end()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # disarmed again by end()
+
+
+@needs_proc
+def test_ctrl_c_checkpoints_like_sigterm_in_one_line_and_exits_130(tmp_path) -> None:
+    """Ctrl-C sends SIGINT to the terminal's whole process group: the launcher and every worker."""
+    config = tiny_recipe(tmp_path, every_steps=1000)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with background_meshkit("train", str(config), "train.steps=100000") as launcher:
+        wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, 120, "the first training step")
+        os.killpg(launcher.pid, signal.SIGINT)
+        out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130, err[-3000:]
+    found = re.search(r"interrupted \(SIGINT\): checkpoint (\S+) committed at step (\d+)", err)
+    assert found, err[-3000:]
+    assert (tmp_path / "ckpt" / f"step-{int(found.group(2)):06d}").is_dir()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+@needs_proc
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path) -> None:
+    config = tiny_recipe(tmp_path, every_steps=1000)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with background_meshkit("train", str(config), "train.steps=100000", "train.log_every=1") as launcher:
+        wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, 120, "the first training step")
+        os.killpg(launcher.pid, signal.SIGINT)
+        os.killpg(launcher.pid, signal.SIGINT)
+        out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
