@@ -35,10 +35,14 @@ def _common_prefix(first: Sequence[int], second: Sequence[int]) -> int:
 
 
 class PreferenceTokenizer:
-    """Token ids of preference texts, as TRL's trainers make them."""
+    """Token ids of preference texts, as TRL's trainers make them. `bos_first`: as TRL's ORPO and CPO trainers
+    (ORPO, SimPO, CPO), which tokenize without special tokens and then put the tokenizer's BOS before the prompt
+    where it is not there already and its EOS after each reply — a tokenizer that defines a BOS without adding it
+    (GPT-2's, many BPE tokenizers) starts those rows with BOS, where the DPO and KTO trainers' rows do not."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, bos_first: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.bos_first = bos_first
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
@@ -48,11 +52,30 @@ class PreferenceTokenizer:
         return text if not eos or text.endswith(eos) else text + eos
 
     def pair(self, text: PairText) -> dict[str, list[int]]:
+        if self.bos_first:
+            return self._pair_bos_first(text)
         prompt = self._ids(text.prompt)
         chosen = self._ids(text.prompt + self._ended(text.chosen))
         rejected = self._ids(text.prompt + self._ended(text.rejected))
         start = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
         return {"prompt_ids": prompt[:start], "chosen_ids": chosen[start:], "rejected_ids": rejected[start:]}
+
+    def _pair_bos_first(self, text: PairText) -> dict[str, list[int]]:
+        """TRL's ORPO/CPO `tokenize_row`: each reply's ids are those of prompt + reply past the prompt's own (one
+        fewer where the tokenizer merged the prompt's last token into the reply); BOS before, EOS after."""
+        plain = lambda words: list(self.tokenizer(words, add_special_tokens=False)["input_ids"])  # noqa: E731
+        prompt = plain(text.prompt)
+        wholes = [plain(text.prompt + reply) for reply in (text.chosen, text.rejected)]
+        starts = [len(prompt) - (prompt != whole[: len(prompt)]) for whole in wholes]
+        start = min(starts)
+        bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
+        head = wholes[0][:start]
+        if bos is not None and (not head or head[0] != bos):
+            head = [bos, *head]
+        replies = [whole[begin:] for whole, begin in zip(wholes, starts, strict=True)]
+        if eos is not None:
+            replies = [reply if reply and reply[-1] == eos else [*reply, eos] for reply in replies]
+        return {"prompt_ids": head, "chosen_ids": replies[0], "rejected_ids": replies[1]}
 
     def unpaired(self, text: UnpairedText) -> dict[str, Any]:
         prompt = self._ids(text.prompt)
@@ -80,9 +103,11 @@ class PreferenceReport:
 
 
 class _Tokenize:
-    def __init__(self, formatter: PreferenceFormatter, paired: bool, source: Any, reward: bool = False) -> None:
+    def __init__(
+        self, formatter: PreferenceFormatter, paired: bool, source: Any, reward: bool = False, bos_first: bool = False
+    ) -> None:
         self.formatter, self.paired, self.source, self.reward = formatter, paired, source, reward
-        self.tokens = PreferenceTokenizer(formatter.tokenizer)
+        self.tokens = PreferenceTokenizer(formatter.tokenizer, bos_first)
 
     def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
         where = self.source.where(index)
@@ -110,10 +135,11 @@ def load_preference_records(
     reward: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     seed: int = 0,
+    bos_first: bool = False,
 ) -> tuple[Any, PreferenceReport]:
     """Every dataset's records tokenized (an Arrow table: prompt_ids, chosen_ids, rejected_ids — or KTO's
     prompt_ids, completion_ids, label), in dataset then record order; records whose prompt fills `sequence_len`
-    dropped and counted."""
+    dropped and counted. `bos_first`: pairs as TRL's ORPO and CPO trainers tokenize them (`PreferenceTokenizer`)."""
     from datasets import concatenate_datasets
 
     report, tables = PreferenceReport(), []
@@ -122,7 +148,7 @@ def load_preference_records(
         formatter = PreferenceFormatter(tokenizer, entry, template, template_kwargs)
         records = source.dataset
         table = records.map(
-            _Tokenize(formatter, paired, source, reward),
+            _Tokenize(formatter, paired, source, reward, bos_first),
             with_indices=True,
             remove_columns=records.column_names,
             num_proc=num_proc if num_proc and num_proc > 1 and len(records) >= 1024 else None,

@@ -60,6 +60,9 @@ class PreferenceData:
         return total / max(1, len(table))
 
 
+BOS_FIRST_METHODS = ("orpo", "simpo")  # TRL's ORPOTrainer and CPOTrainer put BOS before the prompt
+
+
 def prepare_preference_data(
     engine: Engine, settings: Any, tokenizer: Any, paired: bool, reward: bool = False
 ) -> PreferenceData:
@@ -79,6 +82,7 @@ def prepare_preference_data(
             reward=reward,
             template_kwargs=settings.chat_template_kwargs,
             seed=cfg.seed,
+            bos_first=settings.rl in BOS_FIRST_METHODS,
         )
     table = _selected(table, settings, report)
     validation = None
@@ -91,6 +95,7 @@ def prepare_preference_data(
                 sequence_len=cfg.train.seq_len,
                 reward=reward,
                 seed=cfg.seed,
+                bos_first=settings.rl in BOS_FIRST_METHODS,
             )[0]
     elif settings.val_set_size:
         table, validation = _held_out(table, settings.val_set_size, cfg.seed)

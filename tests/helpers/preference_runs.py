@@ -30,11 +30,22 @@ def kto_records(count: int = 4) -> list[dict[str, Any]]:
     ]
 
 
-def make_preference_base(root: Path) -> Path:
+def make_preference_base(root: Path, adds_bos: bool = True) -> Path:
+    """The tiny base; `adds_bos=False`: its tokenizer defines BOS without adding it (as GPT-2's does)."""
     from meshkit.recipes.tiny_model import make_tiny_base_model
 
     texts = [p["prompt"] + p["chosen"] + p["rejected"] for p in pair_records(len(WORDS))] * 5
-    return make_tiny_base_model(root / "base", texts, vocab_size=300, hidden_size=32, layers=2, heads=4, kv_heads=2)
+    base = make_tiny_base_model(root / "base", texts, vocab_size=300, hidden_size=32, layers=2, heads=4, kv_heads=2)
+    if adds_bos:
+        return base
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")
+    assert tokenizer("Shout")["input_ids"][0] != tokenizer.bos_token_id and tokenizer.bos_token_id is not None
+    tokenizer.save_pretrained(base)
+    return base
 
 
 def _trl_trainer(method: str, base: Path, out: Path, records: list[dict[str, Any]], **options: Any) -> Any:
@@ -84,7 +95,7 @@ def meshkit_metrics(base: Path, records: list[dict[str, Any]], loss: Any, refere
     from meshkit.recipes.preference import PairedObjective, PreferenceWindow, Reference, UnpairedObjective
 
     tokenizer = AutoTokenizer.from_pretrained(base)
-    tokens = PreferenceTokenizer(tokenizer)
+    tokens = PreferenceTokenizer(tokenizer, bos_first=type(loss).__name__ in ("ORPO", "CPO"))  # (as TRL's trainers)
     paired = loss.paired
     rows = [
         tokens.pair(PairText(**r))

@@ -17,6 +17,12 @@ def base(tmp_path_factory):
     return make_preference_base(tmp_path_factory.mktemp("preference-base"))
 
 
+@pytest.fixture(scope="module")
+def base_without_bos(tmp_path_factory):
+    """A tokenizer that defines BOS but does not add it: TRL's ORPO and CPO trainers put it before the prompt."""
+    return make_preference_base(tmp_path_factory.mktemp("preference-base-no-bos"), adds_bos=False)
+
+
 CASES = {
     "dpo-sigmoid": ("dpo", {"beta": 0.1}, DPO(beta=0.1)),
     "dpo-wpo": ("dpo", {"beta": 0.1, "use_weighting": True}, DPO(beta=0.1, use_weighting=True)),
@@ -38,6 +44,15 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_objective_equals_trl_trainer(base, tmp_path, case) -> None:
+    _equal_to_trl(base, tmp_path, case)
+
+
+@pytest.mark.parametrize("case", ["dpo-sigmoid", "orpo", "simpo"])
+def test_with_a_tokenizer_that_does_not_add_its_bos_each_objective_reads_trls_ids(base_without_bos, tmp_path, case):
+    _equal_to_trl(base_without_bos, tmp_path, case)
+
+
+def _equal_to_trl(base, tmp_path, case) -> None:
     method, options, loss = CASES[case]
     records = kto_records() if method == "kto" else pair_records()
     theirs = trl_metrics(method, base, tmp_path / "trl", records, **options)
