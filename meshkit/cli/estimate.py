@@ -230,7 +230,7 @@ def _count(n: float) -> str:
 
 
 def _table(title: str, estimate: Estimate) -> Table:
-    table = Table(title=title)
+    table = Table(title=title, title_justify="left")
     for column in ("item", "GB", "formula"):
         table.add_column(column, justify="right" if column == "GB" else "left")
     for row in as_table_rows(estimate):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import textwrap
 from pathlib import Path
 from typing import Annotated, Any, Optional, cast, get_args
 
@@ -30,6 +32,7 @@ from meshkit.planning.plan import (
     HEADROOM,
     INTER_LINKS,
     INTRA_LINKS,
+    TIE,
     Cluster,
     LayoutFilter,
     Plan,
@@ -169,6 +172,8 @@ def plan_command(
         print(json.dumps([layout.as_json() for layout in shown], indent=2))
     else:
         title = f"layouts that fit {gpus_per_node}×{nodes} {device.name} of {memory:g} GB, fastest first"
+        if any(layout.tied for layout in shown):
+            title += f"; ≈: within {TIE:.0%} of the fastest, the simpler layout first"
         Console().print(layout_table(shown, title))
         for rank, layout in enumerate(shown, 1):
             Console().print(f"{rank}. {layout.reason}", highlight=False)
@@ -243,7 +248,7 @@ def layout_table(shown: list[PlannedLayout], title: str) -> Table:
         table.add_row(
             str(rank),
             short_layout(layout),
-            f"{layout.step_s:.3g}",
+            f"{'≈' if layout.tied else ''}{layout.step_s:.3g}",
             f"{time.tokens_per_s:,.0f}" if time else "",
             f"{time.mfu:.0%}" if time else "",
             f"{layout.memory_gb:.1f}",
@@ -259,19 +264,29 @@ def explain_layout(chosen: PlannedLayout | None, result: Plan, memory_gb: float,
     if chosen is None or chosen.estimate is None:
         console.print("no layout could be costed")
         return
-    console.print(f"{short_layout(chosen)}  ({chosen.describe()})", highlight=False)
+    say = functools.partial(_hanging, console)
+    say(f"{short_layout(chosen)}  ", f"({chosen.describe()})")
     for line in chosen.estimate.lines:
-        console.print(f"  {line.name:<12}{line.gb:>9.2f} GB  {line.formula}", highlight=False)
-    console.print(f"  {'total':<12}{chosen.memory_gb:>9.2f} GB  {chosen.estimate.total_formula}", highlight=False)
+        say(f"  {line.name:<14}{line.gb:>8.2f} GB  ", line.formula)
+    say(f"  {'total':<14}{chosen.memory_gb:>8.2f} GB  ", chosen.estimate.total_formula)
     if chosen.host_gb_per_node:
-        console.print(f"  {'host memory':<12}{chosen.host_gb_per_node:>9.1f} GB per node (offloaded optimizer states)")
+        say(f"  {'host memory':<14}{chosen.host_gb_per_node:>8.1f} GB  ", "per node (offloaded optimizer states)")
     verdict = "fits" if chosen.memory_gb <= result.budget_gb else "does not fit"
-    console.print(
-        f"  {'limit':<12}{result.budget_gb:>9.2f} GB  = {memory_gb:g} GB × {HEADROOM:.0%} headroom "
-        f"(runtime {runtime_gb:g} GB counted above): {verdict}",
-        highlight=False,
+    say(
+        f"  {'limit':<14}{result.budget_gb:>8.2f} GB  ",
+        f"= {memory_gb:g} GB × {HEADROOM:.0%} headroom (runtime {runtime_gb:g} GB counted above): {verdict}",
     )
     for near in result.dropped[:3]:
         from meshkit.planning.plan import over_limit
 
-        console.print(f"  dropped: {short_layout(near)}: {over_limit(near, result.budget_gb, None)}", highlight=False)
+        say(f"  dropped: {short_layout(near)}: ", str(over_limit(near, result.budget_gb, None)))
+
+
+def _hanging(console: Console, head: str, text: str) -> None:
+    """`head` then `text`, wrapped at the console's width with the continuation lines under the text's start (a
+    narrow terminal no longer wraps the formulas to column 0)."""
+    width = max(console.width, len(head) + 20)
+    lines = textwrap.wrap(text, width - len(head)) or [""]
+    console.print(head + lines[0], highlight=False, soft_wrap=True)
+    for line in lines[1:]:
+        console.print(" " * len(head) + line, highlight=False, soft_wrap=True)

@@ -221,7 +221,7 @@ def estimate_memory(
         model, seq_len, micro_batch, precision, tp, cp, activation_checkpointing, recipe
     )
     if working:
-        lines.append(Line("backward working set", working / GB, working_formula, "backward"))
+        lines.append(Line("working set", working / GB, working_formula, "backward"))
     if mixed and recipe.weights == "autocast" and zero_stage < 3:
         lines.append(_autocast_copies(model, local, tp, activation_checkpointing))
     if activation_checkpointing == "full":

@@ -105,6 +105,7 @@ class PlannedLayout:
     time: StepTime | None = None
     estimate: Estimate | None = None  # the memory terms behind memory_gb (`meshkit plan --explain`)
     host_gb_per_node: float = 0.0  # offloaded states a node's host memory holds for its ranks
+    tied: bool = False  # within TIE of the fastest: ranked by simplicity, not by time (`rank`)
 
     @property
     def step_s(self) -> float:
@@ -192,9 +193,9 @@ def cost(
     )
     grads = 2 * sum(model.local_params(layout.tp, layout.pp, layout.ep))
     n = layout.dp * layout.cp
-    dp_volume = (2 * (n - 1) / n * grads * (1.5 if layout.zero_stage == 3 else 1.0)) if n > 1 else 0.0
-    sbh = seq_len / layout.cp * micro_batch * (model.hidden or 0) * 2
     steps = layout.microbatches
+    dp_volume = data_parallel_bytes(grads, n, layout.zero_stage, steps)
+    sbh = seq_len / layout.cp * micro_batch * (model.hidden or 0) * 2
     tp_volume = 4 * 2 * (layout.tp - 1) / layout.tp * sbh * (model.layers or 0) / layout.pp * steps
     pp_volume = 2 * sbh * steps * layout.stages_per_rank if layout.pp > 1 else 0.0
     per_layer = all_to_all_bytes(model, layout, seq_len=seq_len, micro_batch=micro_batch, act_b=2)
@@ -211,7 +212,23 @@ def cost(
                          host_gb_per_node=host)  # fmt: skip
 
 
-def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool) -> str:
+def data_parallel_bytes(grads: float, ranks: int, zero_stage: int, microbatches: int) -> float:
+    """Bytes one rank moves over the data-parallel ranks in an optimizer step of `microbatches` micro-steps
+    (`grads`: its 16-bit gradient bytes, the size of its 16-bit weights too). DDP and ZeRO-1: one all-reduce at the
+    window's end (2·(n-1)/n); ZeRO-2: a reduce-scatter every micro-step (meshkit's default under accumulation) and
+    the all-gather of the updated weights; ZeRO-3: a forward and a backward all-gather of the weights every
+    micro-step and the reduce-scatter of the window's gradients."""
+    if ranks <= 1:
+        return 0.0
+    share = (ranks - 1) / ranks * grads  # one all-gather or one reduce-scatter
+    if zero_stage == 3:
+        return share * (2 * microbatches + 1)
+    if zero_stage == 2:
+        return share * (microbatches + 1)
+    return 2 * share
+
+
+def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool, recompute_needed: bool = True) -> str:
     why = []
     if layout.tp == 1 and layout.pp == 1 and layout.zero_stage == 0 and layout.cp == 1:
         return "fits one GPU: plain DDP, one gradient all-reduce per step"
@@ -234,7 +251,8 @@ def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool
     if layout.ep > 1:
         why.append(f"EP={layout.ep}: each rank holds 1/{layout.ep} of the experts, tokens sent by all-to-all")
     if layout.activation_checkpointing != "none":
-        why.append(f"{layout.activation_checkpointing} recompute to fit the activations")
+        fit = "to fit the activations" if recompute_needed else "(it fits without: not needed)"
+        why.append(f"{layout.activation_checkpointing} recompute {fit}")
     if layout.offload != "none":
         why.append("optimizer states offloaded to CPU")
     if not fits_plain and not why:
@@ -259,11 +277,14 @@ def simplicity(layout: Layout) -> tuple[int, ...]:
 
 
 def rank(layouts: Iterable[PlannedLayout]) -> list[PlannedLayout]:
-    """Fastest first, except that among the layouts within TIE of the fastest the simplest leads."""
+    """Fastest first, except that among the layouts within TIE of the fastest the simplest leads (those are
+    marked `tied`, so a table can say why their times are not in order)."""
     by_time = sorted(layouts, key=lambda lay: lay.step_s)
     if not by_time:
         return []
     near = [lay for lay in by_time if lay.step_s <= by_time[0].step_s * (1 + TIE)]
+    for planned in near:
+        planned.tied = len(near) > 1
     return sorted(near, key=lambda lay: simplicity(lay.layout)) + by_time[len(near) :]
 
 
@@ -336,8 +357,11 @@ def plan(
     budget = cluster.gpu_mem_gb * HEADROOM
     fitting = rank(lay for lay in costed if over_limit(lay, budget, host_mem_gb) is None)
     plain = any(lay.layout.tp == lay.layout.pp == 1 and lay.layout.zero_stage == 0 for lay in fitting)
+    fits = {lay.layout for lay in fitting}
     for planned in fitting:
-        planned.reason = reason(planned.layout, model, cluster, plain)
+        without = replace(planned.layout, activation_checkpointing="none")
+        needed = without not in fits  # (the same layout without recomputation does not fit, or is no candidate)
+        planned.reason = reason(planned.layout, model, cluster, plain, needed)
     smallest = min(costed, key=lambda lay: lay.memory_gb)
     dropped = sorted((lay for lay in costed if over_limit(lay, budget, host_mem_gb)), key=lambda lay: lay.memory_gb)
     result = Plan(fitting, smallest, budget_gb=budget, dropped=dropped)

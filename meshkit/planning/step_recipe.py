@@ -47,8 +47,9 @@ class StepRecipe:
         return stores_scores(self.attention)
 
     def describe(self) -> str:
-        parts = [f"attention {self.attention}", "compiled" if self.compiled else "eager"]
-        parts += [f"{self.loss} loss", f"{self.optimizer_step} optimizer step", f"{self.weights} weights"]
+        loss = "fused loss (chunks of logits)" if self.loss == "fused" else "plain loss (whole logits)"
+        parts = [f"attention {self.attention}", "torch.compile" if self.compiled else "not compiled"]
+        parts += [loss, f"{self.optimizer_step} optimizer step", f"{self.weights} weights"]
         parts += ["tiled MLPs"] if self.tiled_mlp else []
         return ", ".join(parts)
 

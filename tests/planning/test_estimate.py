@@ -118,7 +118,7 @@ def test_gradients_freed_every_step_meet_the_activations_as_the_larger_of_the_tw
     for layout in ({"zero_stage": 3, "dp": 4}, {"zero_stage": 2, "dp": 4}, {"pp": 2, "dp": 2}, {}):
         peak, out = total(**layout)  # shards built in backward, a pipeline's freed in its step, set_to_none
         rest = out["params_gb"] + out["optimizer_gb"] + out["buffers_gb"] + out["runtime_gb"]
-        backward = out["activations_gb"] + out["backward working set_gb"]  # (saved tensors, one layer's gradients)
+        backward = out["activations_gb"] + out["working set_gb"]  # (saved tensors, one layer's gradients)
         assert peak == pytest.approx(rest + max(out["grads_gb"], backward))
         assert out["grads_gb"] > 0 and out["activations_gb"] > out["grads_gb"] and "max(" in out["formulas"]["total"]
     for layout in ({"zero_stage": 1, "dp": 4}, {"dp": 4, "gradient_as_bucket_view": True}):

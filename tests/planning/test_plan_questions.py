@@ -95,3 +95,52 @@ def test_explain_shows_each_layers_split_and_what_decided_it(tmp_path: Path) -> 
     assert re.search(r"lm_head +replicate", falcon)
     (tmp_path / "bare.json").write_text(json.dumps(LLAMA_70B))  # (no model_type: no model to build)
     assert tensor_parallel_lines(tmp_path / "bare.json")[0].startswith("(not shown: transformers builds no causal LM")
+
+
+LLAMA_8B = ModelShape.transformer(layers=32, hidden=4096, heads=32, vocab=128256, ffn=14336, kv_heads=8)
+EIGHT = Cluster(8, 80.0, 1)
+
+
+def _zero3_dp8(global_batch: int):
+    only = LayoutFilter.of("zero3", tp=1, pp=1, offload="none")
+    layouts = plan(LLAMA_8B, EIGHT, seq_len=8192, global_batch=global_batch, only=only).fitting
+    return next(lay for lay in layouts if lay.layout.dp == 8)
+
+
+def test_zero3_traffic_counts_every_micro_steps_gathers() -> None:
+    one, four = _zero3_dp8(8), _zero3_dp8(32)
+    assert (one.layout.microbatches, four.layout.microbatches) == (1, 4)
+    # a forward and a backward all-gather per micro-step, one reduce-scatter per window: (2·4 + 1) / (2·1 + 1)
+    assert four.comm_gb == pytest.approx(one.comm_gb * 9 / 3)
+
+
+def test_the_tie_rule_is_stated_where_it_orders_the_table_and_each_reason_is_true_of_its_row() -> None:
+    result = plan(LLAMA_8B, EIGHT, seq_len=8192, global_batch=32)
+    tied = [lay for lay in result.fitting if lay.tied]
+    untied = [lay for lay in result.fitting if not lay.tied]
+    assert all(a.step_s <= b.step_s for a, b in zip(untied, untied[1:], strict=False))  # fastest first...
+    assert all(lay.step_s <= min(result.fitting, key=lambda x: x.step_s).step_s * 1.05 for lay in tied)
+    fits = {lay.layout for lay in result.fitting}
+    from dataclasses import replace
+
+    for lay in result.fitting:
+        if "recompute to fit the activations" in lay.reason:
+            assert replace(lay.layout, activation_checkpointing="none") not in fits, lay.reason
+    done = meshkit("plan", "--params", "8e9", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab",
+                   "128256", "--gpus-per-node", "8", "--gpu-mem-gb", "80", "--global-batch", "32", "--seq-len", "8192",
+                   env={"COLUMNS": "80"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    if tied:
+        assert "within 5% of the fastest, the simpler layout first" in " ".join(done.stdout.split())
+        assert "≈" in done.stdout
+
+
+def test_explain_keeps_its_formulas_under_their_column_at_80_columns() -> None:
+    done = meshkit("plan", "--params", "8e9", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab",
+                   "128256", "--gpus-per-node", "8", "--gpu-mem-gb", "80", "--global-batch", "32", "--seq-len", "8192",
+                   "--explain", env={"COLUMNS": "80"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split("\n")
+    start = next(i for i, line in enumerate(lines) if "(dp" in line and "ZeRO" in line and line[0] != " ")
+    terms = lines[start + 1 : next(i for i in range(start + 1, len(lines)) if "limit" in lines[i]) + 1]
+    assert terms and all(line.startswith("  ") and len(line) <= 80 for line in terms), terms
