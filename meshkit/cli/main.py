@@ -18,7 +18,7 @@ from rich.table import Table
 from meshkit.cli.estimate import estimate_command
 from meshkit.cli.plan import plan_command
 from meshkit.config.idle import idle_values
-from meshkit.config.resolve import ResolvedConfig, default_config_path, parse_assignments, resolve
+from meshkit.config.resolve import ConfigError, ResolvedConfig, default_config_path, parse_assignments, resolve
 from meshkit.config.schema import LaunchSettings
 from meshkit.core.errors import MeshkitError, one_line
 from meshkit.launching.cluster import cluster_settings
@@ -92,10 +92,11 @@ def parse_nnodes(value: str | None) -> tuple[int | None, int | None]:
 def print_resolved(resolved: ResolvedConfig) -> None:
     table = Table(title="meshkit config (highest precedence: code > flags > env > file > default)")
     for column in ("key", "value", "source"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # (a key is never cut short: it is what you type)
     for key, value, source in resolved.rows():
         table.add_row(key, value, source, style=None if source == "default" else "bold")
-    Console().print(table)
+    # piped or redirected: as wide as the rows need, so every key and value is whole on its line
+    Console(width=None if sys.stdout.isatty() else 400).print(table)
     for conflict in resolved.conflicts:
         Console(stderr=True).print(f"[yellow]warning:[/] {conflict.message()}")
 
@@ -260,12 +261,41 @@ def config_questionnaire(
 @config_app.command("show")
 @user_errors
 def config_show(
+    config: Annotated[
+        Optional[str], typer.Argument(help="the run's YAML (a meshkit or fine-tune config), as `train` takes it")
+    ] = None,
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="key=value overrides, e.g. tp=2")] = None,
     config_file: ConfigFileOpt = None,
     set_: SetOpt = None,
 ) -> None:
     """Print every resolved key with its value and where the value came from (as a launch here would see it)."""
-    flags, labels = collect_flags({}, set_ or [])
-    print_resolved(resolve(flags=flags, flag_labels=labels, file=config_file, cluster=cluster_settings(os.environ)))
+    assignments = [*(overrides or []), *(set_ or [])]
+    if config is not None and "=" in config and not Path(config).is_file():
+        assignments.insert(0, config)  # (only overrides given: `meshkit config show tp=2`)
+        config = None
+    if config is not None and config_file is not None:
+        raise ConfigError(f"two configs given ({config} and --config-file {config_file}): give one")
+    path = Path(config) if config is not None else config_file
+    if path is not None and not path.is_file():
+        raise ConfigError(f"config {path} does not exist")
+    if path is not None and is_finetune_config(path):
+        from meshkit.recipes.finetune_config import resolve_finetune
+
+        print_resolved(resolve_finetune(path, assignments, cluster=True).resolved)
+        return
+    flags, labels = collect_flags({}, assignments)
+    print_resolved(resolve(flags=flags, flag_labels=labels, file=path, cluster=cluster_settings(os.environ)))
+
+
+def is_finetune_config(path: Path) -> bool:
+    """A YAML with `base_model`: `meshkit finetune`'s config (Axolotl keys and meshkit's)."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(raw, dict) and bool(raw.get("base_model"))
 
 
 @config_app.command("import")

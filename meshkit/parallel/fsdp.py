@@ -2,7 +2,8 @@
 
 Consecutive repeated blocks form FSDP units of about `sharding.unit_mb` of parameters (a unit's parameters are
 all-gathered in one collective just before its forward and freed after it; its gradients are reduce-scattered
-in one), then the root takes the remaining parameters (embedding, final norm, head). On a 2-D mesh
+in one), then the root takes the remaining parameters (embedding, final norm, head). A model without a list of
+repeated blocks is sharded by its children that hold parameters (one notice line). On a 2-D mesh
 (dp_replicate, dp_shard) the same call is HSDP: sharded within a replica group, replicated across groups.
 """
 
@@ -17,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from meshkit.config.schema import ShardingConfig
-from meshkit.models.blocks import block_units, find_blocks
+from meshkit.models.blocks import BlockError, block_units, find_blocks
 from meshkit.runtime.dtensors import local_tensor
 from meshkit.runtime.mesh import ParallelMesh
 from meshkit.runtime.ring_collectives import RingAllGather, RingReduceScatter
@@ -27,6 +28,33 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class OffloadNotice(UserWarning):
     """CPU offload asked for on a host where parameters already live in CPU memory."""
+
+
+class UnitsNotice(UserWarning):
+    """A model without a list of repeated blocks is sharded by its children."""
+
+
+def shard_units(model: nn.Module, blocks: str | None) -> list[nn.Module]:
+    """The modules FSDP shards one at a time: the repeated blocks; for a model without a list of them, its
+    children that hold parameters (the root takes the rest), said in one notice line."""
+    try:
+        _, block_list = find_blocks(model, blocks)
+    except BlockError:
+        if blocks is not None:
+            raise
+    else:
+        return [block for _, block in block_units(block_list)]
+    children = [(name, child) for name, child in model.named_children() if next(child.parameters(), None) is not None]
+    more = f" and {len(children) - 4} more" if len(children) > 4 else ""
+    names = ", ".join(name for name, _ in children[:4]) + more
+    what = f"its children ({names}) as units, the root the rest" if children else "the whole model as one unit"
+    warnings.warn(
+        f"zero_stage=3: {type(model).__name__} has no list of repeated blocks, so FSDP shards {what}; name a block "
+        "list with blocks='path.to.layers' for finer units",
+        UnitsNotice,
+        stacklevel=3,
+    )
+    return [child for _, child in children]
 
 
 def fsdp_mesh(mesh: ParallelMesh) -> DeviceMesh:
@@ -64,8 +92,7 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard each expert bank (split over ep: over the edp ranks that hold the same experts), each unit of
     blocks (`group_blocks`), then the root. Returns the same module object (FSDP2 works in place)."""
-    _, block_list = find_blocks(model, blocks)
-    units = group_blocks([block for _, block in block_units(block_list)], cfg.unit_mb)
+    units = group_blocks(shard_units(model, blocks), cfg.unit_mb)
     options: dict[str, Any] = {"mesh": fsdp_mesh(mesh), "mp_policy": mixed_precision_policy(cfg, precision)}
     policy = offload_policy(cfg, mesh.device)
     if policy is not None:

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from meshkit.recipes.train import resolve_recipe, train
-from tests.helpers.cli import meshkit
+from tests.helpers.cli import ROOT, meshkit
 
 SMALL = [
     "train.steps=4",
@@ -147,3 +147,18 @@ def test_meshkit_train_through_a_parameter_server_equals_ddp(tmp_path) -> None:
     assert len(served["memory"]) == 1 and served["memory"][0]["optimizer"] == 0  # the worker holds no moments
     assert served["memory"][0]["rank"] == 1  # the first worker reports (rank 0 serves)
     assert "parameter server applied" in said and "meshkit run summary" in said
+
+
+def test_config_show_takes_the_config_and_overrides_as_train_does_and_prints_whole_keys(tmp_path) -> None:
+    demo = ROOT / "examples" / "demo.yaml"
+    proc = meshkit("config", "show", str(demo), "tp=1", "activation_checkpointing.every=2")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("│")[1].strip(): line for line in proc.stdout.splitlines() if line.count("│") >= 3}
+    assert "activation_checkpointing.every" in rows and "…" not in proc.stdout  # (piped: no key cut short)
+    assert " 1 " in rows["parallel.tp"] and "2" in rows["activation_checkpointing.every"]
+    assert "demo.yaml" in rows["train.seq_len"]  # (the file's value, named by its source)
+    only = meshkit("config", "show", "seed=3")
+    assert only.returncode == 0 and "3" in {line.split("│")[1].strip(): line for line in only.stdout.splitlines()
+                                            if line.count("│") >= 3}["seed"]  # fmt: skip
+    missing = meshkit("config", "show", str(tmp_path / "none.yaml"))
+    assert missing.returncode == 2 and "none.yaml does not exist" in missing.stderr
