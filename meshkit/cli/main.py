@@ -27,6 +27,7 @@ from meshkit.launching.preflight import (
     check_job,
     check_layout,
     check_model,
+    check_outputs,
     check_recipe,
     check_resume_path,
     splits_the_model,
@@ -216,7 +217,7 @@ def finetune(
     quiet_third_party_loggers()  # before transformers imports them (launched workers: the launcher's filter)
     from meshkit.recipes.finetune import check_layout as check_recipe_layout
     from meshkit.recipes.finetune import finetune as run_recipe
-    from meshkit.recipes.finetune_config import resolve_finetune
+    from meshkit.recipes.finetune_config import check_finetune_inputs, resolve_finetune
     from meshkit.recipes.hf_base import tokenizer_directory
 
     assignments = overrides or []
@@ -229,6 +230,8 @@ def finetune(
     for dims in check_layout(job.resolved.config):  # what the recipe cannot do in each layout the job may have
         check_recipe_layout(job.resolved.config, dims, job)
     tokenizer_directory(job.settings)
+    check_finetune_inputs(job.settings)
+    check_outputs(job.resolved.config)
     if splits_the_model(job.resolved.config):  # the base model's heads, blocks and experts, before any worker
         from meshkit.recipes.hf_base import build_meta_model
 

@@ -165,6 +165,27 @@ def _saved(entry: DatasetEntry, local: Path, label: str) -> RecordSource:
     return RecordSource(label, dataset)
 
 
+def check_reachable(entry: DatasetEntry) -> None:
+    """What loading `entry` would first find wrong, found without loading it (the launcher's check before any
+    worker): a local path that does not exist, or a hub name this machine neither has cached nor can reach."""
+    local = Path(entry.path).expanduser()
+    if local.exists():
+        return
+    if _looks_local(entry.path):
+        raise DataFormatError(f"dataset '{entry.path}' does not exist: fix datasets[].path")
+    if _hub_snapshot(entry) is not None or _in_datasets_cache(entry.path) or hub_reachable():
+        return
+    from datasets import config as datasets_config
+    from huggingface_hub import constants
+
+    raise DataFormatError(
+        f"dataset '{entry.path}' is not a local path, and the hub has it neither in this machine's caches "
+        f"(HF_HUB_CACHE={constants.HF_HUB_CACHE}, HF_DATASETS_CACHE={datasets_config.HF_DATASETS_CACHE}) nor "
+        f"within reach (the hub, {_endpoint()}, is out of reach): download it where the hub is reachable "
+        f"(huggingface-cli download --repo-type dataset {entry.path}) or point path at local files"
+    )
+
+
 def _hub_snapshot(entry: DatasetEntry) -> Path | None:
     """The local copy `huggingface-cli download --repo-type dataset` left in the hub cache, if any."""
     from huggingface_hub import snapshot_download

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from meshkit.data.jsonl import DataFormatError
+
 BYTE_VOCAB_SIZE = 256
 
 
@@ -29,8 +31,11 @@ def load_text(dataset: str) -> str:
         return resources.files("meshkit.data").joinpath("corpus.txt").read_text(encoding="utf-8")
     path = Path(dataset).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"train.dataset '{dataset}' is not a file: give a UTF-8 text file or 'builtin'")
-    return path.read_text(encoding="utf-8")
+        raise DataFormatError(f"train.dataset '{dataset}' is not a file: give a UTF-8 text file or 'builtin'")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataFormatError(f"train.dataset '{dataset}' is not UTF-8 text (byte {err.start}): convert it") from None
 
 
 class TokenWindows(Dataset):

@@ -3,6 +3,7 @@ the launcher (exit code 2), not a traceback from every rank."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +72,34 @@ def check_model(model: Any, config: RunConfig) -> None:
             raise PreflightError(f"{err} ({how})") from None
 
 
+def check_writable(path: Path, key: str) -> None:
+    """`path` (made if missing) can be written here: its nearest existing ancestor is a writable directory."""
+    existing = path.expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise PreflightError(f"{key}={path}: {existing} is not a directory this user can write: choose another")
+
+
+def check_outputs(config: RunConfig) -> None:
+    """Where the run writes: its run directory, and its checkpoints where a save may happen."""
+    check_writable(config.logging.dir, "logging.dir")
+    if config.checkpoint.dir is not None:
+        check_writable(config.checkpoint.dir, "checkpoint.dir")
+
+
 def check_recipe(config: RunConfig) -> None:
-    """For `meshkit train`: the whole job is known, the model included."""
+    """For `meshkit train`: the whole job is known, the model and the data included."""
     import torch
 
     from meshkit.models.gpt import GPT
 
+    dataset = config.train.dataset
+    if dataset != "builtin" and not Path(dataset).expanduser().is_file():
+        raise PreflightError(
+            f"train.dataset={dataset}: no such file (give a UTF-8 text file, or builtin for the shipped corpus)"
+        )
+    check_outputs(config)
     if splits_the_model(config):
         with torch.device("meta"):
             check_model(GPT(config.model), config)

@@ -265,3 +265,12 @@ def resolve_finetune(
         cluster=cluster_settings(env) if cluster else None,
     )
     return FinetuneJob(resolved, settings, sources, tuple(from_file.notes + from_args.notes))
+
+
+def check_finetune_inputs(settings: Any) -> None:
+    """The launcher's look at the data before any worker starts: every dataset's path exists, or its hub name is
+    cached here or within reach."""
+    from meshkit.data.sources import check_reachable
+
+    for entry in (*settings.datasets, *(settings.pretraining_dataset or ()), *(settings.test_datasets or ())):
+        check_reachable(entry)

@@ -103,3 +103,47 @@ def test_an_unreachable_node_0_is_one_line_without_native_traces(tmp_path) -> No
     proc = meshkit("launch", *args, str(script), timeout=60)  # a hang fails here
     line = _one_line_error(proc, "could not reach node 0 at 127.0.0.1")
     assert "frame #" not in proc.stderr and "within 3s" in line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["train.dataset=missing.txt"], "train.dataset=missing.txt: no such file"),
+        (["logging.dir=/etc/hostname/run"], "logging.dir=/etc/hostname/run: /etc/hostname is not a directory"),
+        (["checkpoint.dir=/etc/hostname/ckpt"], "checkpoint.dir=/etc/hostname/ckpt: /etc/hostname is not a directory"),
+    ],
+)
+def test_meshkit_train_checks_its_data_and_output_directories_before_any_worker(tmp_path, overrides, needle) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("launch: {nproc_per_node: 2}\nmodel: {dim: 32, n_heads: 2, n_layers: 1}\n")
+    _one_line_error(in_process("train", str(config), *overrides), needle)
+
+
+def test_meshkit_finetune_checks_its_datasets_before_any_worker(tmp_path, material) -> None:
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from tests.helpers.finetune_runs import write_config
+
+    def config(path: str) -> str:
+        written = write_config(tmp_path / "ft.yaml", material, datasets=[{"path": path, "type": "alpaca"}],
+                               meshkit={"launch": {"nproc_per_node": 2}})  # fmt: skip
+        return str(written)
+
+    _one_line_error(
+        in_process("finetune", config(str(tmp_path / "missing.jsonl"))), "missing.jsonl' does not exist"
+    )
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    _one_line_error(
+        in_process("finetune", config("someone/not-cached-anywhere"), env=offline),
+        "dataset 'someone/not-cached-anywhere' is not a local path",
+    )
+
+
+def test_a_dataset_that_disappears_before_a_worker_reads_it_is_one_line_there_too(tmp_path) -> None:
+    from meshkit.core.errors import MeshkitError
+    from meshkit.data.text import load_text
+
+    with pytest.raises(MeshkitError, match="is not a file"):
+        load_text(str(tmp_path / "gone.txt"))
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(MeshkitError, match="is not UTF-8 text"):
+        load_text(str(tmp_path / "latin1.txt"))
