@@ -128,9 +128,7 @@ def test_meshkit_finetune_checks_its_datasets_before_any_worker(tmp_path, materi
                                meshkit={"launch": {"nproc_per_node": 2}})  # fmt: skip
         return str(written)
 
-    _one_line_error(
-        in_process("finetune", config(str(tmp_path / "missing.jsonl"))), "missing.jsonl' does not exist"
-    )
+    _one_line_error(in_process("finetune", config(str(tmp_path / "missing.jsonl"))), "missing.jsonl' does not exist")
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     _one_line_error(
         in_process("finetune", config("someone/not-cached-anywhere"), env=offline),
