@@ -32,6 +32,9 @@ class RegionTrace:
     # layer -> G where its output is viewed as [..., G, width / G] and then cut on the last dim (CodeGen's q, v, k
     # in 4 groups, each holding a quarter of the heads): its parts lie one after the other inside each group
     groups: dict[str, int] = field(default_factory=dict)
+    # layer -> H where its output is viewed as [batch, seq, H, head_dim] and then cut along H (Ergo's q, k and v
+    # heads in one layer, cut by head counts): its parts lie one after the other, in whole heads
+    head_cuts: dict[str, int] = field(default_factory=dict)
     # sizes of the dims other than the last that the writers' inputs were cut along (DiffLlama pairs the first half
     # of its heads with the second: a dim as long as the head count, cut in two)
     cut_dims: set[int] = field(default_factory=set)
@@ -196,11 +199,14 @@ def _read(
         return nodes
 
     def _grouped(split: Any, view: Any) -> None:
-        """A split on the last dim of a view of one of the layers' outputs into [..., G, width / G]."""
+        """A split of a view of one of the layers' outputs: on the last dim of [..., G, width / G] (groups), or
+        on the heads dim of [batch, seq, H, head_dim] (parts in whole heads)."""
         viewed, dim = tuple(split._saved_self_sym_sizes), _dim(split)
         layer = next((produced[c] for c, _ in view.next_functions if c in produced and produced[c] in own), None)
         if layer is not None and len(viewed) >= 3 and dim in (-1, len(viewed) - 1) and int(viewed[-2]) > 1:
             trace.groups[layer] = int(viewed[-2])
+        elif layer is not None and len(viewed) == 4 and dim in (-2, 2) and int(viewed[-2]) > 1:
+            trace.head_cuts[layer] = int(viewed[-2])
 
     if record.output is not record.leaf:
         walked = visit(record.output.grad_fn)

@@ -270,7 +270,10 @@ def _fused(
     attention = _attention_of(trace.path, structure)
     groups = trace.groups.get(name, 1)
     fixed_groups = groups > 1 and attention is not None and groups not in (attention.heads, attention.kv_heads)
-    if not fixed_groups and not trace.consumers.get(name, set()) & CUT_IN_PARTS:
+    # q, k and v heads one after the other, cut along the heads of [batch, seq, all heads, head_dim]
+    heads = (attention.heads or 0) + 2 * (attention.kv_heads or 0) if attention is not None else 0
+    head_parts = heads > 0 and trace.head_cuts.get(name) == heads
+    if not fixed_groups and not head_parts and not trace.consumers.get(name, set()) & CUT_IN_PARTS:
         return None
     return _fused_by_width(model, name, trace.path, trace.writers[0], structure)
 

@@ -73,15 +73,26 @@ def apply_expert_parallel(
         _check_calling_convention(bank, f"{facts.path}.{facts.bank}")
         for wrapper in adapters.values():  # the adapters join the local pieces below, not by peft's parametrization
             wrapper.forward = _PassThrough(cast(nn.Module, wrapper.base_layer))
-        for name, param in list(bank.named_parameters(recurse=False)):
+        for owner, name, param in expert_parameters(bank, facts.experts):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])  # rank 0 of each ep group deals its experts
             if edp_mesh.size() > 1 and not sharded.is_meta:  # replicas of the experts start equal, as DDP's do
                 dist.broadcast(sharded.to_local(), group=edp_mesh.get_group(), group_src=0)
-            bank.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            owner.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         forward = ExpertParallelForward(bank, facts.experts, ep_mesh, capacity_factor, adapters)
         bank.forward = forward
         banks.append(bank)
     return banks
+
+
+def expert_parameters(bank: nn.Module, experts: int) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """(module, name, parameter) of every tensor the bank holds per expert: its own, and those of modules inside it
+    whose first dim is the expert count (Ergo's per-expert norm scale, indexed by the expert ids the bank runs)."""
+    found = []
+    for module in bank.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if module is bank or (param.dim() > 0 and param.shape[0] == experts):
+                found.append((module, name, param))
+    return found
 
 
 def _check_calling_convention(bank: nn.Module, path: str) -> None:
@@ -170,9 +181,17 @@ class ExpertParallelForward:
     def _local_experts(self) -> Iterator[torch.Tensor]:
         """The bank's parameters as this rank's plain pieces, and its expert count as theirs, for one call."""
         held = dict(self.bank._parameters)
+        inner = {id(m): (m, dict(m._parameters)) for m in self.bank.modules() if m is not self.bank and m._parameters}
         counts = {name: getattr(self.bank, name) for name in EXPERT_COUNT_ATTRIBUTES if hasattr(self.bank, name)}
         try:
             anchor = None
+            for module, params in inner.values():  # (per-expert tensors of modules inside the bank: their pieces)
+                for name, param in params.items():
+                    if isinstance(param, DTensor):
+                        local = param.to_local()
+                        module._parameters[name] = local
+                        touch = local.reshape(-1)[:1].sum() * 0
+                        anchor = touch if anchor is None else anchor + touch
             for name, param in held.items():
                 if param is None:
                     continue
@@ -189,5 +208,7 @@ class ExpertParallelForward:
             yield anchor if anchor is not None else torch.zeros(())
         finally:
             self.bank._parameters.update(held)
+            for module, params in inner.values():
+                module._parameters.update(params)
             for name, value in counts.items():
                 setattr(self.bank, name, value)

@@ -20,7 +20,7 @@ class WholeGradientsAgree:
     """A gradient reducer that runs last, once: the whole parameters' gradients must agree over `group`."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup) -> None:
-        self.named = [(name, param) for name, param in named if not isinstance(param, DTensor)]
+        self.named = [(name, param) for name, param in named if _whole(param)]
         self.group = group
         self.checked = False
 
@@ -30,7 +30,7 @@ class WholeGradientsAgree:
     def reduce_gradients(self) -> None:
         if self.checked:
             return
-        present = [(name, param.grad) for name, param in self.named if param.grad is not None]
+        present = [(name, grad) for name, param in self.named if (grad := _whole_gradient(param)) is not None]
         if not present:
             return
         self.checked = True
@@ -48,3 +48,20 @@ class WholeGradientsAgree:
                 f"the first step ({len(wrong)} such parameter(s)), so this model's split is not exact: set "
                 "tensor_parallel.plan to keep its layers whole, or use tp=1"
             )
+
+
+def _whole(param: torch.Tensor) -> bool:
+    """Whole on every tp rank: a plain tensor, or a DTensor replicated over every mesh dim (sequence parallel's
+    norms and embeddings)."""
+    return not isinstance(param, DTensor) or all(placement.is_replicate() for placement in param.placements)
+
+
+def _whole_gradient(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient as each rank holds it, where it is meant to be the same on every rank (a replicated DTensor's
+    local value); None where there is none, or where it is still a partial sum (nothing to compare)."""
+    grad = param.grad
+    if grad is None:
+        return None
+    if isinstance(grad, DTensor):
+        return grad.to_local() if all(placement.is_replicate() for placement in grad.placements) else None
+    return grad
