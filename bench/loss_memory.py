@@ -46,7 +46,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                   "keys": {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
                   "modes": {"plain": {"fused_loss": "off"}, "fused": {}}},
     "head/dpo": {"model": HEAD, "seq": 2048, "data": "pairs", "keys": {"rl": "dpo", "rl_beta": 0.1,
-                 "chat_template": "chatml"}, "modes": {"plain": {"fused_loss": "off"}, "fused": {}}},
+                 "chat_template": "chatml", "sequence_len": 1056},  # (a row: the prompt and one ~1,008-token answer)
+                 "modes": {"plain": {"fused_loss": "off"}, "fused": {}}},
     "mlp/full": {"model": MLP, "seq": 16384, "data": "completion", "keys": {},
                  "modes": {"whole": {}, "tiled": {"tiled_mlp": True}}},
     "neftune/full": {"model": MLP, "seq": 2048, "data": "completion", "keys": {},
