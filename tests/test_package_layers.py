@@ -27,6 +27,7 @@ LAYERS = [
     ("paramserver", "launching"),
     ("planning",),
     ("engine",),
+    ("logging",),  # (Accelerate's logger, as `meshkit.logging` for scripts that import everything from meshkit)
     ("recipes",),
     ("cli",),
 ]

@@ -54,6 +54,16 @@ class ShardedLoader:
         return self.loader.batch_size
 
     def __len__(self) -> int:
+        """This rank's batches in a whole epoch, as Accelerate's prepared loader counts them — also after
+        `load_state` put the position inside an epoch (the next pass then yields only the rest of it), so a
+        script's `resume_step // len(loader)` finds the epoch."""
+        sampler = self._position
+        batch = self.loader.batch_size
+        if isinstance(sampler, ResumableSampler) and batch:
+            per_rank = sampler.per_rank(0)
+            return per_rank // batch if self.loader.drop_last else -(-per_rank // batch)
+        if isinstance(sampler, UnevenBatchSampler):
+            return sampler.dataset_len // sampler.global_batch
         return len(self.loader)
 
     def set_epoch(self, epoch: int) -> None:
@@ -119,6 +129,8 @@ class ShardedLoader:
         sampler = self._position
         if "samples_seen" in state and isinstance(sampler, (ResumableSampler, UnevenBatchSampler)):
             sampler.start = int(state["samples_seen"])
+            if len(self.loader) == 0:  # saved at the epoch's end: the next pass is the next epoch, whole
+                sampler.start, self.epoch = 0, self.epoch + 1
         elif "batches_seen" in state:
             restore = getattr(self.loader.dataset, "load_state_dict", None)
             if state.get("stream") is not None and callable(restore) and restore(state["stream"]) is not False:

@@ -29,6 +29,7 @@ from meshkit.engine.accelerate.handlers import (  # noqa: F401 - re-exported (me
     DistributedType,
     InitProcessGroupKwargs,
 )
+from meshkit.engine.accelerate.process_logging import share_process_facts
 from meshkit.engine.accelerate.profiling import profiled
 from meshkit.engine.accelerate.sync import SyncControl
 from meshkit.engine.engine import Engine
@@ -58,6 +59,7 @@ class Accelerator(Engine):
         self._said: set[str] = set()
         for line in self._settings.notices:
             self._notice(line)
+        share_process_facts(self)  # (accelerate.logging's logger reads Accelerate's own state)
 
     def _notice(self, line: str) -> None:
         """One line on the main process, once per run: a setting that changes nothing here."""

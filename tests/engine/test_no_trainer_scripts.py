@@ -1,0 +1,90 @@
+"""transformers' `run_*_no_trainer.py` scripts in their own shape (`tests/helpers/no_trainer_script.py`), at world 2
+with only the Accelerator's import changed: Accelerate's logger works under meshkit's Accelerator, the metrics and
+final weights equal Accelerate's, and a run resumed mid-epoch, at an epoch's end or from an epoch checkpoint ends
+with the uninterrupted run's weights (the loader's `len()` is the epoch's after `load_state`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate", reason="accelerate (a test dependency) is not installed")
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+from tests.helpers.cli import ROOT, meshkit  # noqa: E402
+
+SCRIPT = ROOT / "tests" / "helpers" / "no_trainer_script.py"
+
+
+def _meshkit(out: Path, resume: str = "none", stop_after: int = 0) -> str:
+    done = meshkit("launch", "--nproc-per-node", "2", str(SCRIPT), "meshkit", str(out), resume, str(stop_after),
+                   timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def _accelerate(out: Path) -> None:
+    import subprocess
+
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), "accelerate",
+               str(out), "none", "0"]  # fmt: skip
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _close(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], tolerance: float) -> None:
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=tolerance, atol=tolerance, msg=name)
+
+
+@pytest.mark.timeout(900)
+def test_a_no_trainer_script_runs_logs_and_resumes_as_under_accelerate(tmp_path) -> None:
+    ours, theirs = tmp_path / "meshkit", tmp_path / "accelerate"
+    ours.mkdir()
+    theirs.mkdir()
+    output = _meshkit(ours)
+    assert "[RANK 0] Distributed environment: MULTI_CPU" in output and "[RANK 1] Distributed environment" in output
+    _accelerate(theirs)
+    metrics = json.loads((ours / "metrics-none.json").read_text())
+    reference = json.loads((theirs / "metrics-none.json").read_text())
+    assert [m["steps"] for m in metrics] == [m["steps"] for m in reference] == [4, 8]
+    for mine, accelerate in zip(metrics, reference, strict=True):
+        assert mine["perplexity"] == pytest.approx(accelerate["perplexity"], rel=1e-4)
+    whole = _weights(ours / "final-none")
+    _close(whole, _weights(theirs / "final-none"), 1e-4)
+    for resume in ("step_2", "step_4", "epoch_0"):  # mid-epoch, at the epoch's end by step, and by epoch
+        _meshkit(ours, resume)
+        _close(_weights(ours / f"final-{resume}"), whole, 1e-6)
+        resumed = json.loads((ours / f"metrics-{resume}.json").read_text())
+        assert resumed[-1] == pytest.approx(metrics[-1]), resume
+
+
+def test_meshkits_get_logger_logs_as_accelerates(caplog) -> None:
+    import logging
+
+    from meshkit.logging import get_logger
+
+    logger = get_logger("meshkit-test", log_level="INFO")
+    with caplog.at_level(logging.INFO, logger="meshkit-test"):
+        logger.info("on the main process")
+        logger.info("on every process", main_process_only=False)
+        logger.info("in turn", in_order=True)
+        logger.warning_once("said once")
+        logger.warning_once("said once")
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == ["[RANK 0] on the main process", "[RANK 0] on every process", "[RANK 0] in turn",
+                        "[RANK 0] said once"]  # fmt: skip
