@@ -12,7 +12,8 @@ Rows (each a ratio or a figure from this run):
 - fused loss: cross-entropy from hidden states × a 128k-vocabulary head, fused (`meshkit.training.
   fused_cross_entropy`) against the plain logits + cross-entropy: peak memory, time, agreement;
 - finetune: a Llama-3.2-1B-shaped transformers model (128k vocabulary) on HF batches through the Engine, with the
-  fused loss (`fused_loss: auto`) and without (`off`): tokens/s and peak memory;
+  fused loss (`fused_loss: auto`) and without (`off`): tokens/s and peak memory, eager and (on a GPU) with the whole
+  model compiled, each with the loss path and compile's graphs and breaks from the run's own record;
 - estimator: `meshkit estimate`'s prediction (the compiled recipe) against the engine and full-recompute peaks.
 
 The loss rows live in `bench/gpu_loss_rows.py`, what every row shares in `bench/gpu_setup.py`.

@@ -72,9 +72,10 @@ def fused_loss_row(ctx: Context) -> Row:
     return row
 
 
-def _finetune_steps(ctx: Context, fused: str) -> Row:
+def _finetune_steps(ctx: Context, fused: str, compiled: bool = False) -> Row:
     """Steps of a Llama-3.2-1B-shaped transformers model (128k vocabulary, tied head) on HF batches through the
-    Engine: the causal-LM loss fused (`fused_loss: auto`) or from the logits (`off`); bf16, no compile."""
+    Engine: the causal-LM loss fused (`fused_loss: auto`) or from the logits (`off`); bf16, compiled (the whole
+    model, as DDP and one process compile it) or not; with what the run's record says ran."""
     import transformers
 
     cuda = ctx.device.type == "cuda"
@@ -87,7 +88,7 @@ def _finetune_steps(ctx: Context, fused: str) -> Row:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**size, tie_word_embeddings=True, max_position_embeddings=seq)
     model = transformers.LlamaForCausalLM(config).to(ctx.device)
-    engine = Engine(precision="bf16", fused_loss=fused)
+    engine = Engine(precision="bf16", fused_loss=fused, compile={"enabled": compiled})
     try:
         model, optimizer = engine.prepare(model, optimizer_for(model, ctx.device))
         assert (engine.ctx.objects.fused_head is not None) is (fused == "auto")
@@ -106,8 +107,11 @@ def _finetune_steps(ctx: Context, fused: str) -> Row:
             if index >= 3:
                 seconds.append(time.perf_counter() - start)
         median = statistics.median(seconds)
+        from meshkit.engine.what_ran import what_ran
+
+        ran = what_ran(engine)
         return {"step_s": median, "tokens_per_s": micro_batch * seq / median, "peak_gb": peak_gb(ctx.device),
-                "loss": float(loss)}  # fmt: skip
+                "loss": float(loss), "ran_loss": ran["loss"], "ran_compile": ran["compile"]}  # fmt: skip
     finally:
         engine.end()
 
@@ -124,4 +128,10 @@ def finetune_row(ctx: Context) -> Row:
     row["time_vs_plain"] = fused["step_s"] / plain["step_s"]
     if plain["peak_gb"]:
         row["peak_vs_plain"] = fused["peak_gb"] / plain["peak_gb"]
+    if ctx.device.type == "cuda":  # the whole compiled step both ways (on a CPU compiling costs minutes: skipped)
+        compiled_plain = _finetune_steps(ctx, "off", compiled=True)
+        compiled_fused = _finetune_steps(ctx, "auto", compiled=True)
+        row.update({f"compiled_plain_{key}": value for key, value in compiled_plain.items()})
+        row.update({f"compiled_fused_{key}": value for key, value in compiled_fused.items()})
+        row["compiled_time_vs_plain"] = compiled_fused["step_s"] / compiled_plain["step_s"]
     return row
