@@ -38,10 +38,14 @@ Source = Literal["declared", "traced"]
 DECLARED_ROLES: dict[str, Role] = {
     "colwise": "column",
     "packed_colwise": "column",
+    "unit_colwise": "column",  # (split by whole heads: MiniCPM5's k/v; fewer heads than ranks is refused in one line)
     "rowwise": "row",
     "packed_rowwise": "row",
+    "unit_rowwise": "row",
     "colwise_gather_output": "column_gathered",
+    "colwise_rep": "column_gathered",
     "rowwise_split_input": "row_of_whole",
+    "rowwise_rep": "row_of_whole",
 }
 # how a fused output is cut into its parts: one after the other (split/slice: regrouped per rank), or per head
 # (viewed as [.., heads, parts, head_dim] first: a plain column split already gives each rank whole heads)
