@@ -34,10 +34,8 @@ SAMPLE = {
     "phi4_multimodal": {"pp2": "ok"},  # a feature embedding its declared pipeline plan leaves out: first stage
     "diffllama": {"tp2": "ok"},  # heads paired half with half: the attention kept whole
     "gemma3n_text": {"tp2": "ok"},  # a declared MLP split whose activation sparsity mixes features: kept whole
-    "ergo": {"tp2": "ok", "ep2": "ok"},
-    "minicpm5_moe": {
-        "tp2_sp": "ok"
-    },  # k/v declared unit_colwise: split by heads like colwise  # q, k, v heads in one layer cut by head counts; a per-expert norm in the bank
+    "ergo": {"tp2": "ok", "ep2": "ok"},  # q, k, v heads in one layer cut by head counts; a per-expert norm
+    "minicpm5_moe": {"tp2_sp": "ok"},  # k/v declared unit_colwise: split by heads like colwise
     "deepseek_v4": {"tp2_sp": "refused", "cp2": "refused"},  # tensor parallel splits none of its layers (it ran
     # unsplit on every rank, equal to one process); keys beyond the sequence (a compressed memory)
 }
