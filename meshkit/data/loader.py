@@ -241,11 +241,26 @@ def rebuilt(loader: DataLoader, **sampling: Any) -> DataLoader:
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
+        worker_init_fn=IgnoreInterrupt(loader.worker_init_fn) if loader.num_workers > 0 else loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
         persistent_workers=loader.persistent_workers,
     )
+
+
+class IgnoreInterrupt:
+    """A data-loading worker's init: Ctrl-C's SIGINT (sent to the terminal's whole process group) is left to the
+    training process, which checkpoints and stops its workers itself; then the user's own `worker_init_fn`."""
+
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if self.then is not None:
+            self.then(worker_id)
 
 
 def endless(loader: Any) -> Iterator[Any]:
