@@ -76,3 +76,26 @@ def test_iterable_dataset_passes_through_with_a_warning() -> None:
     with pytest.warns(UserWarning, match="IterableDataset is not sharded"):
         loader = shard(DataLoader(Stream(), batch_size=2), 0, 2)
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+
+
+class _RecordSigint:
+    """A user's worker_init_fn that writes down how its worker treats SIGINT (picklable for any start method)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, worker_id: int) -> None:
+        import signal
+        from pathlib import Path
+
+        Path(self.path, f"w{worker_id}").write_text(str(signal.getsignal(signal.SIGINT) == signal.SIG_IGN))
+
+
+def test_data_loading_workers_leave_ctrl_c_to_the_training_process(tmp_path) -> None:
+    from torch.utils.data import DataLoader
+
+    from meshkit.data.loader import rebuilt
+
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, worker_init_fn=_RecordSigint(str(tmp_path)))
+    assert [batch.tolist() for batch in rebuilt(loader, batch_size=2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert {path.read_text() for path in tmp_path.iterdir()} == {"True"}  # and the user's own init still ran
