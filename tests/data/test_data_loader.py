@@ -91,6 +91,7 @@ class _RecordSigint:
         Path(self.path, f"w{worker_id}").write_text(str(signal.getsignal(signal.SIGINT) == signal.SIG_IGN))
 
 
+@pytest.mark.world
 def test_data_loading_workers_leave_ctrl_c_to_the_training_process(tmp_path) -> None:
     from torch.utils.data import DataLoader
 
