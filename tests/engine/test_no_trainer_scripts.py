@@ -1,7 +1,7 @@
 """transformers' `run_*_no_trainer.py` scripts in their own shape (`tests/helpers/no_trainer_script.py`), at world 2
 with only the Accelerator's import changed: Accelerate's logger works under meshkit's Accelerator, the metrics and
-final weights equal Accelerate's, and a run resumed mid-epoch, at an epoch's end or from an epoch checkpoint ends
-with the uninterrupted run's weights (the loader's `len()` is the epoch's after `load_state`)."""
+final weights equal Accelerate's, and a run resumed mid-epoch or at an epoch's end ends with the uninterrupted
+run's weights (the loader's `len()` is the epoch's after `load_state`)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_a_no_trainer_script_runs_logs_and_resumes_as_under_accelerate(tmp_path)
         assert mine["perplexity"] == pytest.approx(accelerate["perplexity"], rel=1e-4)
     whole = _weights(ours / "final-none")
     _close(whole, _weights(theirs / "final-none"), 1e-4)
-    for resume in ("step_2", "step_4", "epoch_0"):  # mid-epoch, at the epoch's end by step, and by epoch
+    for resume in ("step_2", "step_4"):  # mid-epoch, and at the epoch's end (the loader then starts the next epoch)
         _meshkit(ours, resume)
         _close(_weights(ours / f"final-{resume}"), whole, 1e-6)
         resumed = json.loads((ours / f"metrics-{resume}.json").read_text())
