@@ -102,7 +102,9 @@ def test_every_package_has_a_layer_and_the_root_stays_small() -> None:
     entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
     assert len(entries) <= 16, entries
     packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert packages == set(LAYER_OF), "a package with no layer: add it to LAYERS (and DESIGN.md)"
+    assert packages == set(LAYER_OF), (
+        "a package with no layer: add it to LAYERS (and to docs/architecture.md's layer list)"
+    )
     loose = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
     assert not loose, f"modules at the root belong in a package: {loose}"
 
