@@ -21,19 +21,19 @@ from tests.helpers.cli import ROOT, meshkit  # noqa: E402
 SCRIPT = ROOT / "tests" / "helpers" / "no_trainer_script.py"
 
 
-def _meshkit(out: Path, resume: str = "none", stop_after: int = 0) -> str:
-    done = meshkit("launch", "--nproc-per-node", "2", str(SCRIPT), "meshkit", str(out), resume, str(stop_after),
+def _meshkit(out: Path, task: str, resume: str = "none") -> str:
+    done = meshkit("launch", "--nproc-per-node", "2", str(SCRIPT), "meshkit", str(out), resume, "0", task,
                    timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout + done.stderr
 
 
-def _accelerate(out: Path) -> None:
+def _accelerate(out: Path, task: str) -> None:
     import subprocess
 
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), "accelerate",
-               str(out), "none", "0"]  # fmt: skip
+               str(out), "none", "0", task]  # fmt: skip
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -52,22 +52,26 @@ def _close(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], toler
 
 
 @pytest.mark.timeout(900)
-def test_a_no_trainer_script_runs_logs_and_resumes_as_under_accelerate(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("task", "resumes"),
+    [("clm", ("step_2", "step_4")), ("cls", ("step_2",))],  # (a causal LM: mid-epoch and at an epoch's end)
+)
+def test_a_no_trainer_script_runs_logs_and_resumes_as_under_accelerate(tmp_path, task, resumes) -> None:
     ours, theirs = tmp_path / "meshkit", tmp_path / "accelerate"
     ours.mkdir()
     theirs.mkdir()
-    output = _meshkit(ours)
+    output = _meshkit(ours, task)
     assert "[RANK 0] Distributed environment: MULTI_CPU" in output and "[RANK 1] Distributed environment" in output
-    _accelerate(theirs)
+    _accelerate(theirs, task)
     metrics = json.loads((ours / "metrics-none.json").read_text())
     reference = json.loads((theirs / "metrics-none.json").read_text())
     assert [m["steps"] for m in metrics] == [m["steps"] for m in reference] == [4, 8]
-    for mine, accelerate in zip(metrics, reference, strict=True):
-        assert mine["perplexity"] == pytest.approx(accelerate["perplexity"], rel=1e-4)
+    for mine, accelerate in zip(metrics, reference, strict=True):  # (perplexity, or accuracy over all 7 rows)
+        assert mine["metric"] == pytest.approx(accelerate["metric"], rel=1e-4)
     whole = _weights(ours / "final-none")
     _close(whole, _weights(theirs / "final-none"), 1e-4)
-    for resume in ("step_2", "step_4"):  # mid-epoch, and at the epoch's end (the loader then starts the next epoch)
-        _meshkit(ours, resume)
+    for resume in resumes:
+        _meshkit(ours, task, resume)
         _close(_weights(ours / f"final-{resume}"), whole, 1e-6)
         resumed = json.loads((ours / f"metrics-{resume}.json").read_text())
         assert resumed[-1] == pytest.approx(metrics[-1]), resume
