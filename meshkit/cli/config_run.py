@@ -44,15 +44,18 @@ def is_run_config(path: Path) -> bool:
     return path.suffix in (".yaml", ".yml")
 
 
-def config_run(path: Path) -> ConfigRun:
-    """The run `path` configures (see the module text)."""
+def is_finetune_config(path: Path) -> bool:
+    """A YAML with `base_model`: `meshkit finetune`'s config (Axolotl keys and meshkit's); else meshkit's own."""
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as error:
         raise EstimateError(f"{path}: cannot read it as YAML ({str(error).splitlines()[0]})") from None
-    if isinstance(raw, dict) and raw.get("base_model"):
-        return _finetune_run(path)
-    return _train_run(path)
+    return isinstance(raw, dict) and bool(raw.get("base_model"))
+
+
+def config_run(path: Path) -> ConfigRun:
+    """The run `path` configures (see the module text)."""
+    return _finetune_run(path) if is_finetune_config(path) else _train_run(path)
 
 
 def _train_run(path: Path) -> ConfigRun:

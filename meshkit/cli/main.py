@@ -15,10 +15,11 @@ from rich.markup import escape
 from rich.prompt import Prompt
 from rich.table import Table
 
+from meshkit.cli.config_sources import collect_flags, shown_config
 from meshkit.cli.estimate import estimate_command
 from meshkit.cli.plan import plan_command
 from meshkit.config.idle import idle_values
-from meshkit.config.resolve import ConfigError, ResolvedConfig, default_config_path, parse_assignments, resolve
+from meshkit.config.resolve import ResolvedConfig, default_config_path, resolve
 from meshkit.config.schema import LaunchSettings
 from meshkit.core.errors import MeshkitError, one_line
 from meshkit.launching.cluster import cluster_settings
@@ -64,19 +65,6 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(2) from None
 
     return run
-
-
-def collect_flags(named: dict[str, tuple[str, Any]], assignments: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Launch flags as config overrides, each labelled with the flag that set it."""
-    values: dict[str, Any] = {}
-    labels: dict[str, str] = {}
-    for key, (flag, value) in named.items():
-        if value is not None:
-            values[key], labels[key] = value, f"flag {flag}"
-    from_set = parse_assignments(assignments, source="--set")
-    values.update(from_set)
-    labels.update({key: f"flag --set {key}" for key in from_set})
-    return values, labels
 
 
 def parse_nnodes(value: str | None) -> tuple[int | None, int | None]:
@@ -272,33 +260,7 @@ def config_show(
     set_: SetOpt = None,
 ) -> None:
     """Print every resolved key with its value and where the value came from (as a launch here would see it)."""
-    assignments = [*(overrides or []), *(set_ or [])]
-    if config is not None and "=" in config and not Path(config).is_file():
-        assignments.insert(0, config)  # (only overrides given: `meshkit config show tp=2`)
-        config = None
-    if config is not None and config_file is not None:
-        raise ConfigError(f"two configs given ({config} and --config-file {config_file}): give one")
-    path = Path(config) if config is not None else config_file
-    if path is not None and not path.is_file():
-        raise ConfigError(f"config {path} does not exist")
-    if path is not None and is_finetune_config(path):
-        from meshkit.recipes.finetune_config import resolve_finetune
-
-        print_resolved(resolve_finetune(path, assignments, cluster=True).resolved)
-        return
-    flags, labels = collect_flags({}, assignments)
-    print_resolved(resolve(flags=flags, flag_labels=labels, file=path, cluster=cluster_settings(os.environ)))
-
-
-def is_finetune_config(path: Path) -> bool:
-    """A YAML with `base_model`: `meshkit finetune`'s config (Axolotl keys and meshkit's)."""
-    import yaml
-
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    return isinstance(raw, dict) and bool(raw.get("base_model"))
+    print_resolved(shown_config(config, [*(overrides or []), *(set_ or [])], config_file))
 
 
 @config_app.command("import")

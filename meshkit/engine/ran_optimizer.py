@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshkit.models.quantized import quantized_layers
 from meshkit.parallel.zero.local_shards import LocalShardOptimizer
 from meshkit.parallel.zero.nvme import NVMeOptimizer
 from meshkit.parallel.zero.optimizer import ZeroOptimizer
+from meshkit.runtime.dtensors import local_tensor
 
 
 def optimizer_chain(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
@@ -78,13 +78,9 @@ def _library(optimizer: torch.optim.Optimizer) -> str:
     return module.split(".")[0] if not module.startswith("torch.") else "torch"
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _trained_elements(optimizer: torch.optim.Optimizer) -> int:
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    return sum(_local(p).numel() for p in params)
+    return sum(local_tensor(p).numel() for p in params)
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -95,7 +91,7 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in optimizer.state.values():
         for value in state.values() if isinstance(state, dict) else ():
             if isinstance(value, torch.Tensor) and value.numel() > 1:
-                total += _tensor_bytes(_local(value), seen)
+                total += _tensor_bytes(local_tensor(value), seen)
     return total
 
 

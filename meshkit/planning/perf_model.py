@@ -105,6 +105,22 @@ def _ring(volume: float, ranks: int, gbps: float, latency: float, kind: str) -> 
     return factor * volume / (gbps * 1e9) + steps * latency
 
 
+def data_parallel_bytes(grads: float, ranks: int, zero_stage: int, microbatches: int) -> float:
+    """Bytes one rank moves over the data-parallel ranks in an optimizer step of `microbatches` micro-steps
+    (`grads`: its 16-bit gradient bytes, the size of its 16-bit weights too). DDP and ZeRO-1: one all-reduce at the
+    window's end (2·(n-1)/n); ZeRO-2: a reduce-scatter every micro-step (meshkit's default under accumulation) and
+    the all-gather of the updated weights; ZeRO-3: a forward and a backward all-gather of the weights every
+    micro-step and the reduce-scatter of the window's gradients."""
+    if ranks <= 1:
+        return 0.0
+    share = (ranks - 1) / ranks * grads  # one all-gather or one reduce-scatter
+    if zero_stage == 3:
+        return share * (2 * microbatches + 1)
+    if zero_stage == 2:
+        return share * (microbatches + 1)
+    return 2 * share
+
+
 def all_to_all_bytes(model: ModelShape, layout: Layout, *, seq_len: int, micro_batch: int, act_b: int) -> float:
     """Bytes one rank sends in one MoE layer's expert-parallel all-to-alls for one micro-batch (forward and
     backward; the routed copies bound for other ranks)."""

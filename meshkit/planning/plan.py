@@ -27,7 +27,7 @@ from meshkit.planning.estimate import (
     estimate_memory,
 )
 from meshkit.planning.hardware import PRESETS, Hardware
-from meshkit.planning.perf_model import StepTime, Topology, all_to_all_bytes, predict
+from meshkit.planning.perf_model import StepTime, Topology, all_to_all_bytes, data_parallel_bytes, predict
 from meshkit.planning.step_recipe import StepRecipe
 
 HEADROOM = 0.9
@@ -210,22 +210,6 @@ def cost(
     host = estimate.host_gb * min(cluster.gpus_per_node, cluster.gpus)
     return PlannedLayout(layout, estimate.total_gb, volume / 1e9, bubble, time=time, estimate=estimate,
                          host_gb_per_node=host)  # fmt: skip
-
-
-def data_parallel_bytes(grads: float, ranks: int, zero_stage: int, microbatches: int) -> float:
-    """Bytes one rank moves over the data-parallel ranks in an optimizer step of `microbatches` micro-steps
-    (`grads`: its 16-bit gradient bytes, the size of its 16-bit weights too). DDP and ZeRO-1: one all-reduce at the
-    window's end (2·(n-1)/n); ZeRO-2: a reduce-scatter every micro-step (meshkit's default under accumulation) and
-    the all-gather of the updated weights; ZeRO-3: a forward and a backward all-gather of the weights every
-    micro-step and the reduce-scatter of the window's gradients."""
-    if ranks <= 1:
-        return 0.0
-    share = (ranks - 1) / ranks * grads  # one all-gather or one reduce-scatter
-    if zero_stage == 3:
-        return share * (2 * microbatches + 1)
-    if zero_stage == 2:
-        return share * (microbatches + 1)
-    return 2 * share
 
 
 def reason(layout: Layout, model: ModelShape, cluster: Cluster, fits_plain: bool, recompute_needed: bool = True) -> str:
