@@ -92,7 +92,8 @@ class ShardedLoader:
         skip, self._skip_batches = self._skip_batches, 0
         offset, self._resumed_batches = self._resumed_batches, 0
         self._read = skip + offset
-        for index, batch in enumerate(self.loader, start=offset):
+        batches = self._batches(resumed=self._epoch_start > 0 or skip > 0 or offset > 0)
+        for index, batch in enumerate(batches, start=offset):
             if index < skip:
                 continue
             self.batch_index = index
@@ -106,6 +107,16 @@ class ShardedLoader:
         if isinstance(sampler, (ResumableSampler, UnevenBatchSampler)):
             sampler.start = 0
         self.epoch += 1
+
+    def _batches(self, *, resumed: bool) -> Iterator[Any]:
+        """The DataLoader's iterator. Starting one draws a number from the process's torch generator (the workers'
+        base seed); an uninterrupted run drew it at the epoch's start, before the checkpoint that restored the
+        generator, so a resumed epoch's iterator starts without drawing again: a collator that draws (masking,
+        noise) then gives the resumed batches what it gave the uninterrupted run's."""
+        if not resumed:
+            return iter(self.loader)
+        with torch.random.fork_rng(devices=[]):
+            return iter(self.loader)
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
@@ -165,14 +176,25 @@ class ShardedLoader:
         batch = self.loader.batch_size
         if not isinstance(sampler, DistributedSampler) or batch is None or self.batch_index < 0:
             return None
-        per_rank = sampler.per_rank(self._epoch_start) if isinstance(sampler, ResumableSampler) else len(sampler)
-        start = self.batch_index * batch
-        size = min(batch, per_rank - start)
         total = len(sampler.dataset) - self._epoch_start  # type: ignore[arg-type]
         world = sampler.num_replicas
-        # Rank r's j-th sample of this batch sits at position (start + j) * world + r of the padded index
-        # list of the epoch's remaining samples; positions >= their count repeat earlier samples.
+        if isinstance(sampler, ResumableSampler):  # whole batches dealt: rank r's rows sit together
+            return [
+                sum(1 for j in range(batch) if sampler.position(self.batch_index, r, j) < total) for r in range(world)
+            ]
+        # A user's own DistributedSampler deals round-robin: rank r's j-th sample of this batch sits at position
+        # (start + j) * world + r of the padded index list; positions >= the data's count repeat earlier samples.
+        start = self.batch_index * batch
+        size = min(batch, len(sampler) - start)
         return [sum(1 for j in range(size) if (start + j) * world + r < total) for r in range(world)]
+
+    def interleaved(self) -> bool:
+        """Whether the ranks' samples alternate in the data's order (a round-robin sampler) rather than following
+        each other batch by batch."""
+        sampler = self.loader.sampler
+        return isinstance(sampler, DistributedSampler) and not (
+            isinstance(sampler, ResumableSampler) and sampler.batch_size > 1
+        )
 
 
 def _stream_place(loader: DataLoader) -> Any:
@@ -222,6 +244,7 @@ def shard_dataloader(
         return ShardedLoader(rebuilt(loader, batch_sampler=batches), device, state)
     sampler = ResumableSampler(
         loader.dataset,
+        batch_size=loader.batch_size,
         num_replicas=dp_size,
         rank=dp_rank,
         shuffle=shuffle,

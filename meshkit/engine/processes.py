@@ -69,18 +69,25 @@ class Processes(EngineComponent):
     def gather_for_metrics(self, data: Any) -> Any:
         """`gather`, minus the samples the sampler repeated to even out the last batch, in the sampler's order:
         metrics see the dataset exactly, and an unshuffled loader's predictions come back in dataset order. Call it
-        inside the loop over a prepared loader (it trims that loader's current batch)."""
+        inside the loop over a prepared loader (it trims that loader's current batch). Batches are dealt whole,
+        so the padding is the gathered rows' tail, cut as Accelerate cuts it (also from rows that are not the
+        batch's samples, such as a repeated loss)."""
         loader = self.ctx.gradient_state.active_loader
         counts = loader.valid_counts() if loader is not None else None
+        interleaved = loader is not None and loader.interleaved()
         if has_tensors(data):
             gathered = self.gather(data)
             if counts is None:
                 return gathered
+            if not interleaved:  # whole batches dealt: the real samples come first, the padding last
+                return map_tensors(lambda t: t[: sum(counts)], gathered)
             return map_tensors(lambda t: collectives.in_sampler_order(t, counts), gathered)
         # Other objects (strings, ids): each rank passes a list of per-sample items.
         per_rank = collectives.gather_object(list(data), self.ctx.placement.data_group)
         if counts is None:
             return [item for items in per_rank for item in items]
+        if not interleaved:
+            return [item for items in per_rank for item in items][: sum(counts)]
         return [per_rank[r][j] for j in range(max(counts)) for r in range(len(per_rank)) if j < counts[r]]
 
     @watched("reduce")

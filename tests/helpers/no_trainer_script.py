@@ -16,29 +16,73 @@ import torch
 from torch.utils.data import DataLoader
 
 LIBRARY, OUT, RESUME, STOP_AFTER = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-TASK = sys.argv[5] if len(sys.argv) > 5 else "clm"  # clm: run_clm_no_trainer's shape; cls: run_glue_no_trainer's
+TASK = sys.argv[5] if len(sys.argv) > 5 else "clm"  # clm, mlm, cls: run_clm/run_mlm/run_glue_no_trainer's shapes
 if LIBRARY == "meshkit":
     from meshkit import Accelerator
 else:
     from accelerate import Accelerator
+from accelerate import DistributedType  # noqa: E402
 from accelerate.logging import get_logger  # noqa: E402 - as the scripts import it, before the Accelerator exists
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, get_scheduler  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForMaskedLM,
+    DataCollatorForLanguageModeling,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+    get_scheduler,
+)
 
 logger = get_logger(__name__)
 EPOCHS, CHECKPOINTING_STEPS, ACCUMULATION = 2, 2, 1
+FACTS = ("num_processes", "process_index", "local_process_index", "is_main_process", "is_local_main_process",
+         "use_distributed", "mixed_precision", "gradient_accumulation_steps", "sync_gradients")  # fmt: skip
 
 
 def rows(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    """Token rows; for `cls` a label each: whether the row's first token is below the vocabulary's middle."""
+    """Token rows; for `cls` a label each: whether the row's first token is below the vocabulary's middle; for
+    `mlm` ids only (the collator masks them and makes the labels)."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 64, (count, 16), generator=generator)
+    ids = torch.randint(5, 64, (count, 16), generator=generator)
     if TASK == "cls":
         return [{"input_ids": row, "labels": (row[0] < 32).long()} for row in ids]
+    if TASK == "mlm":
+        return [{"input_ids": row.tolist()} for row in ids]
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
+def masking_collator() -> DataCollatorForLanguageModeling:
+    """run_mlm_no_trainer's collator (15 % of the tokens masked at random, from the process's torch generator)
+    over a word-level tokenizer of 64 ids built here."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    specials = ["[PAD]", "[UNK]", "[MASK]", "[CLS]", "[SEP]"]
+    vocab = {token: i for i, token in enumerate(specials + [f"w{i}" for i in range(5, 64)])}
+    words = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="[PAD]", unk_token="[UNK]",
+                                        mask_token="[MASK]", cls_token="[CLS]", sep_token="[SEP]")  # fmt: skip
+    return DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+
+
+def model_for_task() -> torch.nn.Module:
+    if TASK == "mlm":
+        return BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0))  # fmt: skip
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, num_labels=2,
+                         pad_token_id=0)  # fmt: skip
+    return LlamaForSequenceClassification(config) if TASK == "cls" else LlamaForCausalLM(config)
+
+
 def metric(model: torch.nn.Module, evaluation: DataLoader, accelerator: Accelerator) -> float:
-    """Perplexity from the gathered losses (clm), or accuracy from gathered predictions and references (cls)."""
+    """Perplexity from the gathered, repeated per-batch losses (clm, mlm: as the scripts compute it, over rows that
+    are not the batch's own), or accuracy from gathered predictions and references (cls)."""
     losses, correct, seen = [], 0, 0
     for batch in evaluation:
         with torch.no_grad():
@@ -55,15 +99,21 @@ def main() -> None:
     logging.basicConfig(format="%(message)s", level=logging.INFO)
     accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATION, cpu=True)
     logger.info(accelerator.state, main_process_only=False)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, num_labels=2,
-                         pad_token_id=0)  # fmt: skip
-    model = LlamaForSequenceClassification(config) if TASK == "cls" else LlamaForCausalLM(config)
-    train = DataLoader(rows(16, 1), shuffle=False, batch_size=2)  # 4 batches per rank per epoch at world 2
-    # cls: 7 rows, the last batch padded, then trimmed by gather_for_metrics; clm: 6 (its metric is per batch, and
-    # meshkit deals samples to ranks where Accelerate deals batches: padded batches would hold other rows)
-    evaluation = DataLoader(rows(7 if TASK == "cls" else 6, 2), shuffle=False, batch_size=2)
+    if RESUME == "none":  # the facts such scripts branch on, to compare with Accelerate's for the same world
+        facts = {
+            "distributed_type": str(accelerator.distributed_type),
+            "is_multi_cpu": accelerator.distributed_type == DistributedType.MULTI_CPU,
+            "state_type": str(accelerator.state.distributed_type),
+            **{name: getattr(accelerator, name) for name in FACTS},
+            "device_type": accelerator.device.type,  # (Accelerate names it `cpu:0` at world 2; a tensor's: `cpu`)
+        }
+        (OUT / f"facts-{accelerator.process_index}.json").write_text(json.dumps(facts))
+    set_seed(0)
+    model = model_for_task()
+    collate = masking_collator() if TASK == "mlm" else None
+    train = DataLoader(rows(16, 1), shuffle=False, batch_size=2, collate_fn=collate)  # 4 batches per rank per epoch
+    # 7 rows: the last batch padded, then cut by gather_for_metrics
+    evaluation = DataLoader(rows(7, 2), shuffle=False, batch_size=2, collate_fn=collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     steps_per_epoch = math.ceil(len(train) / ACCUMULATION / accelerator.num_processes)
     # (as the scripts do: the prepared scheduler steps once per process per optimizer step)
