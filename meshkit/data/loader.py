@@ -170,6 +170,10 @@ class ShardedLoader:
         else:
             self._skip_batches = index
 
+    def place(self) -> tuple[int, int, int]:
+        """Where this rank stands: (epoch, batch last yielded, the epoch's starting position)."""
+        return (self.epoch, self.batch_index, self._epoch_start)
+
     def valid_counts(self) -> list[int] | None:
         """Per dp rank, how many samples of the current batch are real (not sampler padding); None if unknown."""
         sampler = self.loader.sampler

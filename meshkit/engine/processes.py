@@ -8,13 +8,19 @@ from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from meshkit.core.errors import MeshkitError
 from meshkit.core.tree import has_tensors, map_tensors
 from meshkit.engine.context import EngineComponent, EngineContext, print_once_per_node
 from meshkit.runtime import collectives
 from meshkit.runtime.hang_doctor import watched
 from meshkit.runtime.tracking import scalar_metrics
+
+
+class MetricsError(MeshkitError):
+    """A metric gathered over ranks that do not stand at the same place in the data."""
 
 
 class Processes(EngineComponent):
@@ -73,7 +79,7 @@ class Processes(EngineComponent):
         so the padding is the gathered rows' tail, cut as Accelerate cuts it (also from rows that are not the
         batch's samples, such as a repeated loss)."""
         loader = self.ctx.gradient_state.active_loader
-        counts = loader.valid_counts() if loader is not None else None
+        counts = self._agreed_counts(loader)
         interleaved = loader is not None and loader.interleaved()
         if has_tensors(data):
             gathered = self.gather(data)
@@ -89,6 +95,24 @@ class Processes(EngineComponent):
         if not interleaved:
             return [item for items in per_rank for item in items][: sum(counts)]
         return [per_rank[r][j] for j in range(max(counts)) for r in range(len(per_rank)) if j < counts[r]]
+
+    def _agreed_counts(self, loader: Any) -> list[int] | None:
+        """The real samples per rank of the loader's current batch, from a place every rank agrees on: the ranks
+        exchange where they stand (epoch, batch, the epoch's start) first, so that what is cut never depends on
+        one rank's bookkeeping or on timing; ranks at different places are refused in one line."""
+        group = self.ctx.placement.data_group
+        if collectives.group_size(group) > 1:
+            place = loader.place() if loader is not None else (-1, -1, -1)
+            marks = collectives.gather_tensor(torch.tensor(place, device=self.ctx.device), group).view(-1, 3).tolist()
+            if any(mark != marks[0] for mark in marks):
+                where = ", ".join(
+                    f"rank {r}: {'no loop' if m[1] < 0 else f'epoch {m[0]} batch {m[1]}'}" for r, m in enumerate(marks)
+                )
+                raise MetricsError(
+                    f"gather_for_metrics: the ranks stand at different batches of the data ({where}); call it once per "
+                    "batch on every rank, inside the loop over the same prepared loader"
+                )
+        return loader.valid_counts() if loader is not None else None
 
     @watched("reduce")
     def reduce(self, data: Any, op: str = "mean") -> Any:

@@ -142,6 +142,9 @@ def complete_cv_example(lib: SimpleNamespace, out: Path) -> dict[str, Any]:
     return results
 
 
+EVAL_BATCH_SIZE = 32
+
+
 def autoregressive(lib: SimpleNamespace, out: Path) -> dict[str, Any]:
     """gradient_accumulation_for_autoregressive_models: the token-weighted loss over a window of micro-batches."""
     from transformers import LlamaConfig, LlamaForCausalLM, get_constant_schedule
@@ -166,8 +169,10 @@ def autoregressive(lib: SimpleNamespace, out: Path) -> dict[str, Any]:
     model = LlamaForCausalLM(config).to(accelerator.device)
     optimizer = torch.optim.AdamW(params=model.parameters(), lr=1e-2)
     loader = DataLoader(rows, shuffle=False, batch_size=2, collate_fn=pad)
-    model, optimizer, loader, scheduler = accelerator.prepare(
-        model, optimizer, loader, get_constant_schedule(optimizer)
+    held_out = [{"input_ids": r["input_ids"]} for r in mrpc_like(45, 4)]
+    evaluation = DataLoader(held_out, shuffle=False, batch_size=EVAL_BATCH_SIZE, collate_fn=pad)
+    model, optimizer, loader, evaluation, scheduler = accelerator.prepare(
+        model, optimizer, loader, evaluation, get_constant_schedule(optimizer)
     )
     per_epoch = len(loader)
     remainder = per_epoch % accumulation or accumulation
@@ -194,7 +199,16 @@ def autoregressive(lib: SimpleNamespace, out: Path) -> dict[str, Any]:
         optimizer.zero_grad()
         norms.append(float(norm))
         losses.append(accelerator.gather(sum(step_losses)).sum().item() / (accelerator.num_processes * accumulation))
-    return {"norms": norms, "losses": losses, "weights": weights(accelerator, model)}
+    # The example's evaluation, as written: it gathers the last *training* loss, repeated to the evaluation batch,
+    # once per evaluation batch (45 rows in one round of 32 per process: the second process's batch half padding)
+    model.eval()
+    gathered = []
+    for batch in evaluation:
+        with torch.no_grad():
+            model(**batch, use_cache=False)
+        gathered.append(accelerator.gather_for_metrics(loss.repeat(EVAL_BATCH_SIZE)))
+    perplexity = math.exp(torch.mean(torch.cat(gathered)))
+    return {"norms": norms, "losses": losses, "perplexity": perplexity, "weights": weights(accelerator, model)}
 
 
 SCRIPTS = {f.__name__: f for f in (cross_validation, cv_example, complete_cv_example, autoregressive)}

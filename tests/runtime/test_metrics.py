@@ -27,7 +27,7 @@ def metrics_rank(rank: int, batch_size: int) -> dict:
 
 
 def test_gather_for_metrics_returns_exactly_the_dataset() -> None:
-    # world 4, batch 3: 10 samples padded to 12; the padding sits inside rank blocks, not at the end
+    # world 4, batch 3: 10 samples in one round of 12, completed from the front: rank 3 holds one real sample
     for result in run_world(metrics_rank, 4, 3, timeout=120):
         assert sorted(result["tensors"].tolist()) == [10 * i for i in range(N_SAMPLES)]
         assert sorted(result["names"]) == sorted(f"sample-{i}" for i in range(N_SAMPLES))
@@ -37,7 +37,32 @@ def test_gather_for_metrics_returns_exactly_the_dataset() -> None:
 
 
 def test_gather_for_metrics_with_several_batches() -> None:
-    # world 3, batch 2: 10 samples padded to 12, two batches per rank, the last one partly padding
+    # world 3, batch 2: two rounds of 6, the second completed from the front (rank 2: padding only)
     for result in run_world(metrics_rank, 3, 2, timeout=120):
         assert sorted(result["tensors"].tolist()) == [10 * i for i in range(N_SAMPLES)]
         assert len(result["names"]) == N_SAMPLES
+
+
+def out_of_step_rank(rank: int) -> str:
+    """Rank 1 gathers one batch later than rank 0: a count cut from one rank's own place would differ per rank."""
+    from meshkit.engine.processes import MetricsError
+
+    engine = Engine(logging={"dir": "/tmp/meshkit-test-runs"})
+    loader = engine.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=2))
+    batches = iter(loader)
+    next(batches)
+    if rank == 1:
+        next(batches)
+    try:
+        engine.gather_for_metrics(torch.zeros(2))
+    except MetricsError as error:
+        return str(error)
+    finally:
+        engine.end()
+    return "gathered"
+
+
+def test_ranks_at_different_batches_are_refused_in_one_line() -> None:
+    for message in run_world(out_of_step_rank, 2, timeout=120):
+        assert message.startswith("gather_for_metrics: the ranks stand at different batches")
+        assert "rank 0: epoch 0 batch 0, rank 1: epoch 0 batch 1" in message and "\n" not in message
