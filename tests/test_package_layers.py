@@ -37,7 +37,7 @@ LAYER_OF = {package: rank for rank, packages in enumerate(LAYERS) for package in
 PARALLEL_LAYERS = [
     ("activation", "compile", "context", "dataparallel", "ddp", "expert", "fsdp", "pipeline", "replicate")
     + ("routed", "tensor", "tiled_mlp", "zero"),
-    ("applied", "fits", "materialize", "sequence_seen"),
+    ("applied", "layout_fit", "materialize", "sequence_seen"),
     ("compose",),
 ]
 PARALLEL_LAYER_OF = {entry: rank for rank, entries in enumerate(PARALLEL_LAYERS) for entry in entries}

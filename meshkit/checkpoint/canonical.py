@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from meshkit.checkpoint.fit import CheckpointLayoutError, StoredShapes, check_keys, raise_mismatch
+from meshkit.checkpoint.model_match import CheckpointLayoutError, StoredShapes, check_keys, raise_mismatch
 from meshkit.checkpoint.optimizer_states import from_canonical, restore_settings, to_canonical
 from meshkit.core.io import plain_numbers
 from meshkit.models.quantized import is_packed_quant_state, restore_quant_states

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from meshkit.checkpoint.canonical import TrainingState
 from meshkit.checkpoint.extras import rng_state, set_rng_state
-from meshkit.checkpoint.fit import CheckpointMismatchError
+from meshkit.checkpoint.model_match import CheckpointMismatchError
 from meshkit.checkpoint.storage import (
     FORMAT_VERSION,
     META,

@@ -268,11 +268,19 @@ def rebuilt(loader: DataLoader, **sampling: Any) -> DataLoader:
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,
-        worker_init_fn=IgnoreInterrupt(loader.worker_init_fn) if loader.num_workers > 0 else loader.worker_init_fn,
+        worker_init_fn=_ignoring_interrupts(loader),
         multiprocessing_context=loader.multiprocessing_context,
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
         persistent_workers=loader.persistent_workers,
     )
+
+
+def _ignoring_interrupts(loader: DataLoader) -> Any:
+    """The loader's worker init, wrapped once in `IgnoreInterrupt` where it starts workers."""
+    init = loader.worker_init_fn
+    if loader.num_workers == 0 or isinstance(init, IgnoreInterrupt):
+        return init
+    return IgnoreInterrupt(init)
 
 
 class IgnoreInterrupt:

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel as tensor_parallel_l
 from meshkit.config.layout import Layout, check_pipeline
 from meshkit.config.schema import RunConfig
 from meshkit.core.tree import map_tensors
-from meshkit.engine.prepared import PreparedObjects
+from meshkit.engine.prepared_objects import PreparedObjects
 from meshkit.parallel.context.apply import shard_sequence
 from meshkit.parallel.dataparallel import check_world
 from meshkit.parallel.zero.nvme import check_offload_dir

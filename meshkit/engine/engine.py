@@ -32,7 +32,7 @@ from meshkit.engine.evaluation import Evaluation
 from meshkit.engine.gradients import gradient_sync
 from meshkit.engine.layout_auto import settle_layout
 from meshkit.engine.preparation import Preparation
-from meshkit.engine.prepared import EngineError, PreparedObjects
+from meshkit.engine.prepared_objects import EngineError, PreparedObjects
 from meshkit.engine.processes import Processes
 from meshkit.engine.stepping import Stepping
 from meshkit.engine.weights import Weights

@@ -23,7 +23,7 @@ from torch import nn
 from meshkit.engine.context import EngineContext
 from meshkit.engine.gradients import GradientSync
 from meshkit.engine.pipelined_objective import broadcast_from_last, gathered_result, pair_order
-from meshkit.engine.prepared import EngineError
+from meshkit.engine.prepared_objects import EngineError
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.fsdp import reshard
 from meshkit.runtime import collectives

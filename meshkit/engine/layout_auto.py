@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -22,8 +22,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from meshkit.config.layout import Layout
 from meshkit.config.resolve import ResolvedConfig
 from meshkit.core.tree import to_device
-from meshkit.data.loader import endless
-from meshkit.engine.prepared import EngineError
+from meshkit.data.loader import endless, rebuilt
+from meshkit.engine.prepared_objects import EngineError
 from meshkit.models.blocks import block_list, block_units
 from meshkit.models.structure import ModelStructure, describe
 from meshkit.planning.estimate import ModelShape
@@ -74,21 +74,23 @@ def sequence_length(batch: Any) -> int:
     return found[0] if found else 1
 
 
+def optimizer_step(engine: Any, batches: Iterator[Any]) -> Callable[[], None]:
+    """A probe's step: `train_step` on the next batches until the gradients sync (one optimizer step)."""
+
+    def step() -> None:
+        engine.train_step(next(batches))
+        while not engine.sync_gradients:
+            engine.train_step(next(batches))
+
+    return step
+
+
 def rebatched(loader: DataLoader, batch_size: int) -> DataLoader:
     """`loader` yielding `batch_size` samples per batch, every other setting kept."""
     if loader.batch_size == batch_size:
         return loader
     shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler)
-    return DataLoader(
-        loader.dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        drop_last=loader.drop_last,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        worker_init_fn=loader.worker_init_fn,
-    )
+    return rebuilt(loader, batch_size=batch_size, shuffle=shuffle, drop_last=loader.drop_last)
 
 
 def same_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, copy_of: nn.Module) -> torch.optim.Optimizer:
@@ -166,14 +168,7 @@ def choose_for_loop(
             rebatched(loader, probe.config.train.micro_batch_size),
             loss_fn=loss_fn,
         )
-        batches = endless(prepared[2])
-
-        def step() -> None:
-            probe.train_step(next(batches))
-            while not probe.sync_gradients:
-                probe.train_step(next(batches))
-
-        return step
+        return optimizer_step(probe, endless(prepared[2]))
 
     auto = with_values(resolved, {"layout": "auto"}, AUTO_PENDING)
     return choose(auto, build, engine_class, workload)

@@ -23,7 +23,7 @@ from meshkit.engine.gradients import GradientSync
 from meshkit.engine.head_sums import head_sums, pipelined_head_step
 from meshkit.engine.pipelined_objective import pipeline_scores, pipelined_objective_step
 from meshkit.engine.preparation import scoring_head
-from meshkit.engine.prepared import EngineError
+from meshkit.engine.prepared_objects import EngineError
 from meshkit.engine.sequence_scores import row_scores, scoring_targets
 from meshkit.parallel.fsdp import reshard
 from meshkit.runtime import collectives

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from meshkit.engine.context import EngineContext
 from meshkit.engine.gradients import GradientSync
-from meshkit.engine.prepared import EngineError
+from meshkit.engine.prepared_objects import EngineError
 from meshkit.engine.sequence_scores import row_scores, scoring_targets
 from meshkit.runtime import collectives
 from meshkit.training.loss import logits_of

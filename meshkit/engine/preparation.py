@@ -15,7 +15,7 @@ from meshkit.config.schema import RunConfig
 from meshkit.engine.context import EngineComponent, EngineContext, print_once_per_node
 from meshkit.engine.data import prepare_loader
 from meshkit.engine.gradients import GradientSync
-from meshkit.engine.prepared import EngineError
+from meshkit.engine.prepared_objects import EngineError
 from meshkit.models.adapters import lora_merges
 from meshkit.models.embeddings import input_embedding
 from meshkit.models.logits_head import logits_head

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from meshkit.checkpoint.model_export import save_model_weights
 from meshkit.core.io import write_atomically
 from meshkit.engine.context import EngineComponent
-from meshkit.engine.prepared import EngineError
+from meshkit.engine.prepared_objects import EngineError
 from meshkit.models import hf_adapter
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.materialize import set_local

@@ -18,7 +18,7 @@ from meshkit.parallel.compile import dynamo_counts
 
 if TYPE_CHECKING:
     from meshkit.engine.engine import Engine
-    from meshkit.engine.prepared import PreparedObjects
+    from meshkit.engine.prepared_objects import PreparedObjects
     from meshkit.parallel.activation import CheckpointedBlock
 
 

@@ -62,7 +62,7 @@ def check_model(model: Any, config: RunConfig) -> None:
     """Every layout the job may have against the model (built on the meta device: no memory, no weights): head
     counts, blocks and experts, through the same checks `parallelize` makes, sizes offered fitting the world."""
     from meshkit.models.structure import describe
-    from meshkit.parallel.fits import check_layout_fits
+    from meshkit.parallel.layout_fit import check_layout_fits
 
     structure = describe(model, config.blocks, config.structure)
     for dims, (_, how) in zip(check_layout(config), worlds(config), strict=True):

@@ -29,8 +29,8 @@ from meshkit.parallel.context.apply import apply_context_parallel
 from meshkit.parallel.dataparallel import apply_dataparallel
 from meshkit.parallel.ddp import apply_ddp
 from meshkit.parallel.expert.apply import apply_expert_parallel
-from meshkit.parallel.fits import check_layout_fits
 from meshkit.parallel.fsdp import apply_fsdp
+from meshkit.parallel.layout_fit import check_layout_fits
 from meshkit.parallel.materialize import load_safetensors, materialize
 from meshkit.parallel.pipeline.stages import PipelineModel, chunks_per_rank, split_model, stage_ids
 from meshkit.parallel.routed import tie_expert_banks

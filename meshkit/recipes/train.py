@@ -22,6 +22,7 @@ from meshkit.core.io import state_dict_sha256
 from meshkit.data.loader import endless
 from meshkit.data.text import BYTE_VOCAB_SIZE, ByteTokenizer, TokenWindows, load_text
 from meshkit.engine.engine import Engine
+from meshkit.engine.layout_auto import optimizer_step
 from meshkit.engine.where_it_runs import where_words
 from meshkit.launching.cluster import cluster_settings
 from meshkit.models.gpt import GPT, lm_loss
@@ -81,14 +82,7 @@ def _train_in_probed_layout(resolved: ResolvedConfig) -> dict[str, Any]:
 def probe_step(engine: Engine) -> Any:
     """A layout probe's step: the recipe's model, optimizer and data on `engine`, one optimizer step per call."""
     _model, _optimizer, loader, _scheduler = _prepared(engine)
-    batches = endless(loader)
-
-    def step() -> None:
-        engine.train_step(next(batches))
-        while not engine.sync_gradients:
-            engine.train_step(next(batches))
-
-    return step
+    return optimizer_step(engine, endless(loader))
 
 
 def _prepared(engine: Engine) -> tuple[Any, Any, Any, Any]:

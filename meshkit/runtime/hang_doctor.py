@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -68,6 +68,18 @@ def connect_store(world_size: int) -> dist.Store | None:
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"meshkit/heartbeat/{attempt}", store)
+
+
+class Stepping(Protocol):
+    """What a watched method's object offers: the optimizer steps taken (named in a diagnosis)."""
+
+    @property
+    def step(self) -> int: ...
+
+
+Owner = TypeVar("Owner", bound=Stepping)
+Params = ParamSpec("Params")
+Result = TypeVar("Result")
 
 
 class HangDoctor:
@@ -187,13 +199,16 @@ def _record_and_exit(error: HangError) -> None:
     os._exit(1)
 
 
-def watched(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def watched(
+    name: str,
+) -> Callable[[Callable[Concatenate[Owner, Params], Result]], Callable[Concatenate[Owner, Params], Result]]:
     """Mark a method as a phase that waits for other ranks: it runs under the object's `hang_doctor` (if it has
-    one that is not None), which names the phase and `step` when a peer never arrives."""
+    one that is not None), which names the phase and `step` when a peer never arrives. The method keeps its
+    signature (an editor and mypy see its real parameters and result)."""
 
-    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(method: Callable[Concatenate[Owner, Params], Result]) -> Callable[Concatenate[Owner, Params], Result]:
         @functools.wraps(method)
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def run(self: Owner, *args: Params.args, **kwargs: Params.kwargs) -> Result:
             doctor = getattr(self, "hang_doctor", None)
             if doctor is None:
                 return method(self, *args, **kwargs)
