@@ -22,7 +22,8 @@ from torch import nn
 
 from meshkit.engine.context import EngineContext
 from meshkit.engine.gradients import GradientSync
-from meshkit.engine.pipelined_objective import broadcast_from_last, gathered_result, pair_order
+from meshkit.engine.pipeline_passes import scored_rows, weighted_step
+from meshkit.engine.pipelined_objective import pair_order
 from meshkit.engine.prepared_objects import EngineError
 from meshkit.parallel.compose import unwrap
 from meshkit.parallel.fsdp import reshard
@@ -109,23 +110,14 @@ def _pipeline_head_sums(
     ctx: EngineContext, input_ids: torch.Tensor, targets: torch.Tensor, values: TokenValues, terms: int
 ) -> torch.Tensor:
     """The row sums of a forward-only schedule pass, on every pipeline stage."""
-    runner = ctx.objects.pipeline
-    assert runner is not None
     rows = input_ids.shape[0]
     if ctx.mesh.size("cp") > 1:
         input_ids, targets = ctx.shard_sequence((input_ids, targets))
-    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def keep_sums(output: Any, target: torch.Tensor) -> torch.Tensor:
-        marker = torch.zeros((), device=target.device)
-        kept.append((marker, summed(ctx, values(output, target.long()), False).T.float()))
-        return marker
+    def row_sums(output: Any, target: torch.Tensor) -> torch.Tensor:
+        return summed(ctx, values(output, target.long()), False).T
 
-    with torch.no_grad(), runner.swapped_loss(keep_sums):
-        used = {id(loss) for loss in runner.run(input_ids, targets.double(), forward_only=True)}
-    parts = [sums for marker, sums in kept if id(marker) in used]  # (once per micro-batch, in order)
-    found = torch.cat(parts) if parts else torch.zeros((rows, terms), device=input_ids.device)
-    return broadcast_from_last(ctx, found.contiguous()).T
+    return scored_rows(ctx, input_ids, targets.double(), row_sums, (rows, terms)).T
 
 
 def pipelined_head_step(
@@ -144,28 +136,15 @@ def pipelined_head_step(
     names = sorted(extras)
     ordered = {name: extras[name].to(device)[order] for name in names}
     items = objective.count(targets, ordered)
-    group = ctx.placement.grad_group
-    global_items = float(collectives.reduce(items.float().to(device), group, op="sum"))
-    weight = runner.microbatches * collectives.group_size(group) / max(global_items, 1.0)
     if ctx.mesh.size("cp") > 1:
         input_ids, targets = ctx.shard_sequence((input_ids, targets))
     width = targets.shape[1]
     packed = torch.cat([targets.double(), *(ordered[name].double().reshape(-1, 1) for name in names)], dim=1)
-    results: list[tuple[torch.Tensor, ObjectiveResult]] = []
 
-    def head_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    def part_loss(output: Any, target: torch.Tensor) -> ObjectiveResult:
         part = {name: target[:, width + i].bool() if name == "valid" else target[:, width + i]
                 for i, name in enumerate(names)}  # fmt: skip
         sums = summed(ctx, objective.token_values(output, target[:, :width].long()), True)
-        result = objective.loss_of_sums(sums, part)
-        weighted = result.loss * result.items * weight  # (the schedule divides by the micro-batches)
-        results.append((weighted, result))
-        return weighted
+        return objective.loss_of_sums(sums, part)
 
-    with runner.swapped_loss(head_loss):
-        used = runner.run(input_ids, packed, forward_only=False)
-    gradients.reduce_after_schedule()
-    kept = {id(loss) for loss in used}  # (torch's schedule may call the loss more than once for a micro-batch)
-    return gathered_result(
-        ctx, [result for loss, result in results if id(loss) in kept], group, global_items, int(items)
-    )
+    return weighted_step(ctx, input_ids, packed, part_loss, items, gradients)

@@ -17,13 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from meshkit.engine.context import EngineContext
 from meshkit.engine.gradients import GradientSync
+from meshkit.engine.pipeline_passes import scored_rows, weighted_step
 from meshkit.engine.prepared_objects import EngineError
 from meshkit.engine.sequence_scores import row_scores, scoring_targets
-from meshkit.runtime import collectives
 from meshkit.training.loss import logits_of
 from meshkit.training.objective import Objective, ObjectiveResult, Scorer, SequenceScores
 
@@ -40,13 +39,6 @@ def _unpacked(target: torch.Tensor, width: int, names: list[str]) -> tuple[torch
     completion = target[:, width : 2 * width].bool()
     extras = {name: target[:, 2 * width + i] for i, name in enumerate(names)}
     return targets, completion, extras
-
-
-def broadcast_from_last(ctx: EngineContext, tensor: torch.Tensor) -> torch.Tensor:
-    runner = ctx.objects.pipeline
-    assert runner is not None
-    dist.broadcast(tensor, src=runner.last_stage_rank, group=runner.group)
-    return tensor
 
 
 def _split_for_pipeline(ctx: EngineContext, input_ids: torch.Tensor, labels: torch.Tensor, whole: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip  # noqa: E501
@@ -71,9 +63,8 @@ def pipeline_scores(
     assert runner is not None
     first, targets, completion = _split_for_pipeline(ctx, input_ids, labels, whole_mask)
     width, whole = targets.shape[1], whole_mask is not None
-    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def keep_scores(output: Any, target: torch.Tensor) -> torch.Tensor:
+    def score(output: Any, target: torch.Tensor) -> torch.Tensor:
         part_targets, part_completion, _ = _unpacked(target, width, [])
         scores = row_scores(ctx, logits_of(output), part_targets, part_completion, whole, False, weighting)
         columns = [scores.logps, scores.tokens]
@@ -83,17 +74,11 @@ def pipeline_scores(
         if weighting:
             assert scores.log_weights is not None
             columns.append(scores.log_weights)
-        marker = torch.zeros((), device=target.device)
-        kept.append((marker, torch.stack(columns, dim=1).float()))
-        return marker
+        return torch.stack(columns, dim=1)
 
-    with torch.no_grad(), runner.swapped_loss(keep_scores), ctx.loss_parallel():
-        used = {id(loss) for loss in runner.run(first, _packed(targets, completion, {}), forward_only=True)}
-    rows = input_ids.shape[0]
-    parts = [scores for marker, scores in kept if id(marker) in used]  # (once per micro-batch, in order)
-    columns = (4 if whole else 2) + int(weighting)
-    found = torch.cat(parts) if parts else torch.zeros((rows, columns), device=input_ids.device)
-    found = broadcast_from_last(ctx, found.contiguous())
+    shape = (input_ids.shape[0], (4 if whole else 2) + int(weighting))
+    packed = _packed(targets, completion, {})
+    found = scored_rows(ctx, first, packed, score, shape, ctx.loss_parallel())
     log_weights = found[:, -1] if weighting else None
     if not whole:
         return SequenceScores(found[:, 0], found[:, 1], log_weights=log_weights)
@@ -135,16 +120,12 @@ def pipelined_objective_step(
     packed = _packed(targets, completion, {name: extras[name].to(device)[order] for name in names})
     width = targets.shape[1]
     items = extras["valid"].sum() // (2 if objective.pairs_together else 1)
-    group = ctx.placement.grad_group
-    global_items = float(collectives.reduce(items.float().to(device), group, op="sum"))
-    weight = runner.microbatches * collectives.group_size(group) / max(global_items, 1.0)
-    results: list[tuple[torch.Tensor, ObjectiveResult]] = []
 
-    def objective_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    def part_loss(output: Any, target: torch.Tensor) -> ObjectiveResult:
         part_targets, part_completion, part_extras = _unpacked(target, width, names)
         part_extras = {
             name: value.bool() if name in ("valid", "desirable") else value for name, value in part_extras.items()
-        }  # noqa: E501
+        }
         scores = row_scores(
             ctx,
             logits_of(output),
@@ -154,45 +135,6 @@ def pipelined_objective_step(
             True,
             objective.needs_weighting,
         )
-        result = objective.loss_of(scores, part_extras)
-        weighted = result.loss * result.items * weight  # (the schedule divides by the micro-batches)
-        results.append((weighted, result))
-        return weighted
+        return objective.loss_of(scores, part_extras)
 
-    with runner.swapped_loss(objective_loss), ctx.loss_parallel():
-        used = runner.run(first, packed, forward_only=False)
-    gradients.reduce_after_schedule()
-    # torch's schedule may call the loss more than once for a micro-batch (its first, to settle shapes): the
-    # results that count are those whose loss it kept
-    kept = {id(loss) for loss in used}
-    return gathered_result(
-        ctx, [result for loss, result in results if id(loss) in kept], group, global_items, int(items)
-    )
-
-
-def gathered_result(
-    ctx: EngineContext, results: list[ObjectiveResult], group: Any, global_items: float, items: int
-) -> ObjectiveResult:
-    """The step's loss (mean over every rank's examples) and this rank's metric sums, known on every stage."""
-    runner = ctx.objects.pipeline
-    assert runner is not None
-    total = sum((r.loss.detach().float() * r.items for r in results), torch.zeros((), device=ctx.mesh.device))
-    metrics: dict[str, list[float]] = {}
-    for result in results:
-        for name, (value, count) in result.metrics.items():
-            pair = metrics.setdefault(name, [0.0, 0.0])
-            pair[0] += float(value)
-            pair[1] += float(count)
-    shared: list[Any] = [(float(total), metrics)]
-    dist.broadcast_object_list(shared, src=runner.last_stage_rank, group=runner.group)
-    loss_sum, metric_sums = shared[0]
-    loss = collectives.reduce(torch.tensor(loss_sum, device=ctx.mesh.device), group, op="sum") / max(global_items, 1.0)
-    device = ctx.mesh.device
-    return ObjectiveResult(
-        loss,
-        items,
-        {
-            name: (torch.tensor(v, device=device), torch.tensor(c, device=device))
-            for name, (v, c) in metric_sums.items()
-        },
-    )
+    return weighted_step(ctx, first, packed, part_loss, items, gradients, ctx.loss_parallel())
