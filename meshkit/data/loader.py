@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from meshkit.core.errors import MeshkitError
 from meshkit.core.tree import to_device
-from meshkit.data.resumable import ResumableSampler
+from meshkit.data.resumable import ResumableSampler, dataset_length
 from meshkit.data.uneven import UnevenBatchSampler
 from meshkit.training.accumulation import GradientState
 
@@ -180,7 +180,7 @@ class ShardedLoader:
         batch = self.loader.batch_size
         if not isinstance(sampler, DistributedSampler) or batch is None or self.batch_index < 0:
             return None
-        total = len(sampler.dataset) - self._epoch_start  # type: ignore[arg-type]
+        total = dataset_length(sampler.dataset) - self._epoch_start
         world = sampler.num_replicas
         if isinstance(sampler, ResumableSampler):  # whole batches dealt: rank r's rows sit together
             return [
@@ -244,7 +244,7 @@ def shard_dataloader(
         )
     shuffle = isinstance(loader.sampler, RandomSampler)
     if sizes is not None:
-        batches = UnevenBatchSampler(len(loader.dataset), sizes, dp_rank, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
+        batches = UnevenBatchSampler(dataset_length(loader.dataset), sizes, dp_rank, shuffle=shuffle, seed=seed)
         return ShardedLoader(rebuilt(loader, batch_sampler=batches), device, state)
     sampler = ResumableSampler(
         loader.dataset,

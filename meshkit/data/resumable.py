@@ -12,10 +12,16 @@ skipping a sample. The last round is completed with positions from the epoch's s
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DistributedSampler
+
+
+def dataset_length(dataset: Any) -> int:
+    """`len()` of a map-style dataset (torch's `Dataset` type declares no `__len__`; a sampler needs one)."""
+    return len(cast(Sized, dataset))
 
 
 class ResumableSampler(DistributedSampler):
@@ -42,7 +48,7 @@ class ResumableSampler(DistributedSampler):
 
     def permutation(self) -> list[int]:
         """This epoch's order of the whole dataset (the same on every rank)."""
-        size = len(self.dataset)  # type: ignore[arg-type]
+        size = dataset_length(self.dataset)
         if not self.shuffle:
             return list(range(size))
         generator = torch.Generator()

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from meshkit.training.wrapped_optimizer import WrappedOptimizer
+
 
 @dataclass
 class GradientState:
@@ -45,7 +47,7 @@ class GradientState:
         self.weighted_window = None
 
 
-class PreparedOptimizer(torch.optim.Optimizer):
+class PreparedOptimizer(WrappedOptimizer):
     """Steps and zeroes only on synchronising micro-steps; steps through the GradScaler under fp16."""
 
     def __init__(
@@ -63,22 +65,6 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self.step_was_skipped = False
         self.steps_taken = 0  # synchronising steps (fp16-skipped ones included): the run's step counter
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
 
     def step(self, closure: Any = None) -> Any:
         if not self.gradient_state.sync:

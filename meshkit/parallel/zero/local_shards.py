@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshkit.parallel.zero.wrapped_optimizer import WrappedOptimizer
 from meshkit.runtime.dtensors import local_tensor
+from meshkit.training.wrapped_optimizer import WrappedOptimizer
 
 
 def steps_plain_tensors(optimizer: torch.optim.Optimizer) -> bool:

@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from meshkit.core.errors import MeshkitError
 from meshkit.models.blocks import BlockError, find_blocks
-from meshkit.parallel.zero.wrapped_optimizer import WrappedOptimizer
 from meshkit.runtime.dtensors import local_tensor
+from meshkit.training.wrapped_optimizer import WrappedOptimizer
 
 
 class OffloadDirError(MeshkitError):

@@ -33,6 +33,7 @@ from meshkit.core.errors import MeshkitError
 from meshkit.parallel.zero.buckets import BucketedReduce
 from meshkit.runtime.collectives import all_gather_flat, reduce_scatter_flat
 from meshkit.runtime.dtensors import local_tensor
+from meshkit.training.wrapped_optimizer import WrappedOptimizer
 
 
 class ZeroError(MeshkitError):
@@ -229,7 +230,7 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, shards: list[FlatShard])
         ) from None
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(WrappedOptimizer):
     """Steps this rank's chunk with the rebuilt optimizer, then all-gathers the updated parameters."""
 
     def __init__(
@@ -267,17 +268,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer.param_groups = inner.param_groups
         self._reduced = False
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.inner.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.inner.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.inner.defaults
+    def wrapped(self) -> torch.optim.Optimizer:
+        return self.inner
 
     def before_backward(self, final: bool = True) -> None:
         """`final`: this backward ends an accumulation window (its gradients are reduced)."""
