@@ -10,9 +10,8 @@ from meshkit.core.import_noise import drop_import_noise
 drop_import_noise()
 
 if TYPE_CHECKING:
-    from meshkit.engine import Engine
-    from meshkit.engine.accelerate.accelerator import Accelerator
-    from meshkit.engine.accelerate.handlers import (
+    from meshkit.compat.accelerate.accelerator import Accelerator
+    from meshkit.compat.accelerate.handlers import (
         AutocastKwargs,
         DataLoaderConfiguration,
         DDPCommunicationHookType,
@@ -27,9 +26,10 @@ if TYPE_CHECKING:
         ProfileKwargs,
         ProjectConfiguration,
     )
-    from meshkit.engine.accelerate.memory import find_executable_batch_size
+    from meshkit.compat.accelerate.memory import find_executable_batch_size
+    from meshkit.engine import Engine
 
-# Accelerate's names, for scripts ported by changing the import (meshkit.engine.accelerate.handlers)
+# Accelerate's names, for scripts ported by changing the import (meshkit.compat.accelerate.handlers)
 _ACCELERATE_RECORDS = (
     "AutocastKwargs",
     "DataLoaderConfiguration",
@@ -81,15 +81,15 @@ def __getattr__(name: str) -> Any:
 
         return Engine
     if name == "Accelerator":
-        from meshkit.engine.accelerate.accelerator import Accelerator
+        from meshkit.compat.accelerate.accelerator import Accelerator
 
         return Accelerator
     if name in _ACCELERATE_RECORDS:
-        from meshkit.engine.accelerate import handlers
+        from meshkit.compat.accelerate import handlers
 
         return getattr(handlers, name)
     if name == "find_executable_batch_size":
-        from meshkit.engine.accelerate.memory import find_executable_batch_size
+        from meshkit.compat.accelerate.memory import find_executable_batch_size
 
         return find_executable_batch_size
     raise AttributeError(f"module 'meshkit' has no attribute {name!r}")

@@ -37,7 +37,7 @@ class ResumableSampler(DistributedSampler):
 
     def per_rank(self, start: int) -> int:
         """Samples each rank reads in an epoch begun at global position `start`."""
-        remaining = max(0, len(self.dataset) - start)  # type: ignore[arg-type]
+        remaining = max(0, dataset_length(self.dataset) - start)
         per_round = self.batch_size * self.num_replicas
         rounds = remaining // per_round if self.drop_last else math.ceil(remaining / per_round)
         return rounds * self.batch_size

@@ -7,24 +7,22 @@ optimizer, scheduler and data for the layout. Two loop styles are first-class:
     loss = engine.train_step(batch)     # forward, backward and step in one call (also drives pipelines)
 
 The Engine is composed of components it owns, each reading the one shared `EngineContext`: `processes` (ranks,
-metrics, barriers), `stepping` (backward, train_step), `checkpoints`, `weights`, `evaluation`, `preparation` and
-Accelerate's verbs. Their verbs are
-the Engine's own attributes (`engine.save_state` is `engine.checkpoints.save_state`).
+metrics, barriers, trackers), `stepping` (backward, train_step), `checkpoints`, `weights`, `evaluation` and
+`preparation`. Their verbs are the Engine's own attributes (`engine.save_state` is `engine.checkpoints.save_state`).
+Accelerate's surface is not here: `meshkit.Accelerator` (compat/accelerate/) has an Engine and answers with
+Accelerate's names and meanings.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 from meshkit.config.idle import idle_values
 from meshkit.config.resolve import ResolvedConfig, explicit_values, resolve
 from meshkit.config.schema import RunConfig
 from meshkit.core.seed import set_seed
-from meshkit.engine.accelerate.loop_verbs import AccelerateLoopVerbs
-from meshkit.engine.accelerate.verbs import AccelerateVerbs
 from meshkit.engine.checkpointing import Checkpoints
 from meshkit.engine.context import EngineContext, Placement, place
 from meshkit.engine.delegation import Attribute, Verb
@@ -40,7 +38,7 @@ from meshkit.launching.affinity import apply_affinity
 from meshkit.launching.worker import LAUNCHER_PID_ENV
 from meshkit.parallel.dataparallel import WrappedModelWarning  # noqa: F401 - re-exported
 from meshkit.paramserver.run import ParameterServerRun
-from meshkit.runtime.hang_doctor import HangDoctor, watched
+from meshkit.runtime.hang_doctor import HangDoctor
 from meshkit.runtime.host_memory import ResidentGuard
 from meshkit.runtime.mesh import ParallelMesh, ProcessInfo, select_device, start_process_group, stop_process_group
 from meshkit.runtime.preemption import Preempted, PreemptionWatch
@@ -83,13 +81,13 @@ class Engine:
     main_process_work = Verb("processes", Processes.main_process_work)
     print = Verb("processes", Processes.print)
     log = Verb("processes", Processes.log)
+    start_trackers = Verb("processes", Processes.start_trackers)
     # ------------------------------------------------------------------ checkpoints
     step = Attribute[int]("checkpoints", Checkpoints)
     register_for_checkpointing = Verb("checkpoints", Checkpoints.register_for_checkpointing)
     save_state = Verb("checkpoints", Checkpoints.save_state)
     load_state = Verb("checkpoints", Checkpoints.load_state)
     wait_for_checkpoint = Verb("checkpoints", Checkpoints.wait_for_checkpoint)
-    checkpoint_root = Attribute[Path]("checkpoints", Checkpoints)
     save_checkpoint = Verb("checkpoints", Checkpoints.save_checkpoint)
     resume = Verb("checkpoints", Checkpoints.resume)
     # ------------------------------------------------------------------ the step
@@ -111,34 +109,6 @@ class Engine:
     save_model = Verb("weights", Weights.save_model)
     eval_token_loss = Verb("evaluation", Evaluation.eval_token_loss)
     prepare_frozen = Verb("preparation", Preparation.prepare_frozen)
-    # ------------------------------------------------------------------ Accelerate's verbs
-    local_process_index = Attribute[int]("accelerate_verbs", AccelerateVerbs)
-    is_last_process = Attribute[bool]("accelerate_verbs", AccelerateVerbs)
-    mixed_precision = Attribute[str]("accelerate_verbs", AccelerateVerbs)
-    on_main_process = Verb("accelerate_verbs", AccelerateVerbs.on_main_process)
-    on_local_main_process = Verb("accelerate_verbs", AccelerateVerbs.on_local_main_process)
-    on_last_process = Verb("accelerate_verbs", AccelerateVerbs.on_last_process)
-    on_process = Verb("accelerate_verbs", AccelerateVerbs.on_process)
-    split_between_processes = Verb("accelerate_verbs", AccelerateVerbs.split_between_processes)
-    skip_first_batches = Verb("accelerate_verbs", AccelerateVerbs.skip_first_batches)
-    end_training = Verb("accelerate_verbs", AccelerateVerbs.end_training)
-    init_trackers = Verb("accelerate_verbs", AccelerateVerbs.init_trackers)
-    get_tracker = Verb("accelerate_verbs", AccelerateVerbs.get_tracker)
-    free_memory = Verb("accelerate_verbs", AccelerateVerbs.free_memory)
-    gradient_accumulation_steps = Attribute[int]("accelerate_loop_verbs", AccelerateLoopVerbs)
-    use_distributed = Attribute[bool]("accelerate_loop_verbs", AccelerateLoopVerbs)
-    autocast = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.autocast)
-    prepare_model = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.prepare_model)
-    prepare_optimizer = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.prepare_optimizer)
-    prepare_data_loader = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.prepare_data_loader)
-    prepare_scheduler = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.prepare_scheduler)
-    get_state_dict = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.get_state_dict)
-    clear = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.clear)
-    pad_across_processes = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.pad_across_processes)
-    local_main_process_first = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.local_main_process_first)
-    on_local_process = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.on_local_process)
-    set_trigger = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.set_trigger)
-    check_trigger = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.check_trigger)
 
     def __init__(
         self, config: RunConfig | ResolvedConfig | str | os.PathLike[str] | None = None, **overrides: Any
@@ -186,10 +156,6 @@ class Engine:
         self.weights = Weights(self.ctx)
         self.evaluation = Evaluation(self.ctx)
         self.preparation = Preparation(self.ctx, lambda: self._gradients, self._resident.after_step)
-        self.accelerate_verbs = AccelerateVerbs(self.ctx)
-        self.accelerate_loop_verbs = AccelerateLoopVerbs(
-            self.ctx, self.prepare, self.processes, self.weights, self.accelerate_verbs
-        )
         if self.is_main_process:
             for conflict in self.resolved.conflicts:
                 warnings.warn(conflict.message(), ConfigConflictWarning, stacklevel=2)
@@ -258,18 +224,6 @@ class Engine:
         return self.ctx.scaler
 
     @property
-    def hang_doctor(self) -> HangDoctor | None:
-        return self.ctx.hang_doctor
-
-    @property
-    def loss_fn(self) -> LossFn | None:
-        return self.ctx.objects.loss_fn
-
-    @property
-    def run_dir(self) -> Path:
-        return self.config.logging.dir
-
-    @property
     def sync_gradients(self) -> bool:
         """True on the micro-step that synchronises gradients and steps the optimizer."""
         return self.ctx.gradient_state.sync
@@ -281,15 +235,11 @@ class Engine:
             self._layout_pending = False
             chosen, self.layout_probe, objects = settle_layout(self, objects, loss_fn)
             self._adopt_layout(chosen)
-        prepared = self._prepare(objects, loss_fn)
+        prepared = self.preparation.prepare(objects, loss_fn)
         ps = self.ctx.placement.ps
         if ps is not None:  # a worker pulls the servers' weights; a server serves until the workers finish
             ps.start(self.ctx.objects.optimizers, self.ctx.objects.schedulers)  # (serving may rightly take days)
         return prepared
-
-    @watched("prepare")
-    def _prepare(self, objects: tuple[Any, ...], loss_fn: LossFn | None) -> Any:
-        return self.preparation.prepare(objects, loss_fn)
 
     # ------------------------------------------------------------------ end
     def end(self, *, wait_for_peers: bool = True) -> None:
@@ -301,7 +251,8 @@ class Engine:
         """
         if wait_for_peers:
             self.checkpoints.close()
-            self.accelerate_verbs.end_training()  # trackers close; a parameter-server worker tells the servers
+            if self.ctx.placement.ps is not None:  # a worker tells the servers (they return from prepare())
+                self.ctx.placement.ps.finish()
         self.ctx.preemption.disarm()
         if self.ctx.hang_doctor is not None:
             self.ctx.hang_doctor.stop()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from meshkit.parallel.fsdp import reshard
 from meshkit.runtime import collectives
 from meshkit.training.fused_head import FusedHead
 from meshkit.training.loss import logits_of
-from meshkit.training.objective import Objective, ObjectiveResult, SequenceScores
+from meshkit.training.objective import HeadObjective, Objective, ObjectiveResult, SequenceScores
 
 
 class LayoutScorer:
@@ -122,7 +122,8 @@ def objective_micro_step(
     if ctx.objects.pipeline is not None:  # (the record: these read the last stage's whole logits)
         ctx.objects.loss_path = "plain (whole logits): a pipeline's objective reads its last stage's logits"
     if ctx.objects.pipeline is not None and objective.reads_head:
-        return pipelined_head_step(ctx, objective, batch, gradients, LayoutScorer(ctx))  # type: ignore[arg-type]
+        head = cast(HeadObjective, objective)  # (`reads_head`: the objective is a head objective)
+        return pipelined_head_step(ctx, head, batch, gradients, LayoutScorer(ctx))
     if ctx.objects.pipeline is not None:
         return pipelined_objective_step(ctx, objective, batch, gradients, LayoutScorer(ctx))
     result = objective(LayoutScorer(ctx), batch)

@@ -33,6 +33,7 @@ from meshkit.parallel.routed import UnreachedBanks
 from meshkit.parallel.sequence_seen import watch_sequence
 from meshkit.parallel.tensor.consistency import WholeGradientsAgree
 from meshkit.parallel.zero.sharding import rebind_params, renamed_parameters, shard_optimizer
+from meshkit.runtime.hang_doctor import watched
 from meshkit.runtime.memory import current_rss_bytes
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
 from meshkit.training.fused_head import FusedHead
@@ -47,6 +48,7 @@ class Preparation(EngineComponent):
         self._gradients = gradients  # (made again with the layout)
         self._after_step = after_step  # host memory handed back after each optimizer step
 
+    @watched("prepare")
     def prepare(self, objects: tuple[Any, ...], loss_fn: LossFn | None) -> Any:
         """Models first (an optimizer or scheduler must see the model's final parameters); the same order back."""
         if loss_fn is not None:

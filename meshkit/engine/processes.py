@@ -16,7 +16,7 @@ from meshkit.core.tree import has_tensors, map_tensors
 from meshkit.engine.context import EngineComponent, EngineContext, print_once_per_node
 from meshkit.runtime import collectives
 from meshkit.runtime.hang_doctor import watched
-from meshkit.runtime.tracking import scalar_metrics
+from meshkit.runtime.tracking import TrackerStart, scalar_metrics
 
 
 class MetricsError(MeshkitError):
@@ -133,12 +133,14 @@ class Processes(EngineComponent):
             dist.barrier(group=group)
 
     @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """The main process runs the block first (e.g. downloads, preprocessing), then the others."""
-        if not self.is_main_process:
+    def main_process_first(self, per_node: bool = False) -> Iterator[None]:
+        """The main process runs the block first (e.g. downloads, preprocessing), then the others; `per_node`:
+        each node's first process, then the node's others (a cache on each node's disk)."""
+        first = self.is_local_main_process if per_node else self.is_main_process
+        if not first:
             self.wait_for_everyone()
         yield
-        if self.is_main_process:
+        if first:
             self.wait_for_everyone()
 
     @contextlib.contextmanager
@@ -173,3 +175,15 @@ class Processes(EngineComponent):
         scalars = scalar_metrics(metrics)
         for tracker in trackers:
             tracker.log(scalars, step)
+
+    def start_trackers(
+        self,
+        project_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Start the run's trackers (`logging.trackers`) with a project name (the wandb project), your run
+        configuration (wandb config, TensorBoard hparams, `hparams.json` beside `metrics.jsonl`) and keyword
+        arguments per tracker (`{"wandb": {"tags": [...]}}` for `wandb.init`, `{"tensorboard": {...}}` for
+        `SummaryWriter`). Optional: without it the trackers start at the first `log()`."""
+        self.ctx.trackers.start(TrackerStart(project_name, dict(config or {}), dict(init_kwargs or {})))

@@ -12,6 +12,7 @@ Plain Python (no `ray` import here): the driver wraps the class with `ray.remote
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from meshkit.launching.interfaces import GLOO_INTERFACE_ENV, gloo_interface, quiet_port
 from meshkit.launching.worker import ERROR_FILE_ENV, LAUNCHER_PID_ENV
@@ -90,7 +91,8 @@ class RankHost:
     def _relay(self, name: str, stream: IO[bytes] | None) -> None:
         if stream is None:
             return
-        for chunk in iter(lambda: stream.read1(65536), b""):  # type: ignore[attr-defined]
+        buffered = cast(io.BufferedReader, stream)  # (a pipe opened in binary mode: it reads what is there)
+        for chunk in iter(lambda: buffered.read1(65536), b""):
             with self._lock:
                 self._chunks[name].append(chunk)
 

@@ -84,8 +84,8 @@ def agent_class(factory: Callable[..., LocalElasticAgent]) -> Iterator[None]:
     """torch's `launch_agent` builds its agent itself, by name: the agent class is swapped for the call (in the
     launcher process, which runs nothing else), then restored."""
     previous = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = factory  # type: ignore[misc,assignment]
+    launcher_api.LocalElasticAgent = factory  # type: ignore[misc,assignment]  # torch's class, swapped for the launch
     try:
         yield
     finally:
-        launcher_api.LocalElasticAgent = previous  # type: ignore[misc]
+        launcher_api.LocalElasticAgent = previous  # type: ignore[misc]  # (restored)

@@ -84,10 +84,10 @@ def config_files(model: nn.Module) -> dict[str, str]:
 
 
 @functools.cache
-def _forward_source(cls: type) -> str | None:
+def _forward_source(cls: type[nn.Module]) -> str | None:
     """The code of `cls.forward` (read once per class); None when it cannot be read."""
     try:
-        return inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+        return inspect.getsource(cls.forward)
     except (OSError, TypeError, AttributeError):
         return None
 

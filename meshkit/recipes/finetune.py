@@ -224,7 +224,7 @@ def _start_wandb(engine: Engine, s: Any) -> None:
     if "wandb" not in engine.config.logging.trackers:
         return
     options = {"entity": s.wandb_entity, "name": s.wandb_name, "id": s.wandb_run_id, "mode": s.wandb_mode}
-    engine.init_trackers(s.wandb_project or "meshkit", init_kwargs={"wandb": {k: v for k, v in options.items() if v}})
+    engine.start_trackers(s.wandb_project or "meshkit", init_kwargs={"wandb": {k: v for k, v in options.items() if v}})
 
 
 def _write_outputs(engine: Engine, tokenizer: Any, lora_model: AdapterExport | None) -> dict[str, str]:

@@ -296,7 +296,7 @@ def load_model(settings: Any, attention: str | None, device: torch.device, **opt
                 f"'{settings.base_model}' is stored in MXFP4 and loads dequantized; load_in_8bit / load_in_4bit cannot "
                 "quantize it again in the same load: drop them (LoRA trains over the dequantized base)"
             )
-        from transformers import Mxfp4Config  # type: ignore[attr-defined]
+        from transformers.utils.quantization_config import Mxfp4Config
 
         options["quantization_config"] = Mxfp4Config(dequantize=True)  # trainable weights, on every device
     try:

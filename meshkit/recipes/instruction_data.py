@@ -82,7 +82,7 @@ def prepare_data(engine: Engine, settings: Any, tokenizer: Any) -> InstructionDa
         "keep_in_memory": settings.dataset_keep_in_memory,
         "seed": cfg.seed,  # (an entry's shards: shuffled with it)
     }
-    with engine.local_main_process_first(), _progress_bars(engine.info.local_rank == 0):
+    with engine.main_process_first(per_node=True), _progress_bars(engine.info.local_rank == 0):
         samples, report = load_samples(settings.datasets, tokenizer, **options)
         validation = load_samples(settings.test_datasets, tokenizer, **options)[0] if settings.test_datasets else None
     if settings.shuffle_merged_datasets and len(settings.datasets) > 1:

@@ -21,7 +21,7 @@ def mistral_common_tokenizer(directory: Path, mode: str = "finetuning") -> Any:
     """Mistral's tokenizer in `directory` (`mode`: finetuning, where conversations end with the answer; test, for
     generating)."""
     try:
-        from transformers import MistralCommonBackend  # type: ignore[attr-defined]
+        from transformers.tokenization_mistral_common import MistralCommonBackend
     except ImportError:
         raise MistralTokenizerError(
             "tokenizer_use_mistral_common needs the mistral-common package: pip install 'meshkit[hf]'"

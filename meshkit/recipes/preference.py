@@ -125,7 +125,7 @@ class PairedObjective:
         if "nll_tokens" in extras:
             policy = policy.with_totals((extras["nll_tokens"][0].to(device), extras["nll_pairs"][0].to(device)))
         if "reference" not in extras:
-            return self.loss(policy.select(keep))  # type: ignore[call-arg]
+            return self.loss(policy.select(keep))
         chosen, rejected = extras["reference"].to(device).float().chunk(2)
         reference = PairScores(chosen, rejected, policy.chosen_tokens, policy.rejected_tokens)
         return self.loss(policy.select(keep), reference.select(keep))
@@ -141,7 +141,9 @@ class UnpairedObjective:
     """KTO: desirable and undesirable completions; the KL term from the batch's mismatched rows, its mean over
     every data-parallel rank. Two phases, as `PairedObjective`."""
 
-    def __init__(self, loss: KTO, reference: Reference, engine: Engine) -> None:
+    def __init__(self, loss: KTO, reference: Reference | None, engine: Engine) -> None:
+        if reference is None:
+            raise PreferenceError("KTO scores against a reference model: the recipe gives it one")
         self.loss, self.reference, self.engine = loss, reference, engine
         self.needs_whole = False
         self.needs_weighting = False

@@ -71,7 +71,7 @@ def prepare_preference_data(
     cfg = engine.config
     if settings.process_reward_model:
         return _stepwise_data(engine, settings, tokenizer)
-    with engine.local_main_process_first():
+    with engine.main_process_first(per_node=True):
         table, report = load_preference_records(
             settings.datasets,
             tokenizer,
@@ -87,7 +87,7 @@ def prepare_preference_data(
     table = _selected(table, settings, report)
     validation = None
     if settings.test_datasets:
-        with engine.local_main_process_first():
+        with engine.main_process_first(per_node=True):
             validation = load_preference_records(
                 settings.test_datasets,
                 tokenizer,
@@ -123,7 +123,7 @@ def _stepwise_data(engine: Engine, settings: Any, tokenizer: Any) -> PreferenceD
     cfg = engine.config
 
     def load(entries: Any) -> tuple[Any, StepwiseReport]:
-        with engine.local_main_process_first():
+        with engine.main_process_first(per_node=True):
             return load_stepwise_records(
                 entries,
                 tokenizer,

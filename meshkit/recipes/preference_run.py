@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rich.console import Console
 from rich.table import Table
@@ -97,7 +97,7 @@ def train_preference(
     elif paired:
         objective = PairedObjective(loss, reference, engine)
     else:
-        objective = UnpairedObjective(loss, reference, engine)  # type: ignore[arg-type]
+        objective = UnpairedObjective(cast(KTO, loss), reference, engine)  # (unpaired data: the loss is KTO's)
     method = s.rl or ("process reward model" if s.process_reward_model else "reward model")
     engine.print(
         f"meshkit: {method} on {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "

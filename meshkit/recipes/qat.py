@@ -137,7 +137,7 @@ def prepare_for_qat(model: torch.nn.Module, qat: QATSettings, device: torch.devi
             setattr(model.get_submodule(owner), attribute, shared)
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and _is_low_precision_linear(module):
-            module.forward = partial(_low_precision_forward, module, type(module).forward)  # type: ignore[method-assign]
+            module.forward = partial(_low_precision_forward, module, type(module).forward)  # type: ignore[method-assign]  # per instance
 
 
 def _is_low_precision_linear(module: torch.nn.Module) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -123,7 +123,7 @@ def _on_gloo(group: dist.ProcessGroup | None) -> bool:
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
+    return group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)  # (set once initialised)
 
 
 def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 try:  # FSDP2's pluggable collectives (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # older torch: FSDP keeps its own collectives (`fsdp.use_ring_collectives` skips them)
-    AllGather = ReduceScatter = object  # type: ignore[misc,assignment]
+    AllGather = ReduceScatter = object  # type: ignore[misc,assignment]  # stand-ins where torch lacks them
 
 
 def ring_all_gather(output: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -106,7 +106,7 @@ class FusedHead:
             return self._original(hidden)
         (targets, weights, wanted), self._pending = self._pending, None
         per_token = wanted != "loss"
-        weight: torch.Tensor = self.head.weight  # type: ignore[assignment]
+        weight = cast(torch.Tensor, self.head.weight)
         bias: torch.Tensor | None = getattr(self.head, "bias", None)
         shard = _vocab_shard(weight)
         if (weights is not None or per_token) and shard is not None:  # (these read the whole vocabulary's logits)

@@ -148,7 +148,9 @@ class DPO:
         if "exo_pair" in self.loss_types and self.label_smoothing == 0:
             raise PreferenceError("the exo_pair loss needs dpo_label_smoothing > 0 (the paper suggests 1e-3)")
 
-    def __call__(self, policy: PairScores, reference: PairScores) -> ObjectiveResult:
+    def __call__(self, policy: PairScores, reference: PairScores | None = None) -> ObjectiveResult:
+        if reference is None:
+            raise PreferenceError("DPO's loss reads the reference model's scores: pass them (or use orpo / simpo)")
         chosen_ratio = policy.chosen - reference.chosen
         rejected_ratio = policy.rejected - reference.rejected
         weights = self.loss_weights or (1.0,) * len(self.loss_types)

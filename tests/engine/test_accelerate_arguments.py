@@ -15,7 +15,7 @@ from meshkit import (
     ParallelismConfig,
     ProfileKwargs,
 )
-from meshkit.engine.accelerate.arguments import AcceleratorError, accelerate_arguments
+from meshkit.compat.accelerate.arguments import AcceleratorError, accelerate_arguments
 
 
 def test_the_common_arguments_map_to_meshkit_settings() -> None:

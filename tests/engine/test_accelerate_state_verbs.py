@@ -1,4 +1,4 @@
-"""Accelerate's state verbs on Engine: register_for_checkpointing, skip_first_batches, init_trackers."""
+"""Accelerate's state verbs of meshkit.Accelerator: register_for_checkpointing, skip_first_batches, init_trackers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from meshkit import Engine
+from meshkit import Accelerator
 from meshkit.checkpoint.storage import CheckpointError
 from meshkit.core.errors import MeshkitError
 from meshkit.runtime.tracking import TrackerError
@@ -32,7 +32,7 @@ class Ema:
 
 
 def test_registered_objects_come_back_with_the_checkpoint_without_pickle(tmp_path) -> None:
-    with Engine(hang_doctor=False, logging={"dir": str(tmp_path)}) as engine:
+    with Accelerator(hang_doctor=False, logging={"dir": str(tmp_path)}) as engine:
         model = nn.Linear(2, 1)
         model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         own = torch.optim.SGD([nn.Parameter(torch.ones(1))])  # a schedule the engine was not given
@@ -70,7 +70,7 @@ def _loader() -> DataLoader:
 
 
 def test_skip_first_batches_starts_mid_epoch_once_and_never_skips_twice(tmp_path) -> None:
-    with Engine(hang_doctor=False, logging={"dir": str(tmp_path)}) as engine:
+    with Accelerator(hang_doctor=False, logging={"dir": str(tmp_path)}) as engine:
         loader = engine.prepare(_loader())
         assert engine.skip_first_batches(loader, 3) is loader
         assert [batch.tolist() for batch in loader][:2] == [[6, 7], [8, 9]]
@@ -79,11 +79,11 @@ def test_skip_first_batches_starts_mid_epoch_once_and_never_skips_twice(tmp_path
             if index == 3:  # four batches read
                 engine.save_state(tmp_path / "mid")
                 break
-        with pytest.raises(MeshkitError, match="takes a DataLoader returned by engine.prepare"):
+        with pytest.raises(MeshkitError, match="takes a DataLoader returned by accelerator.prepare"):
             engine.skip_first_batches(_loader(), 1)
         with pytest.raises(MeshkitError, match="num_batches is -1"):
             engine.skip_first_batches(loader, -1)
-    with Engine(hang_doctor=False, logging={"dir": str(tmp_path)}) as engine:
+    with Accelerator(hang_doctor=False, logging={"dir": str(tmp_path)}) as engine:
         loader = engine.prepare(_loader())
         engine.load_state(tmp_path / "mid")
         engine.skip_first_batches(loader, 4)  # an Accelerate loop does both: the batch is not skipped twice
@@ -95,7 +95,7 @@ def test_init_trackers_names_the_project_and_records_the_users_config(tmp_path) 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     trackers = {"dir": str(tmp_path), "trackers": ["jsonl", "tensorboard"]}
-    with Engine(hang_doctor=False, logging=trackers) as engine:
+    with Accelerator(hang_doctor=False, logging=trackers) as engine:
         engine.init_trackers("demo", config={"lr": 0.1, "note": "first"}, init_kwargs={"tensorboard": {"comment": "x"}})
         engine.log({"loss": 1.0}, step=1)
         assert engine.get_tracker("tensorboard").writer.log_dir == str(tmp_path / "tensorboard")
@@ -110,7 +110,7 @@ def test_init_trackers_names_the_project_and_records_the_users_config(tmp_path) 
 
 
 def _loop_verbs(rank: int) -> dict:
-    engine = Engine(hang_doctor=False, grad_accum_steps=2, logging={"dir": "/tmp/meshkit-test-runs"})
+    engine = Accelerator(hang_doctor=False, grad_accum_steps=2, logging={"dir": "/tmp/meshkit-test-runs"})
     torch.manual_seed(0)
     model = engine.prepare_model(nn.Linear(2, 1))
     optimizer = engine.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -145,7 +145,7 @@ def test_loop_verbs_at_world_2() -> None:
 
 def test_clip_grad_norm_takes_accelerates_parameters_form() -> None:
     def clipped(accelerate_form: bool) -> tuple[float, torch.Tensor]:
-        with Engine(hang_doctor=False) as engine:
+        with Accelerator(hang_doctor=False) as engine:
             torch.manual_seed(0)
             model = nn.Linear(4, 1)
             model, _ = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))

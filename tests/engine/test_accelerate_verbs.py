@@ -1,4 +1,5 @@
-"""Accelerate's verbs on Engine: process facts, per-process decorators, split_between_processes, trackers."""
+"""Accelerate's verbs of meshkit.Accelerator (over its Engine): process facts, per-process decorators,
+split_between_processes, trackers."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from meshkit import Engine
+from meshkit import Accelerator
+from meshkit.compat.accelerate.verbs import _share
 from meshkit.core.errors import MeshkitError
-from meshkit.engine.accelerate.verbs import _share
 from meshkit.runtime.tracking import JsonlTracker
 from tests.helpers.distributed import run_world
 
@@ -23,7 +24,7 @@ def test_split_between_processes_gives_contiguous_shares_padded_on_request() -> 
 
 
 def _rank_facts(rank: int) -> dict:
-    engine = Engine(hang_doctor=False, precision="bf16")
+    engine = Accelerator(hang_doctor=False, precision="bf16")
     ran = []
 
     @engine.on_main_process
@@ -66,7 +67,7 @@ def test_process_facts_and_decorators_at_world_2() -> None:
 
 def test_accumulate_takes_the_model_as_accelerate_does_and_trackers_end_with_training(tmp_path) -> None:
     def train(named: bool) -> torch.Tensor:
-        with Engine(hang_doctor=False, grad_accum_steps=2, logging={"dir": str(tmp_path)}) as engine:
+        with Accelerator(hang_doctor=False, grad_accum_steps=2, logging={"dir": str(tmp_path)}) as engine:
             torch.manual_seed(0)
             model = nn.Linear(3, 1)
             model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))

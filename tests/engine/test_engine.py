@@ -104,7 +104,7 @@ def test_wandb_tracker_runs_offline_without_credentials_with_the_metrics_and_con
     run_dir = tmp_path / "run"
     settings = {"dir": str(run_dir), "trackers": ["jsonl", "wandb"]}
     with Engine(logging=settings, train={"dataset": "corpus-zq81.txt"}, hang_doctor=False) as engine:
-        engine.init_trackers("proj-w4", config={"user_key_q9": 3}, init_kwargs={"wandb": {"tags": ["tag-x7"]}})
+        engine.start_trackers("proj-w4", config={"user_key_q9": 3}, init_kwargs={"wandb": {"tags": ["tag-x7"]}})
         engine.log({"loss": 0.731942}, step=1)
         engine.log({"loss": 0.518206}, step=2)
     assert "wandb runs offline (no credentials)" in capsys.readouterr().out

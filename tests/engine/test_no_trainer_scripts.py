@@ -1,8 +1,8 @@
 """transformers' `run_*_no_trainer.py` scripts in their own shape (`tests/helpers/no_trainer_script.py`: causal LM,
-masked LM, classification), at world 2 with only the Accelerator's import changed: Accelerate's logger works under
-meshkit's Accelerator, the facts a script branches on, the metrics (per-batch, over a padded last batch) and the
-final weights equal Accelerate's, and a run resumed mid-epoch or at an epoch's end ends with the uninterrupted
-run's weights (the loader's `len()` is the epoch's after `load_state`)."""
+masked LM, sequence and token classification, multiple choice), at world 2 with only the Accelerator's import
+changed: Accelerate's logger works under meshkit's Accelerator, the facts a script branches on, the metrics
+(per-batch, over a padded last batch) and the final weights equal Accelerate's, and a run resumed mid-epoch or at
+an epoch's end ends with the uninterrupted run's weights (the loader's `len()` is the epoch's after `load_state`)."""
 
 from __future__ import annotations
 
@@ -55,10 +55,11 @@ def _close(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], toler
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("task", "resumes"),
-    # Resumed mid-epoch and at an epoch's end. The masked LM's collator draws from the generator: its step_4
-    # checkpoint precedes the evaluation's draws, so its epoch's end is `epoch_0` (Accelerate's own resumed
-    # masked-LM runs end 0.04 away from its uninterrupted one: its loader draws ahead of the checkpoint)
-    [("clm", ("step_2", "step_4")), ("mlm", ("step_2", "epoch_0")), ("cls", ("step_2",))],
+    # Resumed mid-epoch (step_2) and at an epoch's end (step_4 by step, epoch_0 by epoch). The masked LM's collator
+    # draws from the generator: its step_4 checkpoint precedes the evaluation's draws, so its epoch's end is
+    # `epoch_0` (Accelerate's own resumed masked-LM runs end 0.04 away from its uninterrupted one: its loader draws
+    # ahead of the checkpoint). The other shapes differ in their metrics only: a resume is the same mechanism.
+    [("clm", ("step_4",)), ("mlm", ("step_2", "epoch_0")), ("cls", ()), ("ner", ()), ("swag", ())],
 )
 def test_a_no_trainer_script_runs_logs_and_resumes_as_under_accelerate(tmp_path, task, resumes) -> None:
     ours, theirs = tmp_path / "meshkit", tmp_path / "accelerate"

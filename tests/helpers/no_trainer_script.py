@@ -11,12 +11,14 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 LIBRARY, OUT, RESUME, STOP_AFTER = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-TASK = sys.argv[5] if len(sys.argv) > 5 else "clm"  # clm, mlm, cls: run_clm/run_mlm/run_glue_no_trainer's shapes
+TASK = sys.argv[5] if len(sys.argv) > 5 else "clm"  # clm, mlm, cls, ner, swag: run_clm/mlm/glue/ner/swag's shapes
+READS_PREDICTIONS = TASK in ("cls", "ner", "swag")  # accuracy from gathered predictions; else perplexity
 if LIBRARY == "meshkit":
     from meshkit import Accelerator
 else:
@@ -27,10 +29,12 @@ from accelerate.utils import set_seed  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForMaskedLM,
+    BertForMultipleChoice,
     DataCollatorForLanguageModeling,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
+    LlamaForTokenClassification,
     PreTrainedTokenizerFast,
     get_scheduler,
 )
@@ -41,16 +45,35 @@ FACTS = ("num_processes", "process_index", "local_process_index", "is_main_proce
          "use_distributed", "mixed_precision", "gradient_accumulation_steps", "sync_gradients")  # fmt: skip
 
 
-def rows(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
+def rows(count: int, seed: int) -> list[dict[str, Any]]:
     """Token rows; for `cls` a label each: whether the row's first token is below the vocabulary's middle; for
-    `mlm` ids only (the collator masks them and makes the labels)."""
+    `mlm` ids only (the collator masks them and makes the labels); for `ner` a label per token (rows of 6 to 16
+    tokens, so batches differ in length across processes); for `swag` four choices, the answer the one whose first
+    token is smallest."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, 64, (count, 16), generator=generator)
     if TASK == "cls":
         return [{"input_ids": row, "labels": (row[0] < 32).long()} for row in ids]
     if TASK == "mlm":
         return [{"input_ids": row.tolist()} for row in ids]
+    if TASK == "ner":
+        lengths = torch.randint(6, 17, (count,), generator=generator).tolist()
+        return [{"input_ids": row[:n], "labels": (row[:n] < 32).long()} for row, n in zip(ids, lengths, strict=True)]
+    if TASK == "swag":
+        choices = torch.randint(5, 64, (count, 4, 8), generator=generator)
+        return [{"input_ids": row, "labels": row[:, 0].argmin()} for row in choices]
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def padding_collator(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """DataCollatorForTokenClassification's padding: ids with 0, labels with -100, to the batch's longest row."""
+    longest = max(len(e["input_ids"]) for e in examples)
+    ids = torch.zeros(len(examples), longest, dtype=torch.long)
+    labels = torch.full((len(examples), longest), -100)
+    for row, example in enumerate(examples):
+        ids[row, : len(example["input_ids"])] = example["input_ids"]
+        labels[row, : len(example["labels"])] = example["labels"]
+    return {"input_ids": ids, "attention_mask": (labels != -100).long(), "labels": labels}
 
 
 def masking_collator() -> DataCollatorForLanguageModeling:
@@ -70,29 +93,38 @@ def masking_collator() -> DataCollatorForLanguageModeling:
 
 
 def model_for_task() -> torch.nn.Module:
-    if TASK == "mlm":
-        return BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                          intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                          attention_probs_dropout_prob=0.0))  # fmt: skip
+    if TASK in ("mlm", "swag"):
+        bert = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0)  # fmt: skip
+        return BertForMaskedLM(bert) if TASK == "mlm" else BertForMultipleChoice(bert)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, num_labels=2,
                          pad_token_id=0)  # fmt: skip
-    return LlamaForSequenceClassification(config) if TASK == "cls" else LlamaForCausalLM(config)
+    kinds = {"cls": LlamaForSequenceClassification, "ner": LlamaForTokenClassification}
+    return kinds.get(TASK, LlamaForCausalLM)(config)
 
 
 def metric(model: torch.nn.Module, evaluation: DataLoader, accelerator: Accelerator) -> float:
     """Perplexity from the gathered, repeated per-batch losses (clm, mlm: as the scripts compute it, over rows that
-    are not the batch's own), or accuracy from gathered predictions and references (cls)."""
+    are not the batch's own), or accuracy from gathered predictions and references (cls, swag; ner per labelled
+    token, its batches padded across processes first, as run_ner_no_trainer does)."""
     losses, correct, seen = [], 0, 0
     for batch in evaluation:
         with torch.no_grad():
             outputs = model(**batch)
-        if TASK == "cls":
-            predictions, references = accelerator.gather_for_metrics((outputs.logits.argmax(-1), batch["labels"]))
-            correct, seen = correct + int((predictions == references).sum()), seen + len(references)
-        else:
+        if not READS_PREDICTIONS:
             losses.append(accelerator.gather_for_metrics(outputs.loss.repeat(2)))
-    return correct / seen if TASK == "cls" else math.exp(torch.mean(torch.cat(losses)))
+            continue
+        predictions, references = outputs.logits.argmax(-1), batch["labels"]
+        if TASK == "ner":
+            predictions = accelerator.pad_across_processes(predictions, dim=1, pad_index=-100)
+            references = accelerator.pad_across_processes(references, dim=1, pad_index=-100)
+        predictions, references = accelerator.gather_for_metrics((predictions, references))
+        counted = references != -100
+        correct += int((predictions[counted] == references[counted]).sum())
+        seen += int(counted.sum())
+    return correct / seen if READS_PREDICTIONS else math.exp(torch.mean(torch.cat(losses)))
 
 
 def main() -> None:
@@ -110,7 +142,7 @@ def main() -> None:
         (OUT / f"facts-{accelerator.process_index}.json").write_text(json.dumps(facts))
     set_seed(0)
     model = model_for_task()
-    collate = masking_collator() if TASK == "mlm" else None
+    collate = masking_collator() if TASK == "mlm" else padding_collator if TASK == "ner" else None
     train = DataLoader(rows(16, 1), shuffle=False, batch_size=2, collate_fn=collate)  # 4 batches per rank per epoch
     # 7 rows: the last batch padded, then cut by gather_for_metrics
     evaluation = DataLoader(rows(7, 2), shuffle=False, batch_size=2, collate_fn=collate)
@@ -155,7 +187,7 @@ def main() -> None:
                     return
         model.eval()
         value = metric(model, evaluation, accelerator)
-        logger.info(f"epoch {epoch}: {'accuracy' if TASK == 'cls' else 'perplexity'}: {value}")
+        logger.info(f"epoch {epoch}: {'accuracy' if READS_PREDICTIONS else 'perplexity'}: {value}")
         metrics.append({"epoch": epoch, "metric": value, "steps": completed_steps})
         accelerator.save_state(str(OUT / f"epoch_{epoch}"))
     accelerator.wait_for_everyone()

@@ -44,7 +44,7 @@ def main(out: Path) -> None:
     for step, (x, y) in enumerate(batches()):
         if step < engine.step:
             continue
-        if kill and attempt == 0 and kill == f"{os.environ.get('GROUP_RANK')}:{engine.local_process_index}:{step}":
+        if kill and attempt == 0 and kill == f"{os.environ.get('GROUP_RANK')}:{engine.info.local_rank}:{step}":
             os.kill(os.getpid(), signal.SIGKILL)
         loss = engine.train_step((x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]))
         loss = engine.reduce(loss).item()

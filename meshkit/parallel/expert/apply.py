@@ -200,7 +200,7 @@ class ExpertParallelForward:
                     shape, first, count = local.shape, self.first_expert, self.local_experts
                     delta = expert_delta(self.adapters[name], self.experts, first, count, shape)
                     local = local if delta is None else local + delta.to(local.dtype)
-                self.bank._parameters[name] = local  # type: ignore[assignment]
+                self.bank._parameters[name] = local  # type: ignore[assignment]  # a plain tensor in a parameter's slot, for this forward
                 touch = local.reshape(-1)[:1].sum() * 0
                 anchor = touch if anchor is None else anchor + touch
             for name in counts:

@@ -172,7 +172,7 @@ class PipelineModel(nn.Module):
             inner = chunk.module if isinstance(chunk, nn.parallel.DistributedDataParallel) else chunk
             yield from inner.named_parameters(prefix, recurse, remove_duplicate)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # nn.Module's overloads, one merged form
         merged: dict[str, Any] = {}
         for chunk in self.chunks:
             inner = chunk.module if isinstance(chunk, nn.parallel.DistributedDataParallel) else chunk

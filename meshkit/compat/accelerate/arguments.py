@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshkit.config.importing.accelerate import read_deepspeed_block, read_fsdp_config
-from meshkit.config.importing.deepspeed import read_deepspeed
-from meshkit.config.importing.result import Imported
-from meshkit.config.yaml_text import load_yaml
-from meshkit.core.errors import MeshkitError
-from meshkit.engine.accelerate.handlers import (
+from meshkit.compat.accelerate.handlers import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
     ProjectConfiguration,
     enum_value,
 )
+from meshkit.config.importing.accelerate import read_deepspeed_block, read_fsdp_config
+from meshkit.config.importing.deepspeed import read_deepspeed
+from meshkit.config.importing.result import Imported
+from meshkit.config.yaml_text import load_yaml
+from meshkit.core.errors import MeshkitError
 
 
 class AcceleratorError(MeshkitError):

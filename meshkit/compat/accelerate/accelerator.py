@@ -1,12 +1,13 @@
-"""`meshkit.Accelerator`: the Engine under Accelerate's name, constructor and semantics, so a script written against
-`accelerate.Accelerator` runs by changing only the import:
+"""`meshkit.Accelerator`: Accelerate's name, constructor and semantics over a meshkit Engine it holds, so a script
+written against `accelerate.Accelerator` runs by changing only the import:
 
     from meshkit import Accelerator, DataLoaderConfiguration, DistributedType, ProjectConfiguration
 
 Every public member of `accelerate.Accelerator` is here with Accelerate's argument order and behaviour (a test
 enumerates the installed Accelerate's), or refuses at the call in one line naming what to do instead. Where the two
 libraries name the same verb differently, this class carries Accelerate's meaning (`save_model(model, dir)`,
-`reduce(tensor, reduction="sum")`, a scheduler stepped once per process); the Engine keeps its own.
+`reduce(tensor, reduction="sum")`, a scheduler stepped once per process); the Engine keeps its own (it is not
+a subclass: each name means one thing on each).
 Arguments are read as `accelerate_arguments` says (arguments.py); the run facts come from the mesh (state.py).
 """
 
@@ -21,31 +22,75 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from meshkit.data.loader import rebuilt
-from meshkit.engine.accelerate import saving, state
-from meshkit.engine.accelerate.arguments import AcceleratorError, accelerate_arguments
-from meshkit.engine.accelerate.handlers import (  # noqa: F401 - re-exported (meshkit.Accelerator's companions)
+from meshkit.compat.accelerate import saving, state
+from meshkit.compat.accelerate.arguments import AcceleratorError, accelerate_arguments
+from meshkit.compat.accelerate.handlers import (  # noqa: F401 - re-exported (meshkit.Accelerator's companions)
     DistributedDataParallelKwargs,
     DistributedType,
     InitProcessGroupKwargs,
 )
-from meshkit.engine.accelerate.process_logging import share_process_facts
-from meshkit.engine.accelerate.profiling import profiled
-from meshkit.engine.accelerate.sync import SyncControl
+from meshkit.compat.accelerate.loop_verbs import AccelerateLoopVerbs
+from meshkit.compat.accelerate.process_logging import share_process_facts
+from meshkit.compat.accelerate.profiling import profiled
+from meshkit.compat.accelerate.sync import SyncControl
+from meshkit.compat.accelerate.verbs import AccelerateVerbs
+from meshkit.config.schema import RunConfig
+from meshkit.data.loader import rebuilt
+from meshkit.engine.context import EngineContext
+from meshkit.engine.delegation import Attribute, Verb
 from meshkit.engine.engine import Engine
 from meshkit.runtime import collectives
-from meshkit.training.accumulation import PreparedScheduler
+from meshkit.runtime.mesh import ParallelMesh
+from meshkit.training.accumulation import GradientState, PreparedScheduler
 from meshkit.training.precision import make_grad_scaler
 
 _ACCELERATE_NAMES = frozenset((accelerate_arguments.__kwdefaults__ or {}).keys())
 
 
-class Accelerator(Engine):
-    """`Engine` built from Accelerate's constructor arguments, answering with Accelerate's semantics."""
+class Accelerator:
+    """Accelerate's `Accelerator` over a meshkit `Engine` (`accelerator.engine`): Accelerate's constructor arguments,
+    members and meanings. meshkit's own verbs are the engine's (`accelerator.engine.train_step(batch)`)."""
+
+    # ------------------------------------------------------------------ the Engine's, where Accelerate means the same
+    process_index = Attribute[int]("engine", Engine)
+    num_processes = Attribute[int]("engine", Engine)
+    is_main_process = Attribute[bool]("engine", Engine)
+    is_local_main_process = Attribute[bool]("engine", Engine)
+    sync_gradients = Attribute[bool]("engine", Engine)
+    gradient_state = Attribute[GradientState]("engine", Engine)
+    scaler = Attribute[Any]("engine", Engine)
+    gather = Verb("engine", Engine.gather)
+    wait_for_everyone = Verb("engine", Engine.wait_for_everyone)
+    main_process_first = Verb("engine", Engine.main_process_first)
+    print = Verb("engine", Engine.print)
+    accumulate = Verb("engine", Engine.accumulate)
+    clip_grad_norm_ = Verb("engine", Engine.clip_grad_norm_)
+    register_for_checkpointing = Verb("engine", Engine.register_for_checkpointing)
+    # ------------------------------------------------------------------ Accelerate's own (verbs.py, loop_verbs.py)
+    local_process_index = Attribute[int]("accelerate_verbs", AccelerateVerbs)
+    is_last_process = Attribute[bool]("accelerate_verbs", AccelerateVerbs)
+    mixed_precision = Attribute[str]("accelerate_verbs", AccelerateVerbs)
+    on_main_process = Verb("accelerate_verbs", AccelerateVerbs.on_main_process)
+    on_local_main_process = Verb("accelerate_verbs", AccelerateVerbs.on_local_main_process)
+    on_last_process = Verb("accelerate_verbs", AccelerateVerbs.on_last_process)
+    on_process = Verb("accelerate_verbs", AccelerateVerbs.on_process)
+    split_between_processes = Verb("accelerate_verbs", AccelerateVerbs.split_between_processes)
+    skip_first_batches = Verb("accelerate_verbs", AccelerateVerbs.skip_first_batches)
+    init_trackers = Verb("accelerate_verbs", AccelerateVerbs.init_trackers)
+    use_distributed = Attribute[bool]("accelerate_loop_verbs", AccelerateLoopVerbs)
+    pad_across_processes = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.pad_across_processes)
+    local_main_process_first = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.local_main_process_first)
+    on_local_process = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.on_local_process)
+    set_trigger = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.set_trigger)
+    check_trigger = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.check_trigger)
 
     def __init__(self, config: Any = None, **kwargs: Any) -> None:
         code, self._settings = accelerate_arguments(**{k: v for k, v in kwargs.items() if k in _ACCELERATE_NAMES})
-        super().__init__(config, **code, **{k: v for k, v in kwargs.items() if k not in _ACCELERATE_NAMES})
+        self.engine = Engine(config, **code, **{k: v for k, v in kwargs.items() if k not in _ACCELERATE_NAMES})
+        self.accelerate_verbs = AccelerateVerbs(self.ctx)
+        self.accelerate_loop_verbs = AccelerateLoopVerbs(
+            self.ctx, self.prepare, self.engine.processes, self.engine.weights, self.accelerate_verbs
+        )
         plugin = self._settings.gradient_accumulation_plugin
         self.ctx.gradient_state.sync_with_dataloader = getattr(plugin, "sync_with_dataloader", True)
         scaler = self._settings.scaler_handler
@@ -65,7 +110,44 @@ class Accelerator(Engine):
         """One line on the main process, once per run: a setting that changes nothing here."""
         if line not in self._said:
             self._said.add(line)
-            self._say_once(f"meshkit: {line}")
+            if self.is_main_process:
+                print(f"meshkit: {line}", flush=True)
+
+    # ------------------------------------------------------------------ the engine underneath
+    @property
+    def ctx(self) -> EngineContext:
+        """The engine's shared context (what Accelerate's verbs read)."""
+        return self.engine.ctx
+
+    @property
+    def config(self) -> RunConfig:
+        return self.engine.config
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        return self.engine.mesh
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def zero_stage(self) -> int:
+        return self.engine.zero_stage
+
+    @property
+    def dp_size(self) -> int:
+        return self.engine.dp_size
+
+    def end(self, *, wait_for_peers: bool = True) -> None:
+        """The engine's `end()`: trackers close and the process group ends (safe to call twice)."""
+        self.engine.end(wait_for_peers=wait_for_peers)
+
+    def __enter__(self) -> Accelerator:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.engine.__exit__(exc_type, *exc)
 
     # ------------------------------------------------------------------ what kind of run
     @property
@@ -200,7 +282,7 @@ class Accelerator(Engine):
         """As Accelerate's: with `split_batches` a loader's batch is the global one (divided over the processes);
         a scheduler steps once per process at each optimizer step (unless split_batches), as Accelerate's does."""
         objects = tuple(self._split(obj) if isinstance(obj, DataLoader) else obj for obj in args)
-        prepared = super().prepare(*objects, loss_fn=loss_fn)
+        prepared = self.engine.prepare(*objects, loss_fn=loss_fn)
         steps = 1 if self.split_batches else self.dp_size
         for scheduler in self.ctx.objects.schedulers:
             if isinstance(scheduler, PreparedScheduler):
@@ -235,7 +317,7 @@ class Accelerator(Engine):
 
     # ------------------------------------------------------------------ the step
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        super().backward(loss, **kwargs)
+        self.engine.backward(loss, **kwargs)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Backward inside the block accumulates gradients locally, without reducing them."""
@@ -255,11 +337,11 @@ class Accelerator(Engine):
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Under fp16, divide the gradients by the loss scale now (clip_grad_* and step do not do it twice)."""
         chosen = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else None
-        self._gradients.unscale_gradients(None if chosen is None else list(chosen))
+        self.engine._gradients.unscale_gradients(None if chosen is None else list(chosen))
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Clamp every prepared model's gradients to ±clip_value (any layout: the clamp is elementwise)."""
-        self._gradients.clip_grad_value_(float(clip_value))
+        self.engine._gradients.clip_grad_value_(float(clip_value))
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
         raise AcceleratorError(
@@ -271,7 +353,7 @@ class Accelerator(Engine):
 
     def free_memory(self, *objects: Any) -> list[None]:
         self.step = 0
-        return super().free_memory(*objects)
+        return self.accelerate_verbs.free_memory(*objects)
 
     def clear(self, *objects: Any) -> list[None]:
         return self.free_memory(*objects)
@@ -290,15 +372,15 @@ class Accelerator(Engine):
         return collectives.reduce(tensor, self.ctx.placement.metric_group, op=op)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        return super().gather_for_metrics(input_data)
+        return self.engine.gather_for_metrics(input_data)
 
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:  # type: ignore[override]  # Accelerate's signature
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
         if log_kwargs:
             self._notice("log(log_kwargs=...): meshkit's trackers take the values and the step only")
-        super().log(values, self.ctx.objects.step if step is None else step)
+        self.engine.log(values, self.ctx.objects.step if step is None else step)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        tracker = super().get_tracker(name)
+        tracker = self.accelerate_verbs.get_tracker(name)
         if not unwrap or tracker is None:
             return tracker
         return getattr(tracker, "run", None) or getattr(tracker, "writer", None) or tracker
@@ -308,7 +390,7 @@ class Accelerator(Engine):
         handler = autocast_handler or self.autocast_handler
         if handler is not None and not getattr(handler, "enabled", True):
             return torch.autocast(self.device.type, enabled=False)
-        return super().autocast()
+        return self.accelerate_loop_verbs.autocast()
 
     def profile(self, profile_handler: Any = None) -> contextlib.AbstractContextManager[Any]:
         """torch.profiler around the block, set by ProfileKwargs; with output_trace_dir each process writes
@@ -336,11 +418,11 @@ class Accelerator(Engine):
     def unwrap_model(
         self, model: nn.Module | None = None, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
     ):
-        return super().unwrap_model(model)
+        return self.engine.unwrap_model(model)
 
     def get_state_dict(self, model: nn.Module | None = None, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Full weights under the user's names (collective under sharding: every rank calls it)."""
-        return self.full_state_dict(model if model in self.ctx.objects.models else None)
+        return self.engine.full_state_dict(model if model in self.ctx.objects.models else None)
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
         """Write `obj` on the main process (each node's with ProjectConfiguration(save_on_each_node=True)):
@@ -349,7 +431,7 @@ class Accelerator(Engine):
         if self.is_local_main_process if per_node else self.is_main_process:
             saving.save_object(obj, f, safe_serialization)
 
-    def save_model(  # type: ignore[override]  # Accelerate's signature
+    def save_model(
         self,
         model: nn.Module,
         save_directory: str | Any,
@@ -362,7 +444,7 @@ class Accelerator(Engine):
         if not safe_serialization:
             self._notice("save_model(safe_serialization=False): weights are written as safetensors")
         prepared = model if model in self.ctx.objects.models else None
-        super().save_model(save_directory, model=prepared, max_shard_size=max_shard_size)
+        self.engine.save_model(save_directory, model=prepared, max_shard_size=max_shard_size)
 
     def register_save_state_pre_hook(self, hook: Any) -> Any:
         """`hook(models, weights, output_dir)` runs at each save_state; files it writes into output_dir are kept
@@ -373,16 +455,16 @@ class Accelerator(Engine):
         """`hook(models, input_dir)` runs at each load_state, before the state is read."""
         return self._hooks.register(self._hooks.load, hook)
 
-    def save_state(self, output_dir: Any = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> str:  # type: ignore[override]  # Accelerate's signature
+    def save_state(self, output_dir: Any = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> str:
         """Accelerate's save_state: into `output_dir`, or (automatic naming) `project_dir/checkpoints/checkpoint_<n>`;
         a directory holding an earlier state is written over, as with Accelerate (atomically here)."""
-        return saving.save_state(self, super().save_state, output_dir, self._hooks)
+        return saving.save_state(self, self.engine.save_state, output_dir, self._hooks)
 
-    def load_state(  # type: ignore[override]  # Accelerate's signature
+    def load_state(
         self, input_dir: Any = None, load_kwargs: Any = None, **load_model_func_kwargs: Any
     ) -> dict[str, Any]:
         """Accelerate's load_state: from `input_dir`, or (automatic naming) the newest checkpoint_<n>."""
-        return saving.load_state(self, super().load_state, input_dir, self._hooks)
+        return saving.load_state(self, self.engine.load_state, input_dir, self._hooks)
 
 
 _EVEN = (

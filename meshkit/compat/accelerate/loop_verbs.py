@@ -1,5 +1,5 @@
-"""More of Accelerate's verbs on `Engine` (its `accelerate_loop_verbs` component), for loops written against
-`Accelerator`:
+"""More of Accelerate's verbs of `meshkit.Accelerator` (its `accelerate_loop_verbs` component), for loops written
+against `accelerate.Accelerator`:
 the `prepare_*` forms, `get_state_dict`, `pad_across_processes`, `local_main_process_first`, `on_local_process`,
 `set_trigger` / `check_trigger`, `clear`, `gradient_accumulation_steps`, `use_distributed`, `autocast`.
 """
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshkit.compat.accelerate.verbs import AccelerateVerbs
 from meshkit.core.tree import map_tensors
-from meshkit.engine.accelerate.verbs import AccelerateVerbs
 from meshkit.engine.context import EngineComponent, EngineContext
 from meshkit.engine.processes import Processes
 from meshkit.engine.weights import Weights

@@ -1,5 +1,5 @@
-"""Accelerate's verbs on `Engine` where they mean the same (its `accelerate_verbs` component), so a loop written against
-`accelerate.Accelerator` runs with its calls unchanged: process facts, per-process decorators,
+"""Accelerate's verbs of `meshkit.Accelerator` (its `accelerate_verbs` component, over the Engine's context), so a
+loop written against `accelerate.Accelerator` runs with its calls unchanged: process facts, per-process decorators,
 `split_between_processes`, `skip_first_batches`, `init_trackers`, `end_training`, `get_tracker`, `free_memory`
 (`register_for_checkpointing` lives with the checkpoint verbs).
 """
@@ -61,7 +61,7 @@ class AccelerateVerbs(EngineComponent):
         return self.only_where(self.is_last_process, function)
 
     def on_process(self, function: F | None = None, process_index: int = 0) -> Any:
-        """Decorator: the function runs on process `process_index` only (`@engine.on_process(process_index=1)`)."""
+        """Decorator: the function runs on process `process_index` only (`@accelerator.on_process(process_index=1)`)."""
         if function is None:
             return functools.partial(self.on_process, process_index=process_index)
         return self.only_where(self.ctx.info.rank == process_index, function)
@@ -80,8 +80,8 @@ class AccelerateVerbs(EngineComponent):
         position: calling both for the same batch does not skip twice.)"""
         if not isinstance(dataloader, ShardedLoader):
             raise MeshkitError(
-                f"skip_first_batches takes a DataLoader returned by engine.prepare(), not a {type(dataloader).__name__}"
-                ": prepare it first"
+                "skip_first_batches takes a DataLoader returned by accelerator.prepare(), not a "
+                f"{type(dataloader).__name__}: prepare it first"
             )
         if num_batches < 0:
             raise MeshkitError(f"skip_first_batches: num_batches is {num_batches}; give a count of 0 or more")
@@ -102,10 +102,7 @@ class AccelerateVerbs(EngineComponent):
         config: Mapping[str, Any] | None = None,
         init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
-        """Start the run's trackers (`logging.trackers`) with a project name (the wandb project), your run
-        configuration (wandb config, TensorBoard hparams, `hparams.json` beside `metrics.jsonl`) and keyword
-        arguments per tracker (`{"wandb": {"tags": [...]}}` for `wandb.init`, `{"tensorboard": {...}}` for
-        `SummaryWriter`). Optional: without it the trackers start at the first `log()`."""
+        """Accelerate's name of the Engine's `start_trackers`."""
         self.ctx.trackers.start(TrackerStart(project_name, dict(config or {}), dict(init_kwargs or {})))
 
     def get_tracker(self, name: str) -> Any:
@@ -119,7 +116,7 @@ class AccelerateVerbs(EngineComponent):
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop the engine's references to its prepared objects, collect garbage and empty the device cache;
-        returns one None per object passed (`model, optimizer = engine.free_memory(model, optimizer)`)."""
+        returns one None per object passed (`model, optimizer = accelerator.free_memory(model, optimizer)`)."""
         self.ctx.objects.forget()
         gc.collect()
         if torch.cuda.is_available():

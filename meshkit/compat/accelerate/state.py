@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from meshkit.engine.accelerate.handlers import DistributedType, ParallelismConfig
+from meshkit.compat.accelerate.handlers import DistributedType, ParallelismConfig
 
-Accelerator = Any  # (meshkit.engine.accelerate.accelerator.Accelerator, which imports this module)
+Accelerator = Any  # (meshkit.compat.accelerate.accelerator.Accelerator, which imports this module)
 
 _MULTI = {
     "cuda": DistributedType.MULTI_GPU,
