@@ -26,7 +26,6 @@ from meshkit.engine.layout_auto import optimizer_step
 from meshkit.engine.where_it_runs import where_words
 from meshkit.launching.cluster import cluster_settings
 from meshkit.models.gpt import GPT, lm_loss
-from meshkit.planning.layout_probe import Candidate, choose, one_process_group, print_probe_table
 from meshkit.recipes.loop import LoopPlan, MeanStepLoss, run_steps, write_summary
 from meshkit.recipes.report import print_summary
 from meshkit.runtime import collectives
@@ -62,25 +61,15 @@ def warmup_cosine(warmup: int, total: int) -> Any:
 
 
 def train(resolved: ResolvedConfig) -> dict[str, Any]:
-    """Run the recipe; returns the summary (also written to summary.json on the main process)."""
-    if resolved.config.layout == "auto":
-        return _train_in_probed_layout(resolved)
+    """Run the recipe; returns the summary (also written to summary.json on the main process). Under `layout: auto`
+    the Engine's `prepare` tries the planner's top layouts on the recipe's objects, then trains in the fastest."""
     with Engine(resolved) as engine:
         return _train(engine)
 
 
-def _train_in_probed_layout(resolved: ResolvedConfig) -> dict[str, Any]:
-    """`layout: auto`: try the planner's top layouts here, then train in the fastest, in the same processes."""
-    with one_process_group(resolved.config) as info:
-        chosen, probed = choose(resolved, probe_step, Engine)
-        if info.rank == 0:
-            print_probe_table(probed)
-        with Engine(chosen) as engine:
-            return _train(engine, probed)
-
-
 def probe_step(engine: Engine) -> Any:
-    """A layout probe's step: the recipe's model, optimizer and data on `engine`, one optimizer step per call."""
+    """A layout probe's step (`meshkit plan --probe`): the recipe's objects on `engine`, one optimizer step per
+    call."""
     _model, _optimizer, loader, _scheduler = _prepared(engine)
     return optimizer_step(engine, endless(loader))
 
@@ -108,9 +97,9 @@ def _prepared(engine: Engine) -> tuple[Any, Any, Any, Any]:
     return engine.prepare(model, optimizer, loader, scheduler, loss_fn=lm_loss)
 
 
-def _train(engine: Engine, probed: list[Candidate] | None = None) -> dict[str, Any]:
-    cfg = engine.config
+def _train(engine: Engine) -> dict[str, Any]:
     _model, _optimizer, loader, scheduler = _prepared(engine)
+    cfg = engine.config  # (after prepare: under layout: auto, the chosen layout's)
     if not engine.is_worker:
         return {}  # a parameter server: its prepare() served until every worker had finished
     # A parameter-server run reports from its first worker, without collectives over the servers; async
@@ -142,8 +131,8 @@ def _train(engine: Engine, probed: list[Candidate] | None = None) -> dict[str, A
         "activation_offload": cfg.activation_offload,
         "activations": every_rank(record.activations),  # first micro-step, per rank
     }
-    if probed is not None:
-        summary["layout_probe"] = {"chosen": layout, "candidates": [c.row() for c in probed]}
+    if engine.layout_probe is not None:
+        summary["layout_probe"] = {"chosen": layout, "candidates": [c.row() for c in engine.layout_probe]}
     if engine.is_main_worker:
         plot = write_summary(engine, summary, record.losses)
         print_summary(summary, Path(cfg.logging.dir), plot)
