@@ -289,7 +289,10 @@ class FinetuneSettings(SchemeSettings, LigerSettings):
         return value
 
     @model_validator(mode="after")
-    def _one_way_each(self) -> FinetuneSettings:
+    def _settings_agree(self) -> FinetuneSettings:
+        """Refuse keys that exclude one another (two quantizations, evaluation by steps and per epoch, streams with
+        preference data, ...) or that need another (quantization without an adapter, `lora_model_dir` without
+        one): each pair in one line naming the keys and which to keep."""
         if self.eval_steps is not None and self.evals_per_epoch is not None:
             raise ValueError("set eval_steps or evals_per_epoch, not both")
         if self.load_in_8bit and (self.load_in_4bit or self.adapter == "qlora"):
