@@ -3,10 +3,9 @@ step time, with tokens/s, MFU and reasons.
 
 Every combination of tp (within a node, dividing the heads), pp (dividing the layers; 1 or more model chunks
 per rank), cp, ep (a mixture of experts: dividing its experts and dp·cp; ZeRO-0 or 3), ZeRO stage, activation
-checkpointing and offload is costed with `estimate_memory`; those that
-fit in the GPU's memory (with 10 % headroom) are ranked by `perf_model.predict`: compute, recomputation,
-pipeline bubble, exposed communication per collective and link class, optimizer and offload time. The device
-and its links come from a preset (`--gpu`), a measured profile (`--profile`) or the link flags.
+checkpointing and offload is costed with `estimate_memory`; those that fit in the GPU's memory (with 10 % headroom)
+are ranked by `perf_model.predict`: compute, recomputation, pipeline bubble, exposed communication per collective
+and link class, optimizer and offload time. Device and links: a preset (`--gpu`), a profile, or the link flags.
 """
 
 from __future__ import annotations

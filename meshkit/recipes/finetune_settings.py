@@ -290,9 +290,8 @@ class FinetuneSettings(SchemeSettings, LigerSettings):
 
     @model_validator(mode="after")
     def _settings_agree(self) -> FinetuneSettings:
-        """Refuse keys that exclude one another (two quantizations, evaluation by steps and per epoch, streams with
-        preference data, ...) or that need another (quantization without an adapter, `lora_model_dir` without
-        one): each pair in one line naming the keys and which to keep."""
+        """Refuse keys that exclude one another (two quantizations, streams with preference data, ...) or that need
+        another (quantization or `lora_model_dir` without an adapter), in one line naming the keys to keep."""
         if self.eval_steps is not None and self.evals_per_epoch is not None:
             raise ValueError("set eval_steps or evals_per_epoch, not both")
         if self.load_in_8bit and (self.load_in_4bit or self.adapter == "qlora"):

@@ -14,7 +14,7 @@ Arguments are read as `accelerate_arguments` says (arguments.py); the run facts 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,6 @@ class Accelerator(AcceleratorFacts):
     on_process = Verb("accelerate_verbs", AccelerateVerbs.on_process)
     split_between_processes = Verb("accelerate_verbs", AccelerateVerbs.split_between_processes)
     skip_first_batches = Verb("accelerate_verbs", AccelerateVerbs.skip_first_batches)
-    init_trackers = Verb("accelerate_verbs", AccelerateVerbs.init_trackers)
     use_distributed = Attribute[bool]("accelerate_loop_verbs", AccelerateLoopVerbs)
     pad_across_processes = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.pad_across_processes)
     local_main_process_first = Verb("accelerate_loop_verbs", AccelerateLoopVerbs.local_main_process_first)
@@ -103,6 +102,15 @@ class Accelerator(AcceleratorFacts):
         for line in self._settings.notices:
             self._notice(line)
         share_process_facts(self)  # (accelerate.logging's logger reads Accelerate's own state)
+
+    def init_trackers(
+        self,
+        project_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Accelerate's name of the Engine's `start_trackers`."""
+        self.engine.start_trackers(project_name, config, init_kwargs)
 
     def _notice(self, line: str) -> None:
         """One line on the main process, once per run: a setting that changes nothing here."""

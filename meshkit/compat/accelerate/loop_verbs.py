@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,15 +89,9 @@ class AccelerateLoopVerbs(EngineComponent):
         return map_tensors(pad, data)
 
     # ------------------------------------------------------------------ per-process order
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """Each node's first process runs the block first (a per-node cache), then the node's others."""
-        local_main = self.ctx.info.local_rank == 0
-        if not local_main:
-            self._processes.wait_for_everyone()
-        yield
-        if local_main:
-            self._processes.wait_for_everyone()
+        return self._processes.main_process_first(per_node=True)
 
     def on_local_process(self, function: Any = None, local_process_index: int = 0) -> Any:
         """Decorator: the function runs on each node's process `local_process_index` only."""

@@ -1,6 +1,6 @@
 """Accelerate's verbs of `meshkit.Accelerator` (its `accelerate_verbs` component, over the Engine's context), so a
 loop written against `accelerate.Accelerator` runs with its calls unchanged: process facts, per-process decorators,
-`split_between_processes`, `skip_first_batches`, `init_trackers`, `end_training`, `get_tracker`, `free_memory`
+`split_between_processes`, `skip_first_batches`, `end_training`, `get_tracker`, `free_memory`
 (`register_for_checkpointing` lives with the checkpoint verbs).
 """
 
@@ -18,7 +18,6 @@ import torch
 from meshkit.core.errors import MeshkitError
 from meshkit.data.loader import ShardedLoader
 from meshkit.engine.context import EngineComponent
-from meshkit.runtime.tracking import TrackerStart
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -95,15 +94,6 @@ class AccelerateVerbs(EngineComponent):
         if self.ctx.placement.ps is not None:
             self.ctx.placement.ps.finish()
         self.ctx.trackers.close()
-
-    def init_trackers(
-        self,
-        project_name: str | None = None,
-        config: Mapping[str, Any] | None = None,
-        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
-    ) -> None:
-        """Accelerate's name of the Engine's `start_trackers`."""
-        self.ctx.trackers.start(TrackerStart(project_name, dict(config or {}), dict(init_kwargs or {})))
 
     def get_tracker(self, name: str) -> Any:
         """The tracker named `name` (`jsonl`, `tensorboard`, `wandb`) on the reporting rank; None elsewhere or when
