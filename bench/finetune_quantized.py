@@ -54,7 +54,7 @@ def build(base_dir: Path, row: str) -> tuple[torch.nn.Module, torch.optim.Optimi
     from transformers import AutoModelForCausalLM
 
     from meshkit.recipes.finetune_settings import FinetuneSettings
-    from meshkit.recipes.optimizers import build_optimizer, trainable_groups
+    from meshkit.training.optimizers import build_optimizer, trainable_groups
     from meshkit.recipes.quantized_base import load_quantized_base
 
     kind, adapter, optimizer_name, _ = ROWS[row]

@@ -151,7 +151,7 @@ def _optimizer_kind(name: str) -> str:
 def _adapter_parameters(job: Any) -> float:
     """Parameters the adapters train: the recipe's own LoRA applied to the model built on the meta device."""
     from meshkit.recipes.hf_base import build_meta_model
-    from meshkit.recipes.lora import apply_lora
+    from meshkit.tuning.lora import apply_lora
 
     model = apply_lora(build_meta_model(job.settings), job.settings)
     return float(sum(param.numel() for param in model.parameters() if param.requires_grad))

@@ -39,15 +39,15 @@ from meshkit.recipes.finetune_setup import (
 from meshkit.recipes.hf_base import generate_samples, prompt_ids, replace_directory, weights_file, write_tokenizer
 from meshkit.recipes.instruction_data import prepare_data
 from meshkit.recipes.loop import LoopPlan, LoopRecord, run_steps, write_summary
-from meshkit.recipes.lora import AdapterExport, continued_weights, save_adapter
 from meshkit.recipes.preference_run import train_preference
 from meshkit.recipes.report import print_summary
-from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 from meshkit.recipes.streaming_data import prepare_stream
-from meshkit.recipes.untrained_tokens import fix_untrained_tokens
 from meshkit.recipes.validation import WindowLoss, eval_batches, evaluate
 from meshkit.runtime import collectives
 from meshkit.training.loss import IGNORE_INDEX
+from meshkit.training.stopping import EarlyStopping, LossWatchdog
+from meshkit.tuning.lora import AdapterExport, continued_weights, save_adapter
+from meshkit.tuning.untrained_tokens import fix_untrained_tokens
 
 __all__ = ["FinetuneError", "check_layout", "finetune", "main"]
 

@@ -10,17 +10,19 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from meshkit.data.dataset_entry import is_preference_type, is_stepwise_type
 from meshkit.data.formats import DatasetEntry
-from meshkit.recipes.liger import LigerSettings
-from meshkit.recipes.lora_init import LoraInitError, changes_base, lora_init_mode
-from meshkit.recipes.optimizers import OPTIMIZERS
-from meshkit.recipes.qat import QATSettings
-from meshkit.recipes.schedules import SCHEDULERS
-from meshkit.recipes.scheme_settings import SchemeSettings
-from meshkit.recipes.settings_blocks import LrGroup, PeftBlock
+from meshkit.training.optimizers import OPTIMIZERS, LrGroup
+from meshkit.training.schedules import SCHEDULERS
+from meshkit.training.token_weights import EaftSettings
+from meshkit.tuning.liger import LigerSettings
+from meshkit.tuning.lisa import LisaSettings
+from meshkit.tuning.lora_init import LoraInitError, PeftBlock, changes_base, lora_init_mode
+from meshkit.tuning.qat import QATSettings
+from meshkit.tuning.relora import ReloraSettings
 
 
-class FinetuneSettings(SchemeSettings, LigerSettings):
-    """The recipe's own keys (Axolotl names); LISA, ReLoRA and jagged restarts' in `SchemeSettings`."""
+class FinetuneSettings(LisaSettings, ReloraSettings, EaftSettings, LigerSettings):
+    """The recipe's own keys (Axolotl names); each scheme's keys beside the scheme (LISA, ReLoRA with its jagged
+    restarts, EAFT, Liger)."""
 
     # model and tokenizer
     base_model: Path = Field(description="directory in save_pretrained layout: config.json, safetensors, tokenizer")
@@ -373,6 +375,14 @@ class FinetuneSettings(SchemeSettings, LigerSettings):
             )
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("chat_template: jinja needs chat_template_jinja (the template, or a file holding it)")
+        return self
+
+    @model_validator(mode="after")
+    def _restarts_fit_the_schedule(self) -> FinetuneSettings:
+        """Jagged restarts scale a schedule step by step, which one_cycle is not."""
+        if self.jagged_restart_steps and self.lr_scheduler == "one_cycle":
+            raise ValueError("jagged_restart_steps scales the schedule step by step; one_cycle is not such a "
+                             "schedule (as in Axolotl): choose another lr_scheduler")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -31,16 +31,16 @@ from meshkit.recipes.hf_base import (
     loaded_as_note,
     weights_file,
 )
-from meshkit.recipes.liger import apply_liger_kernels, liger_asked
-from meshkit.recipes.lora import AdapterExport, apply_lora, bank_dropout_note, old_names_note
-from meshkit.recipes.lora_init import InitialAdapters, PlannedLayer, changes_base, initialise, plan
-from meshkit.recipes.muon import split_for_muon
-from meshkit.recipes.optimizers import axolotl_groups, build_optimizer, trainable_groups
-from meshkit.recipes.optimizers import check_layout as check_optimizer_layout
-from meshkit.recipes.qat import prepare_for_qat
 from meshkit.recipes.quantized_base import INT8_CAST_NOTE, load_quantized_base
 from meshkit.recipes.quantized_base import check_layout as check_quantized_layout
-from meshkit.recipes.schedules import build_schedule, jagged_restarts, warmup_steps
+from meshkit.training.muon import split_for_muon
+from meshkit.training.optimizers import axolotl_groups, build_optimizer, trainable_groups
+from meshkit.training.optimizers import check_layout as check_optimizer_layout
+from meshkit.training.schedules import build_schedule, jagged_restarts, warmup_steps
+from meshkit.tuning.liger import apply_liger_kernels, liger_asked
+from meshkit.tuning.lora import AdapterExport, apply_lora, bank_dropout_note, old_names_note
+from meshkit.tuning.lora_init import InitialAdapters, PlannedLayer, changes_base, initialise, plan
+from meshkit.tuning.qat import prepare_for_qat
 
 
 class FinetuneError(MeshkitError):
@@ -166,7 +166,7 @@ def adapt(job: FinetuneJob, base: torch.nn.Module, tokenizer: Any, attention: st
 
 
 def start_adapters(engine: Engine, job: FinetuneJob, built: FinetuneModel) -> None:
-    """After `engine.prepare`: LoRA's initialisation when it is not peft's default (`meshkit.recipes.lora_init`)."""
+    """After `engine.prepare`: LoRA's initialisation when it is not peft's default (`meshkit.tuning.lora_init`)."""
     s = job.settings
     if not built.init_layers or built.peft_model is None or s.lora_init is None:
         return

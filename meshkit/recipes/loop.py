@@ -23,8 +23,8 @@ from meshkit.engine.engine import Engine
 from meshkit.engine.what_ran import one_line, what_ran
 from meshkit.engine.where_it_runs import where_it_runs
 from meshkit.recipes.report import TrainingProgress, plot_losses
-from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 from meshkit.runtime.memory import peak_rss_bytes
+from meshkit.training.stopping import EarlyStopping, LossWatchdog
 
 
 class StepLoss(Protocol):

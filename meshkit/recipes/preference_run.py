@@ -37,12 +37,12 @@ from meshkit.recipes.preference import (
 )
 from meshkit.recipes.preference_data import eval_batches, precompute_reference, prepare_preference_data
 from meshkit.recipes.process_reward import StepObjective
-from meshkit.recipes.qat import fake_quant_switch
 from meshkit.recipes.report import print_summary
 from meshkit.recipes.reward import RewardObjective
-from meshkit.recipes.stopping import EarlyStopping, LossWatchdog
 from meshkit.runtime import collectives
 from meshkit.training.preference import BradleyTerry
+from meshkit.training.stopping import EarlyStopping, LossWatchdog
+from meshkit.tuning.qat import fake_quant_switch
 
 SHOWN = (
     "rewards/accuracies",

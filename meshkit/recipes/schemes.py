@@ -9,12 +9,12 @@ from typing import Any
 from torch import nn
 
 from meshkit.engine.engine import Engine
-from meshkit.recipes import relora
-from meshkit.recipes.lisa import LayerSampling
 from meshkit.recipes.loop import chained_hooks
-from meshkit.recipes.qat import fake_quant_switch
-from meshkit.recipes.scheme_settings import PruneMethod
 from meshkit.training.token_weights import entropy_weights
+from meshkit.tuning import relora
+from meshkit.tuning.lisa import LayerSampling
+from meshkit.tuning.qat import fake_quant_switch
+from meshkit.tuning.relora import PruneMethod
 
 
 def refusal(zero: int, tp: int, settings: Any) -> str | None:

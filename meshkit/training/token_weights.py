@@ -10,9 +10,19 @@ exactly the top `k` of the whole vocabulary.
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 from torch.distributed.tensor import DTensor
 
+from meshkit.config.section import Section
 from meshkit.training.loss import TokenWeights
+
+
+class EaftSettings(Section):
+    """EAFT's keys (Axolotl's names)."""
+
+    use_eaft: bool = Field(False, description="EAFT: each token's loss weighted by its top-k entropy ** alpha")
+    eaft_alpha: float = Field(1.0, ge=0, description="EAFT: the entropy's exponent")
+    eaft_k: int = Field(20, ge=1, description="EAFT: the top logits the entropy is taken over")
 
 
 def top_logits(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -270,7 +270,7 @@ def test_full_fine_tunes_from_deepspeed_and_fsdp_keys_equal_one_process(tmp_path
 def test_rslora_and_layers_to_transform_reach_peft(tmp_path, material) -> None:
     from transformers import AutoModelForCausalLM
 
-    from meshkit.recipes.lora import apply_lora
+    from meshkit.tuning.lora import apply_lora
 
     keys = axolotl_lora(material, tmp_path, peft_use_rslora=True, peft_layers_to_transform=[1], lora_target_linear=None,
                         lora_target_modules=["q_proj"])  # fmt: skip

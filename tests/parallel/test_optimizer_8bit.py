@@ -91,7 +91,7 @@ def test_zero3_and_tp_step_8bit_adamw_on_local_shards_and_zero3_resumes_and_resh
 
 
 def test_only_zero12_chunks_of_tp_shards_are_refused() -> None:
-    from meshkit.recipes.optimizers import OptimizerError, check_layout
+    from meshkit.training.optimizers import OptimizerError, check_layout
 
     for zero_stage, tp in ((0, 1), (2, 1), (3, 1), (3, 2), (0, 2)):
         check_layout("adamw_8bit", zero_stage, tp)

@@ -13,8 +13,8 @@ import torch
 if not hasattr(torch.optim, "Muon"):
     pytest.skip("torch.optim.Muon needs torch >= 2.9", allow_module_level=True)
 
-from meshkit.recipes.muon import MuonWithAdamW, split_for_muon  # noqa: E402
-from meshkit.recipes.optimizers import OptimizerError, check_layout  # noqa: E402
+from meshkit.training.muon import MuonWithAdamW, split_for_muon  # noqa: E402
+from meshkit.training.optimizers import OptimizerError, check_layout  # noqa: E402
 
 TIMEOUT = 240
 

@@ -15,7 +15,7 @@ pytest.importorskip("torchao", reason="the hf extra (torchao) is not installed")
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 from meshkit.checkpoint.optimizer_states import from_canonical, to_canonical  # noqa: E402
-from meshkit.recipes.optimizers import OPTIMIZERS, build_optimizer  # noqa: E402
+from meshkit.training.optimizers import OPTIMIZERS, build_optimizer  # noqa: E402
 from tests.helpers.distributed import run_world  # noqa: E402
 from tests.helpers.finetune_runs import run_finetune, write_config  # noqa: E402
 
@@ -78,7 +78,7 @@ def test_zero3_steps_4bit_adamw_on_local_shards_and_resumes_exactly(tmp_path, ma
 
 
 def test_zero12_chunks_of_tp_shards_are_refused_for_torchao_as_for_bitsandbytes() -> None:
-    from meshkit.recipes.optimizers import OptimizerError, check_layout
+    from meshkit.training.optimizers import OptimizerError, check_layout
 
     check_layout("adamw_torch_4bit", 3, 2)
     with pytest.raises(OptimizerError, match=r"adamw_torch_8bit \(torchao\) with zero_stage 1 and tp=2"):

@@ -91,7 +91,7 @@ def test_lora_target_linear_leaves_the_expert_banks_alone() -> None:
     refuses lora_dropout)."""
     from types import SimpleNamespace
 
-    from meshkit.recipes.lora import apply_lora
+    from meshkit.tuning.lora import apply_lora
     from tests.helpers.moe_models import moe_causal_lm
 
     model = moe_causal_lm("mixtral")
@@ -134,7 +134,7 @@ def test_projection_names_peft_moves_onto_expert_banks_train_with_dropout_on_the
 
     from peft.tuners.lora.layer import ParamWrapper
 
-    from meshkit.recipes.lora import apply_lora, bank_dropout_note
+    from meshkit.tuning.lora import apply_lora, bank_dropout_note
     from tests.helpers.moe_models import moe_causal_lm
 
     settings = SimpleNamespace(

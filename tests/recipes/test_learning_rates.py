@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
-from meshkit.recipes.optimizers import axolotl_groups  # noqa: E402
-from meshkit.recipes.schedules import build_schedule  # noqa: E402
+from meshkit.training.optimizers import axolotl_groups  # noqa: E402
+from meshkit.training.schedules import build_schedule  # noqa: E402
 from tests.helpers.distributed import run_world  # noqa: E402
 from tests.helpers.finetune_runs import run_finetune, write_config  # noqa: E402
 

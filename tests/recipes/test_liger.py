@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from meshkit.recipes.liger import LigerSettings, apply_liger_kernels
+from meshkit.tuning.liger import LigerSettings, apply_liger_kernels
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 from tests.helpers.hf_models import causal_lm  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
 
-from meshkit.recipes.lora import LoraSetupError, continued_config  # noqa: E402
+from meshkit.tuning.lora import LoraSetupError, continued_config  # noqa: E402
 from tests.helpers.distributed import run_world  # noqa: E402
 from tests.helpers.finetune_runs import lora_keys, run_finetune, write_config  # noqa: E402
 

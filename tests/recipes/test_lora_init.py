@@ -101,7 +101,7 @@ def test_other_starts_run_in_a_tensor_parallel_world_as_in_one_process(tmp_path,
 def test_loftq_adapters_take_up_part_of_the_quantization_error(bits: int) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
-    from meshkit.recipes.lora_init import _loftq
+    from meshkit.tuning.lora_init import _loftq
 
     torch.manual_seed(0)
     holder = torch.nn.Module()

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
 
 from meshkit.recipes.finetune_settings import FinetuneSettings  # noqa: E402
-from meshkit.recipes.lora import apply_lora  # noqa: E402
+from meshkit.tuning.lora import apply_lora  # noqa: E402
 
 
 def _settings(**keys) -> SimpleNamespace:

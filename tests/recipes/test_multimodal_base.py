@@ -13,7 +13,7 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 
 from meshkit.models.structure import describe  # noqa: E402
 from meshkit.recipes.hf_base import text_model_class  # noqa: E402
-from meshkit.recipes.lora import linear_targets  # noqa: E402
+from meshkit.tuning.lora import linear_targets  # noqa: E402
 from tests.helpers.distributed import run_world  # noqa: E402
 from tests.helpers.finetune_runs import run_finetune, write_config  # noqa: E402
 from tests.helpers.hf_models import causal_lm, config  # noqa: E402
@@ -158,7 +158,7 @@ def test_a_target_regex_written_for_transformers_4_names_finds_the_renamed_modul
 
     from transformers import VoxtralConfig, VoxtralForConditionalGeneration
 
-    from meshkit.recipes.lora import apply_lora, old_names_note
+    from meshkit.tuning.lora import apply_lora, old_names_note
 
     text = {
         "model_type": "llama",

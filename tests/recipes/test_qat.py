@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 pytest.importorskip("torchao", reason="the hf extra (torchao) is not installed")
 
-from meshkit.recipes.qat import QATError, QATSettings, prepare_for_qat  # noqa: E402
+from meshkit.tuning.qat import QATError, QATSettings, prepare_for_qat  # noqa: E402
 from tests.helpers.distributed import run_world  # noqa: E402
 from tests.helpers.finetune_runs import run_finetune, write_config  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from meshkit.engine.engine import Engine
-from meshkit.recipes.schedules import build_schedule, jagged_restarts
+from meshkit.training.schedules import build_schedule, jagged_restarts
 
 TIMEOUT = 240
 
@@ -79,7 +79,7 @@ def test_parameters_left_out_of_steps_move_as_if_frozen() -> None:
 
 def test_a_relora_restart_merges_restarts_and_prunes_without_changing_the_function() -> None:
     peft = pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
-    from meshkit.recipes.relora import AdapterRestarts
+    from meshkit.tuning.relora import AdapterRestarts
 
     torch.manual_seed(0)
     inner = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))

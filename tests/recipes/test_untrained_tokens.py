@@ -65,7 +65,7 @@ def test_untrained_rows_the_data_uses_start_at_the_scaled_mean_in_every_layout(t
 def test_the_plan_scales_by_frequency_and_takes_listed_tokens(tmp_path) -> None:
     from safetensors.torch import save_file
 
-    from meshkit.recipes.untrained_tokens import plan_fix, token_counts
+    from meshkit.tuning.untrained_tokens import plan_fix, token_counts
 
     embedding = torch.tensor([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0], [0.0, 0.0], [5.0, 6.0]])
     save_file({"embed.weight": embedding}, tmp_path / "model.safetensors")

@@ -2,7 +2,7 @@
 bitsandbytes' 8-bit optimizers, whose two Adam states take 1 byte per parameter each instead of 4 (blockwise
 quantised; tensors under 4096 elements keep 32-bit states, as bitsandbytes decides), and torchao's low-bit AdamW
 (`adamw_torch_8bit`, `adamw_torch_4bit`: ½ byte per state; `ao_adamw_fp8`), whose update is plain torch (compiled
-by torchao with torch.compile) and so runs on a CPU as on a GPU; `muon` (`meshkit.recipes.muon`: Muon for the
+by torchao with torch.compile) and so runs on a CPU as on a GPU; `muon` (`meshkit.training.muon`: Muon for the
 hidden matrices, AdamW for the rest).
 
 Paged optimizers page their states to host memory through CUDA unified memory; on a CPU there is nothing to page,
@@ -19,9 +19,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import Field
 
+from meshkit.config.section import Section
 from meshkit.core.errors import MeshkitError
-from meshkit.recipes.muon import MuonWithAdamW
+from meshkit.training.muon import MuonWithAdamW
+
+
+class LrGroup(Section):
+    """One entry of Axolotl's `lr_groups`."""
+
+    name: str = Field(description="the group's name")
+    modules: tuple[str, ...] = Field(description="parameter-name parts: matrices whose names hold one join the group")
+    lr: float = Field(gt=0, description="the group's learning rate")
 
 
 class OptimizerError(MeshkitError):

@@ -28,12 +28,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import Field
 from safetensors import safe_open
 from torch import nn
 
+from meshkit.config.section import Section
 from meshkit.core.errors import MeshkitError
 from meshkit.models.adapters import base_checkpoint_name
 from meshkit.parallel.materialize import safetensors_files
+
+
+class LoftQBits(Section):
+    loftq_bits: int = Field(4, description="bits of LoftQ's quantization of the base (peft's LoftQConfig)")
+
+
+class PeftBlock(Section):
+    """Axolotl's `peft:` block."""
+
+    loftq_config: LoftQBits | None = Field(
+        None, description="LoftQ: the base quantized, the adapters start from the error"
+    )
+
 
 RANDOM_INITS = ("gaussian", "orthogonal")  # the adapters only
 DECOMPOSITIONS = ("pissa", "olora", "loftq")  # the adapters and the base

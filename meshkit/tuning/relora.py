@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -27,7 +28,37 @@ from meshkit.core.errors import MeshkitError
 from meshkit.engine.engine import Engine
 from meshkit.models.quantized import quantized_kind
 from meshkit.parallel.compose import unwrap
-from meshkit.recipes.scheme_settings import PruneMethod
+from meshkit.training.schedules import JaggedRestartSettings
+
+PruneMethod = Literal["magnitude", "random", "reset"]
+FULL_RESET_RATIO = 0.999  # 'reset': nearly every optimizer state value zeroed (ReLoRA's paper)
+
+
+class ReloraSettings(JaggedRestartSettings):
+    """ReLoRA's keys (Axolotl's names); its restarts are the jagged learning-rate restarts'."""
+
+    relora: bool = Field(False, description="ReLoRA: adapters merged into the base and restarted every restart step")
+    relora_prune_ratio: float | None = Field(
+        None, ge=0, le=1, description="share of the adapters' optimizer state zeroed at a restart (0.9; reset 0.999)"
+    )
+    relora_prune_method: PruneMethod | None = Field(
+        None, description="magnitude (the smallest zeroed; default) | random | reset"
+    )
+
+    @model_validator(mode="after")
+    def _relora_has_restart_steps(self) -> ReloraSettings:
+        """ReLoRA restarts at `jagged_restart_steps`, so it needs them."""
+        if self.relora and not self.jagged_restart_steps:
+            raise ValueError("relora: true merges and restarts the adapters every jagged_restart_steps: set it")
+        return self
+
+    @property
+    def prune_ratio(self) -> float:
+        """The share of the adapters' optimizer state a ReLoRA restart zeroes (Axolotl's defaults)."""
+        if self.relora_prune_ratio is not None:
+            return self.relora_prune_ratio
+        return FULL_RESET_RATIO if self.relora_prune_method == "reset" else 0.9
+
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's, in checkpoint form (bitsandbytes' and torchao's low-bit ones too)
 

@@ -22,8 +22,8 @@ from meshkit.core.errors import MeshkitError
 from meshkit.core.io import write_atomically
 from meshkit.models.adapters import adapter_parameter_name, is_adapter_state
 from meshkit.models.structure import describe
-from meshkit.recipes.legacy_names import targets_by_old_names
-from meshkit.recipes.lora_init import InitialAdapters, converted_adapter
+from meshkit.tuning.legacy_names import targets_by_old_names
+from meshkit.tuning.lora_init import InitialAdapters, converted_adapter
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -12,6 +12,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from pydantic import Field, field_validator
+
+from meshkit.config.section import Section
+
+
+class JaggedRestartSettings(Section):
+    """Axolotl's jagged learning-rate restarts (`jagged_restarts`)."""
+
+    jagged_restart_steps: int | None = Field(None, ge=1, description="every how many steps the lr restarts")
+    jagged_restart_warmup_steps: int | None = Field(None, ge=1, description="warm-up steps after a restart (10)")
+    jagged_restart_anneal_steps: int | None = Field(None, ge=1, description="steps annealed before a restart (1)")
+
+    @field_validator("jagged_restart_warmup_steps", "jagged_restart_anneal_steps", mode="before")
+    @classmethod
+    def _off_means_the_default(cls, value: Any) -> Any:
+        """Axolotl reads `false` or 0 here as its default (10 warm-up steps, 1 annealing step)."""
+        return None if value in (False, 0) else value
+
 
 SCHEDULERS = (
     "linear",

@@ -14,13 +14,39 @@ The draw is seeded by the run's seed and the window's number, the same on every 
 from __future__ import annotations
 
 import torch
+from pydantic import Field, model_validator
 from torch import nn
 
+from meshkit.config.section import Section
 from meshkit.core.errors import MeshkitError
 from meshkit.engine.engine import Engine
 from meshkit.models.blocks import find_blocks
 from meshkit.models.structure import describe
 from meshkit.parallel.compose import unwrap
+
+
+class LisaSettings(Section):
+    """LISA's keys (Axolotl's names)."""
+
+    lisa_n_layers: int | None = Field(None, ge=1, description="LISA: blocks trained at a time (the rest frozen)")
+    lisa_step_interval: int | None = Field(None, ge=1, description="LISA: every how many steps new blocks are drawn")
+    lisa_layers_attribute: str | None = Field(
+        None, description="LISA: the block list's path (e.g. model.layers); null = the model's blocks"
+    )
+
+    @model_validator(mode="after")
+    def _lisa_keys_together(self) -> LisaSettings:
+        """LISA needs both how many blocks train and how often they change."""
+        if (self.lisa_n_layers is None) != (self.lisa_step_interval is None):
+            raise ValueError(
+                "LISA needs lisa_n_layers (blocks trained at a time) and lisa_step_interval (every how many steps "
+                "they change): set both, or neither"
+            )
+        return self
+
+    @property
+    def samples_layers(self) -> bool:
+        return self.lisa_n_layers is not None
 
 
 class LayerSamplingError(MeshkitError):
