@@ -54,8 +54,8 @@ def build(base_dir: Path, row: str) -> tuple[torch.nn.Module, torch.optim.Optimi
     from transformers import AutoModelForCausalLM
 
     from meshkit.recipes.finetune_settings import FinetuneSettings
-    from meshkit.training.optimizers import build_optimizer, trainable_groups
     from meshkit.recipes.quantized_base import load_quantized_base
+    from meshkit.training.optimizers import build_optimizer, trainable_groups
 
     kind, adapter, optimizer_name, _ = ROWS[row]
     if kind in ("8bit", "4bit"):
