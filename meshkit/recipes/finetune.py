@@ -17,8 +17,8 @@ from rich.table import Table
 
 from meshkit.config.layout import Layout
 from meshkit.config.schema import RunConfig
-from meshkit.data.formats import end_of_turn_ids
 from meshkit.engine.engine import Engine
+from meshkit.engine.what_ran import note_ran
 from meshkit.engine.where_it_runs import where_words
 from meshkit.parallel.pipeline.schedule import forward_only_refusal
 from meshkit.recipes import schemes
@@ -36,15 +36,13 @@ from meshkit.recipes.finetune_setup import (
     start_adapters,
     step_plan,
 )
-from meshkit.recipes.hf_base import generate_samples, prompt_ids, replace_directory, weights_file, write_tokenizer
-from meshkit.recipes.instruction_data import prepare_data
+from meshkit.recipes.hf_base import replace_directory, weights_file, write_tokenizer
 from meshkit.recipes.loop import LoopPlan, LoopRecord, run_steps, write_summary
-from meshkit.recipes.preference_run import train_preference
+from meshkit.recipes.preference_training import PreferenceTraining
 from meshkit.recipes.report import print_summary
-from meshkit.recipes.streaming_data import prepare_stream
-from meshkit.recipes.validation import WindowLoss, eval_batches, evaluate
+from meshkit.recipes.supervised_training import SupervisedTraining
+from meshkit.recipes.training_kind import TrainingKind
 from meshkit.runtime import collectives
-from meshkit.training.loss import IGNORE_INDEX
 from meshkit.training.stopping import EarlyStopping, LossWatchdog
 from meshkit.tuning.lora import AdapterExport, continued_weights, save_adapter
 from meshkit.tuning.untrained_tokens import fix_untrained_tokens
@@ -94,7 +92,17 @@ def finetune(job: FinetuneJob) -> dict[str, Any]:
         return _finetune(engine, job)
 
 
+def training_kind(job: FinetuneJob) -> TrainingKind:
+    """The kind of training the config asks for: `rl:` a preference method, `reward_model` or
+    `process_reward_model` (preference training's data and objectives), else supervised fine-tuning."""
+    s = job.settings
+    if s.rl is not None or s.reward_model or s.process_reward_model:
+        return PreferenceTraining(job)
+    return SupervisedTraining(job)
+
+
 def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
+    """The one set-up and run of every kind: the kind brings its data and objective, the rest is shared."""
     cfg, s = engine.config, job.settings
     for note in job.notes:
         engine.print(f"meshkit: {note}")
@@ -102,16 +110,13 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     why = schemes.refusal(engine.zero_stage, engine.mesh.dims.tp, s)
     if why is not None:
         raise FinetuneError(why)
+    kind = training_kind(job)
     base, tokenizer, attention = load_base(engine, job)
-    if s.rl is not None or s.reward_model or s.process_reward_model:
-        return train_preference(engine, job, base, tokenizer, attention, _write_outputs)
-    data: Any = (
-        prepare_stream(engine, s, tokenizer, cfg.train.steps) if s.streams else prepare_data(engine, s, tokenizer)
-    )
+    kind.load_data(engine, tokenizer)
     built = adapt(job, base, tokenizer, attention)
     for note in built.notes:
         engine.print(f"meshkit: {note}")
-    steps = step_plan(engine, job, data.row_count)
+    steps = step_plan(engine, job, kind.rows)
     optimizer = make_optimizer(built.model, job, engine)
     scheduler, warmup = make_schedule(engine, job, optimizer, steps.total_steps)
     continued = (
@@ -119,104 +124,77 @@ def _finetune(engine: Engine, job: FinetuneJob) -> dict[str, Any]:
     )
     model_class = type(base).__name__  # (before prepare: FSDP2 renames a sharded module's class FSDP<name>)
     before_step = schemes.before_step_hook(engine, s, built.model)  # (facts of the model before it is prepared)
-    model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, data.loader, scheduler)
-    start_adapters(engine, job, built)
-    schemes.weigh_tokens(engine, s)
-    if s.fix_untrained_tokens and not s.streams:  # (before a resumed checkpoint, which holds the fixed rows)
-        line = fix_untrained_tokens(built.model, s.fix_untrained_tokens, weights_file(Path(s.base_model)), data.train)
+    kind.before_prepare(engine, built)
+    model, optimizer, loader, scheduler = engine.prepare(built.model, optimizer, kind.loader, scheduler)
+    start_adapters(engine, job, built)  # (before a reference is scored)
+    if s.fix_untrained_tokens and not s.streams:  # (before the reference and a resumed checkpoint, which holds them)
+        line = fix_untrained_tokens(built.model, s.fix_untrained_tokens, weights_file(s.base_model), kind.token_ids())
         engine.print(f"meshkit: {line}")
+    kind.after_prepare(engine, model, built)
     if continued is not None:  # into this rank's shards; a resumed checkpoint (below) still comes last
         engine.load_full_state_dict(continued)
         engine.print(f"meshkit: continuing the adapter in {s.lora_model_dir} ({len(continued)} tensors)")
     _start_wandb(engine, s)
-    _announce(engine, job, built, data, model_class, steps.total_steps)
-    val = eval_batches(data.validation, engine, data.collate, s.eval_batch_size)
+    _announce(engine, kind, built, model_class, steps.total_steps, adapter_words(s))
     plan = LoopPlan(
-        steps.total_steps, data.per_item_tokens * steps.rows_per_step,
-        evaluate=(lambda: evaluate(engine, model, val)) if val else None, eval_every=steps.eval_every,
-        save_every=steps.save_every, watchdog=LossWatchdog(s.loss_watchdog_threshold, s.loss_watchdog_patience),
-        early_stopping=EarlyStopping(s.early_stopping_patience),
-        before_step=before_step,
+        steps.total_steps, kind.tokens_per_row * steps.rows_per_step, evaluate=kind.evaluation(engine, model),
+        eval_every=steps.eval_every, save_every=steps.save_every,
+        watchdog=LossWatchdog(s.loss_watchdog_threshold, s.loss_watchdog_patience),
+        early_stopping=EarlyStopping(s.early_stopping_patience), step=kind.micro_step(), before_step=before_step,
     )  # fmt: skip
-    record = run_steps(engine, loader, scheduler, plan, WindowLoss(engine))
+    record = run_steps(engine, loader, scheduler, plan, kind.step_loss(engine))
     base.config.use_cache = True  # training turned it off; generation wants it
     outputs = _write_outputs(engine, tokenizer, None if s.relora else rebuild_whole(job, built))
-    summary = _summary(engine, job, record, built, data, steps, warmup, outputs)
+    summary = _summary(engine, job, kind, record, built, steps, warmup, outputs)
     if engine.is_main_process:
-        if s.generation_samples and data.validation:
-            summary["generations"] = _answers(data.validation[: s.generation_samples], outputs, tokenizer, s)
-        curve = [(evaluation["step"], evaluation["eval_loss"]) for evaluation in record.evals]
-        _print(summary, Path(cfg.logging.dir), write_summary(engine, summary, record.losses, curve))
+        curve, shares = kind.plot_curves(record)
+        plot = write_summary(engine, summary, record.losses, curve, shares)
+        _print(summary, Path(cfg.logging.dir), plot, *kind.table_rows(summary))
     return summary
 
 
-def _announce(engine: Engine, job: FinetuneJob, built: FinetuneModel, data: Any, model_class: str, steps: int) -> None:
-    s, cfg = job.settings, engine.config
+def _announce(
+    engine: Engine, kind: TrainingKind, built: FinetuneModel, model_class: str, steps: int, adapter: str
+) -> None:
+    what, data_words, notes = kind.banner(engine)
     engine.print(
-        f"meshkit: fine-tuning {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "
-        f"trainable{adapter_words(s)}) on {engine.num_processes} rank(s), layout "
-        f"{engine.mesh.dims.describe()}; {_data_words(s, data, cfg.train.seq_len)}"
-        f"{f' packed into {data.row_count} rows' if s.sample_packing and not s.streams else ''}, {steps} steps; "
-        f"{where_words(engine)}"
+        f"meshkit: {what} {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "
+        f"trainable{adapter})) on {engine.num_processes} rank(s), layout "
+        f"{engine.mesh.dims.describe()}; {data_words}, {steps} steps; {where_words(engine)}"
     )
-    if data.report.reused:
-        engine.print(f"meshkit: reusing tokenized {', '.join(data.report.reused)} from {s.dataset_prepared_path}")
-    if data.report.repeated:
-        engine.print(f"meshkit: dropped {data.report.repeated} samples that repeat another exactly")
-    if data.report.too_long or data.report.nothing_to_train:
-        engine.print(
-            f"meshkit: dropped {data.report.too_long} samples longer than sequence_len={cfg.train.seq_len} and "
-            f"{data.report.nothing_to_train} with no token to train on"
-        )
-
-
-def _data_words(s: Any, data: Any, sequence_len: int) -> str:
-    if s.streams:
-        what = "pretraining text" if s.pretraining_dataset else "records"
-        return f"{what} streamed, each rank its share, packed into rows of {sequence_len} tokens"
-    return f"{len(data.train)} train / {len(data.validation)} validation samples"
+    for note in notes:
+        engine.print(f"meshkit: {note}")
+    note_ran(engine, "objective", f"{kind.name}: {kind.objective_words()}")
 
 
 def _summary(
     engine: Engine,
     job: FinetuneJob,
+    kind: TrainingKind,
     record: LoopRecord,
     built: FinetuneModel,
-    data: Any,
     steps: StepPlan,
     warmup: int,
     outputs: dict[str, str],
 ) -> dict[str, Any]:
-    """The loop's rows, then the fine-tune's own."""
+    """The loop's rows, the fine-tune's, then the kind's own."""
     s = job.settings
     rows = record.rows(engine, engine.mesh.dims.describe(), lambda value: collectives.gather_object(value, group=None))
     # passes over the data the steps made (a step may read more rows than a small packed dataset holds)
-    rows["epochs"] = record.step * steps.rows_per_step / max(1, data.row_count)
+    rows["epochs"] = record.step * steps.rows_per_step / max(1, kind.rows)
     return rows | {
+        "objective": kind.name,
         "adapter": s.adapter,
         "optimizer": s.optimizer,
         "warmup_steps": warmup,
         "parameters": built.parameters,
         "trainable_parameters": built.trainable,
-        "samples": {"train": len(data.train), "validation": len(data.validation), "too_long": data.report.too_long},
-        "packed_rows": data.row_count if s.sample_packing or s.streams else None,
         "losses": record.losses,
         "evals": record.evals,
         "outputs": outputs,
         "memory": collectives.gather_object(engine.memory_report(), group=None),
+        **kind.summary_rows(engine, record, outputs),
     }
-
-
-def _answers(samples: list[Any], outputs: dict[str, str], tokenizer: Any, s: Any) -> list[dict[str, Any]]:
-    """Greedy answers of the exported model to validation prompts, each beside the answer it was trained for."""
-    prompts = [prompt_ids(x.input_ids, x.labels, IGNORE_INDEX) for x in samples]
-    stop = end_of_turn_ids(tokenizer, s.eot_tokens)
-    answers = generate_samples(Path(outputs["merged"]), tokenizer, prompts, s.generation_max_new_tokens, stop)
-    for answer, sample in zip(answers, samples, strict=True):
-        trained = [t for t, label in zip(sample.input_ids, sample.labels, strict=True) if label != IGNORE_INDEX]
-        answer["expected"] = tokenizer.decode(trained, skip_special_tokens=True)
-        answer["right"] = answer["answer"].strip() == answer["expected"].strip()
-    return answers
 
 
 def _start_wandb(engine: Engine, s: Any) -> None:
@@ -246,22 +224,18 @@ def _write_outputs(engine: Engine, tokenizer: Any, lora_model: AdapterExport | N
     return outputs
 
 
-def _print(summary: dict[str, Any], run_dir: Path, plot: Path | None) -> None:
+def _print(
+    summary: dict[str, Any], run_dir: Path, plot: Path | None, title: str, kind_rows: list[tuple[str, str]]
+) -> None:
     print_summary(summary, run_dir, plot)
-    table = Table(title="fine-tune", show_header=False)
+    table = Table(title=title, show_header=False)
     table.add_column("", style="bold")
     table.add_column("")
     table.add_row("trainable", f"{summary['trainable_parameters']:,} of {summary['parameters']:,}")
-    for record in summary["evals"][-1:]:
-        table.add_row("eval", f"loss {record['eval_loss']:.4f}, perplexity {record['eval_perplexity']:.2f}")
+    for name, value in kind_rows:
+        table.add_row(name, value)
     for name, path in summary["outputs"].items():
         table.add_row(name, path)
-    generations = summary.get("generations", [])
-    for sample in generations:
-        verdict = "right" if sample["right"] else f"wrong, trained answer {sample['expected'].strip()!r}"
-        table.add_row("sample", f"{sample['prompt'][-60:]!r} -> {sample['answer']!r} ({verdict})")
-    if generations:
-        table.add_row("answers right", f"{sum(g['right'] for g in generations)} of {len(generations)}")
     Console().print(table)
 
 

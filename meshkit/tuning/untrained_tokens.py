@@ -88,15 +88,17 @@ def apply_fix(model: nn.Module, vocabulary: Sequence[str], fix: RowFix) -> int:
     return written
 
 
-def fix_untrained_tokens(model: nn.Module, setting: bool | int | list[int], source: Path, samples: Iterable) -> str:
-    """Apply `fix_untrained_tokens` to the placed `model` (checkpoint `source`, the tokenized training `samples`);
+def fix_untrained_tokens(
+    model: nn.Module, setting: bool | int | list[int], source: Path, token_ids: Iterable[Sequence[int]]
+) -> str:
+    """Apply `fix_untrained_tokens` to the placed `model` (checkpoint `source`, the token ids of every training row);
     returns the line that says what it did."""
     vocabulary = describe(model).vocabulary
     names = [base_checkpoint_name(name) for name in vocabulary]
     rows = next((p.shape[0] for name, p in model.named_parameters() if name in vocabulary), None)
     if rows is None:  # a pipeline stage between the first and the last holds neither the embedding nor the head
         return "fix_untrained_tokens: this pipeline stage holds no token rows"
-    counts = token_counts((sample.input_ids for sample in samples), rows)
+    counts = token_counts(token_ids, rows)
     fix = plan_fix(source, names, counts, setting if isinstance(setting, list) else ())
     if fix is None:
         return "fix_untrained_tokens: no token of the training data has untrained rows"

@@ -22,7 +22,7 @@ def run_preference(rank: int, config: str, assignments: list[str]) -> dict:
     from meshkit.recipes.finetune_config import resolve_finetune
 
     summary = finetune(resolve_finetune(config, assignments))
-    return {key: summary[key] for key in ("losses", "metrics", "reference", "outputs", "layout", "evals")}
+    return {key: summary[key] for key in ("losses", "metrics", "reference", "outputs", "layout", "evals", "objective")}
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,7 @@ def references(tmp_path_factory, material, pair_data):
 
 def test_dpo_learns_to_prefer_the_chosen_replies(references) -> None:
     lora, full = references["lora"], references["full"]
+    assert lora["objective"] == full["objective"] == "dpo" and references["kto"]["objective"] == "kto"
     assert lora["reference"] == "the base with adapters off"
     assert full["reference"] == "a frozen copy laid out like the policy"
     assert references["precomputed"]["reference"].startswith("precomputed reference log-probs")
@@ -133,7 +134,7 @@ def test_kto_and_orpo_under_pipeline_parallel_equal_one_process(tmp_path, materi
     )  # noqa: E501
     summary = _run(tmp_path, material, 2, "run", ["pp=2", "micro_batch_size=4"], **keys)
     _close(summary, expected)
-    assert summary["losses"][-1] < summary["losses"][0]
+    assert summary["losses"][-1] < summary["losses"][0] and summary["objective"] == method
 
 
 def test_rpo_nll_term_is_a_token_mean_over_every_rank(tmp_path, material, pair_data) -> None:

@@ -37,7 +37,7 @@ def run_prm(rank: int, config: str, assignments: tuple[str, ...] = ()) -> dict:
     from meshkit.recipes.finetune_config import resolve_finetune
 
     summary = finetune(resolve_finetune(config, list(assignments)))
-    return {key: summary[key] for key in ("losses", "metrics", "outputs", "evals", "rl")}
+    return {key: summary[key] for key in ("losses", "metrics", "outputs", "evals", "rl", "objective")}
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_the_loss_is_transformers_token_classification_loss_and_the_export_score
 
     train, test = stepwise_records(8), stepwise_records(4, offset=100)
     ours = run_world(run_prm, 1, _config(tmp_path, prm_base, train, test), timeout=TIMEOUT)[0]
-    assert ours["rl"] == "process_reward_model" and len(ours["losses"]) == STEPS
+    assert ours["rl"] == ours["objective"] == "process_reward_model" and len(ours["losses"]) == STEPS
     tokenizer = AutoTokenizer.from_pretrained(prm_base)
     model = AutoModelForTokenClassification.from_pretrained(prm_base, attn_implementation="eager")
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)

@@ -53,6 +53,13 @@ RECIPES: dict[str, Any] = {
     "dpo": lambda root: dpo_keys(write_preference_data(root)),
     "reward": _reward_keys,
 }
+OBJECTIVES = {  # the run's record of what it trained toward: one set-up, the kind's objective
+    "full": "sft: causal-LM cross-entropy",
+    "lora": "sft: causal-LM cross-entropy",
+    "qlora": "sft: causal-LM cross-entropy",
+    "dpo": "dpo: DPO against a frozen copy laid out like the policy",
+    "reward": "reward_model: BradleyTerry",
+}
 LOSS_WORDS = {
     "dpo": "fused per-token log-probs (chunks of",
     "reward": "from the scores of its classification head score (no vocabulary to chunk)",
@@ -72,6 +79,7 @@ def _state_bytes(optimizer_words: str) -> float:
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_memory_features_are_in_effect_on_every_finetune_recipe(tmp_path, material, recipe) -> None:
     ran = _ran(tmp_path, material, recipe, "memory", MEMORY)
+    assert ran["objective"].startswith(OBJECTIVES[recipe]), ran["objective"]
     assert ran["loss"].startswith(LOSS_WORDS.get(recipe, "fused (chunks of")), ran["loss"]
     assert ran["recomputation"] == "full on 2 blocks"
     assert ran["tiled_mlp"] == "2 MLPs over slices of the sequence"
