@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshkit import Engine
+from meshkit.paramserver.placement import serve_report
 
 WORLD, BATCH, HIDDEN, FEATURES, EVAL_EVERY = 4, 32, 256, 64, 5
 RUNS: dict[str, dict[str, Any]] = {
@@ -96,8 +97,7 @@ def rank_main(
         if over.item():
             break
     elapsed = time.perf_counter() - start
-    server = engine.parameter_server  # a server's report: the staleness it applied
-    report = server.report if server is not None else None
+    report = serve_report(engine.placement)  # a server's report: the staleness it applied
     staleness = dict(report.staleness) if report is not None else {}
     out.put((rank, engine.is_worker, steps, elapsed, curve, staleness))
     engine.end()

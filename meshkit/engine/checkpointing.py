@@ -103,10 +103,10 @@ class Checkpoints(EngineComponent):
         return target
 
     def _save(self, partial: Path, finish: Any, asynchronous: bool, extra: dict[str, Any] | None) -> None:
-        ps = self.ctx.placement.ps
-        if ps is not None:  # the servers write the weights, the workers the rest
+        store = self.ctx.placement.checkpoint_store
+        if store is not None:  # the placement's own (a parameter server's servers write the weights)
             registered = self._registered_states()
-            ps.save(partial, finish, self.step, extra or {}, self.ctx.objects.loaders, registered)
+            store.save(partial, finish, self.step, extra or {}, self.ctx.objects.loaders, registered)
             return
         loaders = [loader.state_dict() for loader in self.ctx.objects.loaders]
         self.checkpointer.save(
@@ -122,10 +122,11 @@ class Checkpoints(EngineComponent):
         path = Path(directory)
         if not path.exists():
             raise CheckpointError(f"load_state: {path} does not exist")
-        objects, ps = self.ctx.objects, self.ctx.placement.ps
-        if ps is not None:
-            extra = ps.load(path, objects.optimizers, objects.schedulers, objects.loaders)
-            if ps.client is not None:  # (a worker)
+        objects, placement = self.ctx.objects, self.ctx.placement
+        store = placement.checkpoint_store
+        if store is not None:
+            extra = store.load(path, objects.optimizers, objects.schedulers, objects.loaders)
+            if placement.is_worker:
                 self._load_registered(_read_json(path / META).get("registered", []), path)
             return extra
         meta, rank_data = self.checkpointer.load(path)
@@ -176,7 +177,7 @@ class Checkpoints(EngineComponent):
         """Take the preemption signal from now on (the first `save_checkpoint()` does it otherwise): for a loop
         that calls `save_checkpoint()` every step, so that a signal during its first step stops it at a checkpoint
         too. A loop that never calls it must not arm: the signal would be noted and never acted on."""
-        if self.ctx.placement.ps is None:  # (as in save_checkpoint: the agreement is a collective over every rank)
+        if self.ctx.placement.every_rank_meets:  # (as in save_checkpoint: the agreement is a collective)
             self.ctx.preemption.arm()
 
     def save_checkpoint(self, *, extra: dict[str, Any] | None = None, force: bool = False) -> Path | None:
@@ -189,10 +190,10 @@ class Checkpoints(EngineComponent):
         """
         cfg = self.ctx.config.checkpoint
         watch = self.ctx.preemption
-        ps = self.ctx.placement.ps
-        if ps is not None and ps.is_server:
-            return None  # a server saves while it serves, when the workers ask
-        if ps is None:  # (the agreement is a collective over every rank, which a lost worker would miss)
+        placement = self.ctx.placement
+        if not placement.is_worker:
+            return None  # (a parameter server saves while it serves, when the workers ask)
+        if placement.every_rank_meets:  # (the agreement is a collective over every rank, which a lost one would miss)
             watch.arm()
         preempted = watch.agreed()
         due = cfg.every_steps > 0 and self.step > 0 and self.step % cfg.every_steps == 0
@@ -200,7 +201,7 @@ class Checkpoints(EngineComponent):
             return None
         root, step = self.checkpoint_root, self.step
         self.checkpointer.wait()  # the save in flight first: cleanup below must never touch its directory
-        if self.ctx.info.rank == 0 and ps is None:
+        if self.ctx.info.rank == 0 and placement.checkpoint_store is None:
             root.mkdir(parents=True, exist_ok=True)
             remove_partials(root)
         self._save(partial_dir(root, step), lambda p: commit(p, root, step, cfg.keep_last), cfg.async_save, extra)
@@ -222,11 +223,12 @@ class Checkpoints(EngineComponent):
     def resume(self) -> dict[str, Any] | None:
         """Load what `checkpoint.resume` names (auto: the newest good checkpoint); returns its `extra`, or None
         when there is nothing to resume. Corrupt checkpoints are skipped with a warning naming them."""
-        ps = self.ctx.placement.ps
-        if ps is not None:
-            if ps.is_server:
-                return None  # it served already: the workers' resume restored the servers' shards
-            chosen = ps.resume_choice(self.ctx.config.checkpoint.resume, self.checkpoint_root)
+        placement = self.ctx.placement
+        if not placement.is_worker:
+            return None  # (a parameter server served already: the workers' resume restored its shards)
+        store = placement.checkpoint_store
+        if store is not None:
+            chosen = store.resume_choice(self.ctx.config.checkpoint.resume, self.checkpoint_root)
             return self._resume_from(chosen)
         choice = None
         if self.ctx.info.rank == 0:

@@ -24,11 +24,12 @@ from meshkit.config.resolve import ResolvedConfig, explicit_values, resolve
 from meshkit.config.schema import RunConfig
 from meshkit.core.seed import set_seed
 from meshkit.engine.checkpointing import Checkpoints
-from meshkit.engine.context import EngineContext, Placement, place
+from meshkit.engine.context import EngineContext
 from meshkit.engine.delegation import Attribute, Verb
 from meshkit.engine.evaluation import Evaluation
 from meshkit.engine.gradients import gradient_sync
 from meshkit.engine.layout_auto import settle_layout
+from meshkit.engine.placement import Placement, place
 from meshkit.engine.preparation import Preparation
 from meshkit.engine.prepared_objects import EngineError, PreparedObjects
 from meshkit.engine.processes import Processes
@@ -37,7 +38,6 @@ from meshkit.engine.weights import Weights
 from meshkit.launching.affinity import apply_affinity
 from meshkit.launching.worker import LAUNCHER_PID_ENV
 from meshkit.parallel.dataparallel import WrappedModelWarning  # noqa: F401 - re-exported
-from meshkit.paramserver.run import ParameterServerRun
 from meshkit.runtime.hang_doctor import HangDoctor
 from meshkit.runtime.host_memory import ResidentGuard
 from meshkit.runtime.mesh import ParallelMesh, ProcessInfo, select_device, start_process_group, stop_process_group
@@ -211,9 +211,10 @@ class Engine:
         return self.ctx.placement.zero_stage
 
     @property
-    def parameter_server(self) -> ParameterServerRun | None:
-        """The parameter-server run of `strategy: parameter_server` (roles, report); None otherwise."""
-        return self.ctx.placement.ps
+    def placement(self) -> Placement:
+        """Where this rank sits in the run's layout: its mesh, groups and ranks, whether the ranks step together
+        (under `strategy: parameter_server`, a `ServedPlacement`: its `run` holds the roles and the servers' report)."""
+        return self.ctx.placement
 
     @property
     def gradient_state(self) -> GradientState:
@@ -236,9 +237,7 @@ class Engine:
             chosen, self.layout_probe, objects = settle_layout(self, objects, loss_fn)
             self._adopt_layout(chosen)
         prepared = self.preparation.prepare(objects, loss_fn)
-        ps = self.ctx.placement.ps
-        if ps is not None:  # a worker pulls the servers' weights; a server serves until the workers finish
-            ps.start(self.ctx.objects.optimizers, self.ctx.objects.schedulers)  # (serving may rightly take days)
+        self.ctx.placement.start(self.ctx.objects.optimizers, self.ctx.objects.schedulers)  # (a server serves here)
         return prepared
 
     # ------------------------------------------------------------------ end
@@ -251,15 +250,14 @@ class Engine:
         """
         if wait_for_peers:
             self.checkpoints.close()
-            if self.ctx.placement.ps is not None:  # a worker tells the servers (they return from prepare())
-                self.ctx.placement.ps.finish()
+            self.ctx.placement.finish()  # (a parameter-server worker tells the servers: they return from prepare())
         self.ctx.preemption.disarm()
         if self.ctx.hang_doctor is not None:
             self.ctx.hang_doctor.stop()
             self.ctx.hang_doctor = None
         self.ctx.trackers.close()  # (already closed above, unless this is an error path)
-        # (a parameter-server run ends when the servers have heard every worker finish; a lost worker misses a barrier)
-        self._leave_process_group(wait_for_peers and self.ctx.placement.ps is None)
+        # (where ranks may be lost, e.g. parameter-server workers, the run ends without a closing barrier)
+        self._leave_process_group(wait_for_peers and self.ctx.placement.every_rank_meets)
 
     def _leave_process_group(self, wait_for_peers: bool) -> None:
         if self._owns_process_group:

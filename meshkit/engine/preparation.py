@@ -87,7 +87,9 @@ class Preparation(EngineComponent):
         objects.whole_parameters += sum(param.numel() for param in model.parameters())
         if ctx.config.compile.enabled and objects.compile_counts is None:
             objects.compile_counts = dynamo_counts()  # (graphs and breaks are counted from here)
-        done = parallelize(model, ctx.mesh, ctx.config, ctx.placement.zero_stage)
+        done = parallelize(
+            model, ctx.mesh, ctx.config, ctx.placement.zero_stage, reduce_gradients=ctx.placement.shares_gradients
+        )
         family = done.structure.family if done.structure else None
         split_notice = check_tensor_parallel_split(done.model, ctx.mesh.size("tp"), family or type(model).__name__)
         if split_notice:
@@ -262,8 +264,9 @@ class Preparation(EngineComponent):
     def _optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         ctx, gradients = self.ctx, self._gradients()
         optimizer = rebind_params(optimizer, ctx.objects.renamed_params)
-        if ctx.placement.ps is not None:
-            return ctx.placement.ps.prepare_optimizer(optimizer, ctx.objects.models, ctx.gradient_state)
+        own = ctx.placement.prepare_optimizer(optimizer, ctx.objects.models, ctx.gradient_state)
+        if own is not None:  # (the parameter server: the servers update the weights)
+            return own
         elsewhere = gradients.reduced_by_models()  # ZeRO leaves these gradients to their reducers
         objects = ctx.objects
         sharded = shard_optimizer(

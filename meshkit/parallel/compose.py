@@ -62,7 +62,12 @@ class Parallelized:
 
 
 def parallelize(
-    model: nn.Module, mesh: ParallelMesh, config: RunConfig, zero_stage: int, frozen: bool = False
+    model: nn.Module,
+    mesh: ParallelMesh,
+    config: RunConfig,
+    zero_stage: int,
+    frozen: bool = False,
+    reduce_gradients: bool = True,
 ) -> Parallelized:
     """Place `model` on this rank's device and split and wrap it for the run's layout and precision.
 
@@ -70,6 +75,8 @@ def parallelize(
     model as it is: their sharding lives in the optimizer (`meshkit.parallel.zero.optimizer`). Under pipeline parallel
     the model is first cut into this rank's stages, and each goes through the same chain. `frozen`: a model that
     only runs forward (a reference model): split and sharded alike, but no recomputation and no gradient wrapper.
+    `reduce_gradients`: whether the data-parallel ranks average gradients here (False where a parameter server's
+    servers average them: no DDP wrapper).
     """
     structure = describe(model, config.blocks, config.structure)
     pp = mesh.size("pp")
@@ -92,8 +99,9 @@ def parallelize(
     if pp == 1:
         eager = head.name if head is not None and config.fused_loss != "off" and config.strategy == "auto" else None
         result = _parallelize_one(
-            model, mesh, config, zero_stage, structure, frozen=frozen, tiled=tiled, eager_head=eager
-        )
+            model, mesh, config, zero_stage, structure, frozen=frozen, tiled=tiled, eager_head=eager,
+            reduce_gradients=reduce_gradients,
+        )  # fmt: skip
         result.notice, result.own_loss, result.logits_head = result.notice or notice, own, head
         result.tiled_mlp = result.tiled_mlp or (f"not applied: {untiled}" if config.tiled_mlp and not frozen else None)
         return result
@@ -111,8 +119,8 @@ def parallelize(
     roles = _roles(model, structure, config) if mesh.size("tp") > 1 else None  # (learnt on the whole model)
     stage_list = stage_ids(mesh.coordinate("pp"), pp, chunks, config.pipeline.schedule)
     stage_modules = split_model(model, stage_list, pp * chunks, structure)
-    parts = [_parallelize_one(m, mesh, config, zero_stage, structure, in_pipeline=True, roles=roles, tiled=tiled)
-             for m in stage_modules]  # fmt: skip
+    parts = [_parallelize_one(m, mesh, config, zero_stage, structure, in_pipeline=True, roles=roles, tiled=tiled,
+                              reduce_gradients=reduce_gradients) for m in stage_modules]  # fmt: skip
     return Parallelized(
         PipelineModel([part.model for part in parts], stage_list, pp * chunks),
         structure=structure,
@@ -151,6 +159,7 @@ def _parallelize_one(
     roles: LayerRoles | None = None,
     tiled: tuple[str, ...] = (),
     eager_head: str | None = None,
+    reduce_gradients: bool = True,
 ) -> Parallelized:
     sharding = config.sharding
     on_meta = has_meta_tensors(model)
@@ -164,7 +173,7 @@ def _parallelize_one(
                 aliases=structure.aliases(),
                 vocabulary=structure.vocabulary,
             )
-    ddp = zero_stage == 0 and mesh.grad_size > 1 and config.strategy != "parameter_server" and not frozen
+    ddp = zero_stage == 0 and mesh.grad_size > 1 and reduce_gradients and not frozen
     ddp = ddp and mesh.size("tp") == 1 and not in_pipeline
     # (learnt from a forward of the model as given, before any layout's hooks see a first call)
     ddp_settings = _ddp_settings(config, model, structure) if ddp else config.ddp
@@ -205,7 +214,7 @@ def _parallelize_one(
             split_weights=result.split_weights,  # split while on meta: fused weights reordered as they stream in
             vocabulary=structure.vocabulary,
         )
-    if zero_stage == 0 and mesh.grad_size > 1 and config.strategy != "parameter_server" and not frozen:
+    if zero_stage == 0 and mesh.grad_size > 1 and reduce_gradients and not frozen:
         # DDP cannot wrap DTensor parameters, and a pipeline schedule runs several backward passes per step
         # that DDP's bucket rebuild does not expect: those gradients are averaged once after the step instead.
         if tp > 1 or in_pipeline:

@@ -102,11 +102,8 @@ def _train(engine: Engine) -> dict[str, Any]:
     cfg = engine.config  # (after prepare: under layout: auto, the chosen layout's)
     if not engine.is_worker:
         return {}  # a parameter server: its prepare() served until every worker had finished
-    # A parameter-server run reports from its first worker, without collectives over the servers; async
-    # workers never meet, so each reports its own loss.
-    served = cfg.strategy == "parameter_server"
     n_params = sum(p.numel() for p in engine.unwrap_model().parameters())
-    layout = f"parameter server ({cfg.ps.servers} server(s), {cfg.ps.mode})" if served else engine.mesh.dims.describe()
+    layout = engine.placement.describe()
     tokens_per_step = cfg.train.global_micro_batch(engine.dp_size) * cfg.train.seq_len * cfg.grad_accum_steps
     if engine.is_main_worker:
         print(
@@ -115,11 +112,12 @@ def _train(engine: Engine) -> dict[str, Any]:
             flush=True,
         )
     plan = LoopPlan(cfg.train.steps, tokens_per_step, measure_activations=True)
-    shared_loss = not (served and cfg.ps.mode == "async")
+    # (ranks that never meet, e.g. asynchronous parameter-server workers, each report their own loss)
+    shared_loss = engine.placement.steps_together
     record = run_steps(engine, loader, scheduler, plan, MeanStepLoss(engine, cfg.grad_accum_steps, shared_loss))
 
-    def every_rank(value: Any) -> list[Any]:  # in rank order (a parameter server's first worker: its own)
-        return [value] if served else collectives.gather_object(value, group=None)
+    def every_rank(value: Any) -> list[Any]:  # in rank order (where a rank may be lost, this rank's own)
+        return collectives.gather_object(value, group=None) if engine.placement.every_rank_meets else [value]
 
     memory = every_rank({**engine.memory_report(), "rank": engine.process_index})  # before the full state below
     summary = record.rows(engine, layout, every_rank) | {

@@ -43,7 +43,7 @@ ENGINE_API = [
     "mesh",
     "num_processes",
     "objective_step",
-    "parameter_server",
+    "placement",
     "prepare",
     "prepare_frozen",
     "print",

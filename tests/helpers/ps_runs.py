@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from meshkit import Engine
 from meshkit.paramserver import ParameterServerError
+from meshkit.paramserver.placement import serve_report
 
 
 def model() -> nn.Module:
@@ -56,7 +57,7 @@ def train(
     except ParameterServerError as err:  # the fault tests: what a rank says when a peer is lost
         engine.end(wait_for_peers=False)
         return {"is_worker": engine.is_worker, "error": str(err), "losses": losses}
-    report = engine.parameter_server.report if engine.parameter_server is not None else None
+    report = serve_report(engine.placement)
     weights = {n: p.detach().clone() for n, p in net.named_parameters()}
     result = {
         "is_worker": engine.is_worker,
@@ -120,6 +121,6 @@ def train_logistic(rank: int, overrides: dict[str, Any], epochs: int, jitter_s: 
             time.sleep(jitter.random() * jitter_s)
             engine.train_step((batch[0], batch))
     weights = {n: p.detach().clone() for n, p in net.named_parameters()}
-    report = engine.parameter_server.report if engine.parameter_server is not None else None
+    report = serve_report(engine.placement)
     engine.end()
     return {"is_worker": engine.is_worker, "weights": weights, "staleness": dict(report.staleness) if report else {}}

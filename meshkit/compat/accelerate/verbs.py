@@ -91,8 +91,7 @@ class AccelerateVerbs(EngineComponent):
     def end_training(self) -> None:
         """Training is over on this rank: the trackers close, and a parameter-server worker tells the servers
         (they return from `prepare()` once every worker has). `end()` does it too."""
-        if self.ctx.placement.ps is not None:
-            self.ctx.placement.ps.finish()
+        self.ctx.placement.finish()
         self.ctx.trackers.close()
 
     def get_tracker(self, name: str) -> Any:
