@@ -25,7 +25,6 @@ from meshkit.parallel.compile import dynamo_counts
 from meshkit.parallel.compose import Parallelized, parallelize, unwrap
 from meshkit.parallel.dataparallel import bare_module
 from meshkit.parallel.pipeline.router_balance import PipelineBalancing
-from meshkit.parallel.pipeline.schedule import PipelineRunner
 from meshkit.parallel.pipeline.stages import PipelineModel
 from meshkit.parallel.pipeline.tied import TiedAcrossStages
 from meshkit.parallel.replicate import GradientAllReduce
@@ -147,6 +146,8 @@ class Preparation(EngineComponent):
                 loss_fn = _objective_only  # (a reward model's objective brings its own loss to the last stage)
             if isinstance(loss_fn, CausalLMLoss):
                 loss_fn.fused, objects.fused_head = objects.fused_head, None  # (the schedule runs the forward)
+            from meshkit.parallel.pipeline.schedule import PipelineRunner  # (torch's pipelining: a second to import)
+
             objects.pipeline = PipelineRunner(done.model, ctx.mesh, ctx.config.pipeline, loss_fn)
             balancing, group = objects.balancing
             if balancing is not None and done.structure is not None:  # (each stage adds its MoE layers' terms)

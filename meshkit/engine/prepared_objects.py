@@ -5,7 +5,7 @@ user's own module), in one record every engine component reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
 from torch import nn
@@ -14,7 +14,6 @@ from meshkit.core.errors import MeshkitError
 from meshkit.data.loader import ShardedLoader
 from meshkit.models.adapters import LoraMerge
 from meshkit.parallel.activation import CheckpointedBlock
-from meshkit.parallel.pipeline.schedule import PipelineRunner
 from meshkit.parallel.sequence_seen import SequenceSeen
 from meshkit.parallel.tensor.storage import SplitWeights
 from meshkit.training.accumulation import PreparedOptimizer, PreparedScheduler
@@ -25,6 +24,10 @@ from meshkit.training.router_loss import BalancingLoss
 
 class EngineError(MeshkitError):
     """Wrong use of the engine; the message says what to do instead."""
+
+
+if TYPE_CHECKING:  # (torch's pipelining is imported where a pipeline is prepared: it costs a second)
+    from meshkit.parallel.pipeline.schedule import PipelineRunner
 
 
 @dataclass

@@ -20,7 +20,7 @@ from meshkit.config.schema import RunConfig
 from meshkit.engine.engine import Engine
 from meshkit.engine.what_ran import note_ran
 from meshkit.engine.where_it_runs import where_words
-from meshkit.parallel.pipeline.schedule import forward_only_refusal
+from meshkit.parallel.pipeline.stages import forward_only_refusal
 from meshkit.recipes import schemes
 from meshkit.recipes.finetune_config import FinetuneJob, resolve_finetune
 from meshkit.recipes.finetune_setup import (
@@ -159,7 +159,7 @@ def _announce(
     what, data_words, notes = kind.banner(engine)
     engine.print(
         f"meshkit: {what} {model_class} ({built.parameters / 1e6:.2f}M params, {built.trainable / 1e6:.3f}M "
-        f"trainable{adapter})) on {engine.num_processes} rank(s), layout "
+        f"trainable{adapter}) on {engine.num_processes} rank(s), layout "
         f"{engine.mesh.dims.describe()}; {data_words}, {steps} steps; {where_words(engine)}"
     )
     for note in notes:

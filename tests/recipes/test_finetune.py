@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -195,7 +196,8 @@ def test_meshkit_finetune_launches_itself_on_two_ranks(tmp_path, material) -> No
     outputs = {json.loads(line)["output"] for line in material["alpaca"].read_text().splitlines()}
     assert answer["expected"] in outputs and answer["right"] == (answer["answer"].strip() == answer["expected"])
     assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "config.json").is_file()
-    assert "fine-tuning LlamaForCausalLM" in proc.stdout + proc.stderr  # the user's class (FSDP renames it)
+    banner = r"fine-tuning LlamaForCausalLM \([\d.]+M params, [\d.]+M trainable, LoRA\) on 2 rank\(s\), layout "
+    assert re.search(banner, proc.stdout + proc.stderr), proc.stdout[-2000:]  # the user's class (FSDP renames it)
     assert "gemm_4bit_forward" not in proc.stderr  # bitsandbytes' line for a kernel it does without: the log's
 
 

@@ -93,7 +93,11 @@ def test_memory_features_are_in_effect_on_every_finetune_recipe(tmp_path, materi
         assert ran["quantized_base"] == "4-bit on 14 linear layers"
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+# (compile and the 4-bit optimizer on the causal LM, the preference objective and the reward head; on the LoRA
+# recipes, whose compiled graph is the full one's with adapters, in `make test-full`)
+@pytest.mark.parametrize(
+    "recipe", [pytest.param(name, marks=[pytest.mark.sweep] if name in ("lora", "qlora") else []) for name in RECIPES]
+)
 def test_speed_features_are_in_effect_on_every_finetune_recipe(tmp_path, material, recipe) -> None:
     ran = _ran(tmp_path, material, recipe, "speed", SPEED)
     assert ran["loss"].startswith(LOSS_WORDS.get(recipe, "fused (chunks of")), ran["loss"]

@@ -14,23 +14,17 @@ from torch.distributed.tensor import DTensor
 from meshkit.config.layout import check_pipeline
 from meshkit.config.schema import PipelineConfig
 from meshkit.parallel.pipeline.router_balance import PipelineBalancing
-from meshkit.parallel.pipeline.stages import SINGLE_STAGE, PipelineError, PipelineModel, schedule_class, stage_ids
+from meshkit.parallel.pipeline.stages import (
+    SINGLE_STAGE,
+    PipelineError,
+    PipelineModel,
+    forward_only_refusal,
+    schedule_class,
+    stage_ids,
+)
 from meshkit.runtime import collectives
 from meshkit.runtime.mesh import ParallelMesh
 from meshkit.training.loss import IGNORE_INDEX, CausalLMLoss
-
-NO_FORWARD_ONLY = "zbv_zero_bubble"  # torch's V schedule hands gradients between a rank's two stages even in eval
-
-
-def forward_only_refusal(schedule: str, what: str) -> str | None:
-    """The one-line reason `what` (a forward-only pass through the pipeline) cannot run on `schedule`, if any."""
-    if schedule != NO_FORWARD_ONLY:
-        return None
-    return (
-        f"{what} runs a forward-only pass through the pipeline, which torch's {NO_FORWARD_ONLY} schedule cannot "
-        "(its V turn passes gradients between a rank's two stages even in eval): use schedule "
-        "interleaved_zero_bubble"
-    )
 
 
 class _Stage(PipelineStage):

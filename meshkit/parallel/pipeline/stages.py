@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed.pipelining.schedules as schedules
 from torch import nn
 
 from meshkit.config.layout import SINGLE_STAGE, PipelineError, chunks_per_rank  # noqa: F401 - re-exported
@@ -33,8 +32,25 @@ SCHEDULE_CLASSES = {
 }
 
 
+NO_FORWARD_ONLY = "zbv_zero_bubble"  # torch's V schedule hands gradients between a rank's two stages even in eval
+
+
+def forward_only_refusal(schedule: str, what: str) -> str | None:
+    """The one-line reason `what` (a forward-only pass through the pipeline) cannot run on `schedule`, if any."""
+    if schedule != NO_FORWARD_ONLY:
+        return None
+    return (
+        f"{what} runs a forward-only pass through the pipeline, which torch's {NO_FORWARD_ONLY} schedule cannot "
+        "(its V turn passes gradients between a rank's two stages even in eval): use schedule "
+        "interleaved_zero_bubble"
+    )
+
+
 def schedule_class(name: str) -> type:
     """The torch schedule class, if this torch has it (the zero-bubble schedules are recent)."""
+    import torch.distributed.pipelining.schedules as schedules  # (here: importing it costs a second, and most
+    # runs have no pipeline)
+
     found = getattr(schedules, SCHEDULE_CLASSES[name], None)
     if found is None:
         present = [n for n, cls in SCHEDULE_CLASSES.items() if hasattr(schedules, cls)]
