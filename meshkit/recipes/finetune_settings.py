@@ -10,6 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from meshkit.data.dataset_entry import is_preference_type, is_stepwise_type
 from meshkit.data.formats import DatasetEntry
+from meshkit.recipes.preference_settings import PreferenceSettings
 from meshkit.training.optimizers import OPTIMIZERS, LrGroup
 from meshkit.training.schedules import SCHEDULERS
 from meshkit.training.token_weights import EaftSettings
@@ -20,9 +21,9 @@ from meshkit.tuning.qat import QATSettings
 from meshkit.tuning.relora import ReloraSettings
 
 
-class FinetuneSettings(LisaSettings, ReloraSettings, EaftSettings, LigerSettings):
-    """The recipe's own keys (Axolotl names); each scheme's keys beside the scheme (LISA, ReLoRA with its jagged
-    restarts, EAFT, Liger)."""
+class FinetuneSettings(PreferenceSettings, LisaSettings, ReloraSettings, EaftSettings, LigerSettings):
+    """The recipe's own keys (Axolotl names); preference training's in `PreferenceSettings`, each scheme's beside
+    the scheme (LISA, ReLoRA with its jagged restarts, EAFT, Liger)."""
 
     # model and tokenizer
     base_model: Path = Field(description="directory in save_pretrained layout: config.json, safetensors, tokenizer")
@@ -183,37 +184,6 @@ class FinetuneSettings(LisaSettings, ReloraSettings, EaftSettings, LigerSettings
     wandb_name: str | None = Field(None, description="wandb run name; null = output_dir's name")
     wandb_run_id: str | None = Field(None, description="wandb run id (resumes that run)")
     wandb_mode: str | None = Field(None, description="online | offline | disabled; null = online with credentials")
-    # preference training (TRL's definitions; null = TRL's default)
-    rl: Literal["dpo", "ipo", "kto", "orpo", "simpo"] | None = Field(
-        None, description="preference training instead of supervised fine-tuning"
-    )
-    rl_beta: float | None = Field(None, gt=0, description="beta of DPO/IPO/KTO/SimPO; null = 0.1")
-    dpo_loss_type: tuple[str, ...] | None = Field(None, description="TRL's DPO loss types, e.g. [sigmoid, sft]")
-    dpo_loss_weights: tuple[float, ...] | None = Field(None, description="a weight per dpo_loss_type")
-    dpo_label_smoothing: float | None = Field(None, ge=0, lt=1, description="robust / exo_pair / aot smoothing")
-    rpo_alpha: float | None = Field(None, ge=0, description="RPO: + alpha × the chosen replies' NLL")
-    dpo_use_weighting: bool = Field(
-        False, description="WPO: each pair's DPO loss × the policy's weights of its two replies (TRL's use_weighting)"
-    )
-    orpo_alpha: float | None = Field(None, gt=0, description="ORPO's weight of the odds-ratio term; null = 0.1")
-    simpo_gamma: float | None = Field(None, description="SimPO's target reward margin; null = 0.5")
-    cpo_alpha: float | None = Field(None, ge=0, description="SimPO/CPO: weight of the chosen replies' NLL; null = 1")
-    kto_desirable_weight: float | None = Field(None, gt=0, description="KTO: weight of desirable completions")
-    kto_undesirable_weight: float | None = Field(None, gt=0, description="KTO: weight of undesirable completions")
-    precompute_ref_log_probs: bool = Field(
-        False, description="score the records with the untrained model once before training (no reference model)"
-    )
-    # reward models
-    reward_model: bool = Field(False, description="train a reward model (Bradley-Terry over preference pairs)")
-    process_reward_model: bool = Field(
-        False, description="train a process reward model: token classification of each step of stepwise_supervised data"
-    )
-    num_labels: int | None = Field(
-        None, ge=1, description="outputs of the head: a reward model's 1, a process reward model's 2 (unset: those)"
-    )
-    center_rewards_coefficient: float | None = Field(
-        None, ge=0, description="pull the rewards' mean towards 0 (TRL's center_rewards_coefficient)"
-    )
     # meshkit's own
     generation_samples: int = Field(3, ge=0, description="validation prompts answered (greedy) in the summary")
     generation_max_new_tokens: int = Field(24, ge=1, description="tokens generated per sample")
@@ -259,7 +229,6 @@ class FinetuneSettings(LisaSettings, ReloraSettings, EaftSettings, LigerSettings
         "unfrozen_parameters",
         "tokens",
         "eot_tokens",
-        "dpo_loss_type",
         mode="before",
     )
     @classmethod
@@ -280,22 +249,19 @@ class FinetuneSettings(LisaSettings, ReloraSettings, EaftSettings, LigerSettings
             raise ValueError(f"'{value}' is not {what} meshkit runs; choose one of {', '.join(known)}")
         return value
 
-    @field_validator("rl", mode="before")
-    @classmethod
-    def _offline_rl(cls, value: Any) -> Any:
-        if value in ("grpo", "gdpo", "ebft"):
-            raise ValueError(
-                f"rl: {value} is online RL (the policy generates rollouts that reward functions score, through vLLM), "
-                "which meshkit does not run: train offline preference data with dpo, ipo, kto, orpo or simpo"
-            )
-        return value
-
     @model_validator(mode="after")
-    def _settings_agree(self) -> FinetuneSettings:
-        """Refuse keys that exclude one another (two quantizations, streams with preference data, ...) or that need
-        another (quantization or `lora_model_dir` without an adapter), in one line naming the keys to keep."""
+    def _one_cadence_and_template(self) -> FinetuneSettings:
+        """An evaluation cadence given once; a Jinja chat template with its text."""
         if self.eval_steps is not None and self.evals_per_epoch is not None:
             raise ValueError("set eval_steps or evals_per_epoch, not both")
+        if self.chat_template == "jinja" and not self.chat_template_jinja:
+            raise ValueError("chat_template: jinja needs chat_template_jinja (the template, or a file holding it)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_quantization_under_adapters(self) -> FinetuneSettings:
+        """At most one quantization of the base, trained through adapters; QAT and reinit_weights on a whole
+        model of their own; DoRA and lora_model_dir with what they need."""
         if self.load_in_8bit and (self.load_in_4bit or self.adapter == "qlora"):
             raise ValueError("load_in_8bit and load_in_4bit / adapter: qlora ask for two quantizations: keep one")
         if self.qat is not None and (self.adapter or self.load_in_8bit or self.load_in_4bit or self.gptq):
@@ -327,6 +293,13 @@ class FinetuneSettings(LisaSettings, ReloraSettings, EaftSettings, LigerSettings
             raise ValueError("DoRA over a quantized base is not supported yet: drop peft_use_dora or the quantization")
         if self.lora_model_dir is not None and self.adapter is None:
             raise ValueError("lora_model_dir continues an adapter: set adapter: lora (or qlora)")
+        return self
+
+    @model_validator(mode="after")
+    def _data_fits_the_kind_of_training(self) -> FinetuneSettings:
+        """Training data given, of the kind the training reads: streams and packing for supervised training,
+        pairs for rl / reward_model, step-labelled rows for process_reward_model; each head its number of
+        labels; a dataset shard that exists."""
         if not self.datasets and not self.pretraining_dataset:
             raise ValueError("no training data: set datasets (or pretraining_dataset)")
         if self.streams and (self.rl is not None or self.reward_model):
@@ -373,8 +346,6 @@ class FinetuneSettings(LisaSettings, ReloraSettings, EaftSettings, LigerSettings
                 f"dataset_shard_idx {self.dataset_shard_idx} of dataset_shard_num {self.dataset_shard_num}: shards "
                 "count from 0"
             )
-        if self.chat_template == "jinja" and not self.chat_template_jinja:
-            raise ValueError("chat_template: jinja needs chat_template_jinja (the template, or a file holding it)")
         return self
 
     @model_validator(mode="after")
