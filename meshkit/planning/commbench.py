@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from meshkit.core.errors import MeshkitError
 from meshkit.core.io import parse_size
-from meshkit.runtime import collectives
 from meshkit.runtime.mesh import stop_process_group
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -70,6 +69,8 @@ def parse_ops(text: str) -> list[str]:
 
 def _operation(op: str, size: int, ranks: int, device: torch.device) -> Callable[[], None]:
     """One call of `op` moving `size` bytes in total (fp32 elements, rounded to a multiple of the ranks)."""
+    from meshkit.runtime import collectives  # (here: the `meshkit` command imports this module for its options)
+
     elements = max(ranks, size // 4 // ranks * ranks)
     full = torch.ones(elements, device=device)
     piece = torch.empty(elements // ranks, device=device)
