@@ -96,7 +96,7 @@ class PreferenceTraining:
         table = self._data.rows.table
         for name in ID_COLUMNS:
             if name in table.column_names:
-                yield from table[name].to_pylist()
+                yield from table[name]
 
     def before_prepare(self, engine: Engine, built: FinetuneModel) -> None:
         """A full fine-tune's reference: a frozen copy of the untrained model (still on the meta device when the

@@ -77,3 +77,31 @@ def test_the_plan_scales_by_frequency_and_takes_listed_tokens(tmp_path) -> None:
     np.testing.assert_allclose(fix.rows["embed.weight"][0].numpy(), mean * 2 / 3)
     listed = plan_fix(tmp_path / "model.safetensors", ["embed.weight"], counts, requested=[3])
     assert listed is not None and listed.ids == [2, 3]
+
+
+def run_summary(rank: int, config: str, assignments: list[str]) -> dict:
+    from meshkit.recipes.finetune import finetune
+    from meshkit.recipes.finetune_config import resolve_finetune
+
+    summary = finetune(resolve_finetune(config, assignments))
+    return {key: summary[key] for key in ("objective", "metrics", "outputs")}
+
+
+def test_preference_training_fixes_the_rows_of_the_policy_and_of_its_reference(tmp_path, material, zeroed_base):
+    """The key means the same under `rl:`: the listed row starts at the mean in the trained model, and the frozen
+    copy DPO compares against starts from the same rows (at step 1 the policy is its reference: rewards 0)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.preference_runs import dpo_keys, write_preference_data
+
+    base, _, unused = zeroed_base
+    keys = dict(dpo_keys(write_preference_data(tmp_path)), base_model=str(base), fix_untrained_tokens=[unused])
+    config = write_config(tmp_path / "dpo.yml", material, **keys)
+    summary = run_world(run_summary, 1, str(config), ["micro_batch_size=4", "max_steps=2"], timeout=240)[0]
+    assert summary["objective"] == "dpo"
+    first = summary["metrics"][0]
+    assert first["rewards/chosen"] == pytest.approx(0.0, abs=1e-6) and first["rewards/rejected"] == pytest.approx(
+        0.0, abs=1e-6
+    )
+    merged = AutoModelForCausalLM.from_pretrained(summary["outputs"]["merged"])
+    assert merged.get_output_embeddings().weight[unused].abs().max() > 0  # (listed: fixed though no record uses it)
