@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -66,19 +67,15 @@ class ParameterClient:
             work.wait()
 
     def _round(self, request_for: Callable[[int], Request]) -> list[Reply]:
-        sends = []
+        sends: list[tuple[int, dist.Work]] = []
         for index, server in enumerate(self.servers):
-            sends += send_request(request_for(index), server, self.group)
+            with _server_gone_stops_the_job(server):  # (a send to a server already gone fails at once)
+                sends += [(server, work) for work in send_request(request_for(index), server, self.group)]
         replies = []
         for index, server in enumerate(self.servers):
             shard = self.shards[index]
-            try:
+            with _server_gone_stops_the_job(server):
                 reply = recv_reply(server, shard.numel, shard.dtype, self.group)
-            except RuntimeError as err:
-                raise ParameterServerError(
-                    f"parameter server rank {server} is gone ({str(err).strip().splitlines()[0][:160]}): the job "
-                    "stops, since it held its share of the weights; restart with checkpoint.resume=auto"
-                ) from None
             if reply.error:
                 raise ParameterServerError(reply.error)
             if reply.parameters is not None:
@@ -86,7 +83,20 @@ class ParameterClient:
                     for param, value in zip(self.parameters[index], shard.views(reply.parameters), strict=True):
                         param.copy_(value)
             replies.append(reply)
-        for work in sends:
-            work.wait()
+        for server, work in sends:
+            with _server_gone_stops_the_job(server):
+                work.wait()
         self.version = min(reply.version for reply in replies)
         return replies
+
+
+@contextlib.contextmanager
+def _server_gone_stops_the_job(server: int) -> Iterator[None]:
+    """A transport error talking to `server` is that server lost: one line, and the job stops."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise ParameterServerError(
+            f"parameter server rank {server} is gone ({str(err).strip().splitlines()[0][:160]}): the job "
+            "stops, since it held its share of the weights; restart with checkpoint.resume=auto"
+        ) from None
