@@ -66,3 +66,11 @@ def assert_state_close(actual: dict[str, torch.Tensor], expected: dict[str, torc
     for name, tensor in expected.items():
         err = (actual[name] - tensor).norm() / tensor.norm().clamp_min(1e-12)
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol}"
+
+
+def train_recipe(rank: int, config: str, assignments: list[str]) -> dict:
+    """In a spawned rank: what `meshkit train` runs on each rank (`python -m meshkit.recipes.train`); its summary.
+    The uninterrupted reference of a launcher-level test, without a launcher's start-up."""
+    from meshkit.recipes.train import resolve_recipe, train
+
+    return train(resolve_recipe(config, assignments))
